@@ -1,0 +1,57 @@
+"""Every use of a private PyTorch API in the engine lives here, each with its reason.
+
+Keeping them in one small module means a PyTorch upgrade that moves one of them
+breaks one file, and the rest of the engine reads as public-API code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["graph_task_id", "queue_end_of_backward", "register_host_memory", "unregister_host_memory"]
+
+
+def graph_task_id() -> int:
+    """Id of the autograd graph task running on this thread, -1 outside backward.
+
+    Why private: there is no public way to tell that a new backward pass began,
+    and the engine closes a ledger step and drains its stash once per pass.
+    """
+    return torch._C._current_graph_task_id()
+
+
+def queue_end_of_backward(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the current backward pass finishes (must be called during it).
+
+    Why private: ``Variable._execution_engine.queue_callback`` is the only hook
+    into the end of a graph task; torch.utils.checkpoint uses it the same way.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def register_host_memory(t: torch.Tensor) -> bool:
+    """Page-lock an existing CPU tensor's memory in place (CUDA only).
+
+    Why private: ``torch.empty(..., pin_memory=True)`` goes through the
+    CachingHostAllocator, which rounds every block up to a power of two (up to
+    ~2x host RAM for odd activation sizes). Registering an exact-size pageable
+    allocation with cudaHostRegister keeps the host footprint at the bytes we
+    store. Returns False (and registers nothing) when it is unavailable or fails.
+    """
+    if not torch.cuda.is_available() or t.numel() == 0:
+        return False
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    except Exception:
+        return False
+    return int(rc) == 0
+
+
+def unregister_host_memory(t: torch.Tensor) -> None:
+    """Undo :func:`register_host_memory` before the tensor's memory is freed."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    except Exception:
+        pass

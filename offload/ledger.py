@@ -1,0 +1,246 @@
+"""The ledger: one record per pack decision, totals per step, JSON export.
+
+Totals reconcile by construction: every pack adds exactly one record, which is
+either offloaded or kept, so ``packed = offloaded + kept`` for counts and
+bytes, and ``kept_bytes == sum(kept_by_reason.values())``. Offloaded bytes
+equal the bytes the host pool received (duplicates share a host copy and are
+recorded as kept with reason ``duplicate_storage``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+__all__ = ["PackRecord", "StepTotals", "Ledger"]
+
+OFFLOADED = "offloaded"
+KEPT = "kept"
+
+
+@dataclass(slots=True, eq=False)
+class PackRecord:
+    """One decision about one tensor saved for backward."""
+
+    seq: int
+    """Pack order within the engine (0-based, never reset)."""
+    step: int
+    """Index of the step the pack belongs to."""
+    nbytes: int
+    """Logical bytes: numel * element_size."""
+    shape: tuple[int, ...]
+    """Tensor shape."""
+    dtype: str
+    """Tensor dtype, e.g. "torch.bfloat16"."""
+    device: str
+    """Device the tensor lives on."""
+    module: str
+    """Qualified name of the innermost running module ("" outside modules)."""
+    decision: str
+    """"offloaded" or "kept"."""
+    reason: str
+    """"" when offloaded, else one of ``offload.REASONS``."""
+    storage_key: int = 0
+    """Data pointer of the tensor's storage (identifies aliasing saves)."""
+    storage_nbytes: int = 0
+    """Bytes of the tensor's whole storage."""
+    copy_bytes: int = 0
+    """Bytes actually moved to the host (0 if kept)."""
+    pinned: bool = False
+    """The host copy is page-locked."""
+    note: str = ""
+    """Extra detail: "pageable_overflow", "pin_failed", "reused_source"..."""
+    d2h_s: float | None = None
+    """Device-to-host copy time in seconds, once known."""
+    h2d_s: float | None = None
+    """Last host-to-device copy time in seconds, once known."""
+
+
+@dataclass(eq=False)
+class StepTotals:
+    """Totals of one step (from its first pack to the end of its backward)."""
+
+    step: int
+    packed_count: int = 0
+    packed_bytes: int = 0
+    offloaded_count: int = 0
+    offloaded_bytes: int = 0
+    kept_count: int = 0
+    kept_bytes: int = 0
+    kept_by_reason: dict[str, int] = field(default_factory=dict)
+    kept_count_by_reason: dict[str, int] = field(default_factory=dict)
+    unique_bytes: int = 0
+    d2h_bytes: int = 0
+    d2h_seconds: float = 0.0
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    peak_inflight_bytes: int = 0
+    pool: dict[str, Any] = field(default_factory=dict)
+    host_rss_bytes: int | None = None
+    device_peak_allocated_bytes: int | None = None
+
+    def add(self, rec: PackRecord, new_storage: bool) -> None:
+        self.packed_count += 1
+        self.packed_bytes += rec.nbytes
+        if rec.decision == OFFLOADED:
+            self.offloaded_count += 1
+            self.offloaded_bytes += rec.nbytes
+            self.d2h_bytes += rec.copy_bytes
+        else:
+            self.kept_count += 1
+            self.kept_bytes += rec.nbytes
+            self.kept_by_reason[rec.reason] = self.kept_by_reason.get(rec.reason, 0) + rec.nbytes
+            self.kept_count_by_reason[rec.reason] = self.kept_count_by_reason.get(rec.reason, 0) + 1
+        if new_storage:
+            self.unique_bytes += rec.storage_nbytes
+
+    def merge(self, other: "StepTotals") -> None:
+        for name in (
+            "packed_count", "packed_bytes", "offloaded_count", "offloaded_bytes", "kept_count",
+            "kept_bytes", "unique_bytes", "d2h_bytes", "d2h_seconds", "h2d_bytes", "h2d_seconds",
+            "stall_seconds",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.peak_inflight_bytes = max(self.peak_inflight_bytes, other.peak_inflight_bytes)
+        for src, dst in ((other.kept_by_reason, self.kept_by_reason),
+                         (other.kept_count_by_reason, self.kept_count_by_reason)):
+            for k, v in src.items():
+                dst[k] = dst.get(k, 0) + v
+
+
+class Ledger:
+    """Per-decision records (a bounded ring) and per-step totals (never dropped)."""
+
+    def __init__(self, max_records: int = 10_000, pool_stats: Callable[[], dict] | None = None) -> None:
+        self.max_records = max_records
+        """How many recent records ``records`` keeps; totals count every record."""
+        self._pool_stats = pool_stats
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every record and total (the engine's pool is not touched)."""
+        with self._lock:
+            self.records: deque[PackRecord] = deque(maxlen=self.max_records)
+            self.step_totals: list[StepTotals] = []
+            self._closed = StepTotals(step=-1)
+            self._open = StepTotals(step=0)
+            self._open_used = False
+            self._seen_storages: set[int] = set()
+            self._pending: list[tuple[PackRecord, str, Any]] = []
+
+    # -- recording (called by the engine) ------------------------------------
+
+    @property
+    def current_step(self) -> int:
+        return self._open.step
+
+    def add(self, rec: PackRecord, counts_unique: bool) -> None:
+        with self._lock:
+            new = counts_unique and rec.storage_key not in self._seen_storages
+            if new:
+                self._seen_storages.add(rec.storage_key)
+            self._open.add(rec, new)
+            self._open_used = True
+            self.records.append(rec)
+
+    def add_copy_time(self, rec: PackRecord | None, kind: str, copy: Any, nbytes: int = 0) -> None:
+        """Account a copy's duration now if known, or when its event completes."""
+        with self._lock:
+            if kind == "h2d":
+                self._open.h2d_bytes += nbytes
+                self._open_used = True
+            self._pending.append((rec, kind, copy))
+            self._resolve_locked(block=False)
+
+    def add_stall(self, seconds: float) -> None:
+        with self._lock:
+            self._open.stall_seconds += seconds
+
+    def note_inflight(self, nbytes: int) -> None:
+        with self._lock:
+            if nbytes > self._open.peak_inflight_bytes:
+                self._open.peak_inflight_bytes = nbytes
+
+    def _resolve_locked(self, block: bool) -> None:
+        still = []
+        for rec, kind, copy in self._pending:
+            if block and copy.done is not None:
+                copy.done.synchronize()
+            secs = copy.elapsed()
+            if secs is None:
+                if copy.query() and copy.start is None:
+                    continue  # finished, but timing was off: nothing to add
+                still.append((rec, kind, copy))
+                continue
+            if kind == "d2h":
+                self._open.d2h_seconds += secs
+                if rec is not None:
+                    rec.d2h_s = secs
+            elif kind == "stall":
+                self._open.stall_seconds += secs
+            else:
+                self._open.h2d_seconds += secs
+                if rec is not None:
+                    rec.h2d_s = secs
+        self._pending = still
+
+    def close_step(self, *, pool: dict | None = None, host_rss_bytes: int | None = None,
+                   device_peak_allocated_bytes: int | None = None) -> StepTotals | None:
+        """Close the open step (if anything happened in it) and start the next."""
+        with self._lock:
+            self._resolve_locked(block=True)
+            if not self._open_used:
+                return None
+            done = self._open
+            done.pool = dict(pool or {})
+            done.host_rss_bytes = host_rss_bytes
+            done.device_peak_allocated_bytes = device_peak_allocated_bytes
+            self.step_totals.append(done)
+            self._closed.merge(done)
+            self._open = StepTotals(step=done.step + 1)
+            self._open_used = False
+            self._seen_storages.clear()
+            return done
+
+    # -- reading -------------------------------------------------------------
+
+    def totals(self) -> StepTotals:
+        """Totals over every closed step plus the open one."""
+        with self._lock:
+            self._resolve_locked(block=False)
+            t = StepTotals(step=-1)
+            t.merge(self._closed)
+            t.merge(self._open)
+            return t
+
+    def summary(self, pool: dict | None = None) -> dict[str, Any]:
+        """Totals since the last reset, as a plain dict (JSON-ready)."""
+        t = self.totals()
+        out = asdict(t)
+        del out["step"], out["host_rss_bytes"], out["device_peak_allocated_bytes"]
+        out["steps"] = len(self.step_totals)
+        if pool is None and self._pool_stats is not None:
+            pool = self._pool_stats()
+        out["pool"] = dict(pool or {})
+        out["kept_count_by_reason"] = dict(Counter(t.kept_count_by_reason))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "summary": self.summary(),
+            "steps": [asdict(s) for s in self.step_totals],
+            "records": [asdict(r) for r in self.records],
+        }
+
+    def to_json(self, path: str | None = None, *, indent: int | None = 1) -> str:
+        """The summary, per-step totals and retained records as JSON; written to ``path`` if given."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text

@@ -1,0 +1,168 @@
+"""Host buffer pool: exact-size reuse across steps, pinned where possible, capped.
+
+Buffers are keyed by their exact byte size (no power-of-two rounding), so a
+static-shape training loop allocates during its first step and then only
+reuses. A capacity cap bounds the bytes reserved; when a new size does not
+fit, free buffers of other sizes are released first (oldest first), and only
+then does ``take`` report that the budget is full.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from . import _torch_private
+
+__all__ = ["HostPool", "HostBuffer"]
+
+
+@dataclass(eq=False)
+class HostBuffer:
+    """One host allocation handed out by the pool."""
+
+    tensor: torch.Tensor
+    """Flat uint8 tensor of exactly ``nbytes`` bytes."""
+    nbytes: int
+    """Size in bytes."""
+    pinned: bool
+    """Page-locked (async copies possible)."""
+    registered: bool = False
+    """Pinned by cudaHostRegister (must be unregistered before it is freed)."""
+    pooled: bool = True
+    """Counted in the pool (False for one-off pageable overflow buffers)."""
+
+
+class HostPool:
+    """Exact-size host buffer cache with a byte cap and usage statistics."""
+
+    def __init__(
+        self,
+        *,
+        pin: bool,
+        capacity_bytes: int | None = None,
+        device_type: str | None = None,
+    ) -> None:
+        self.pin = pin
+        """Try to page-lock new buffers (only meaningful with an accelerator)."""
+        self.capacity_bytes = capacity_bytes
+        """Cap on reserved bytes; None means no cap."""
+        self._device_type = device_type
+        self._lock = threading.Lock()
+        self._free: "OrderedDict[int, list[HostBuffer]]" = OrderedDict()
+        self._reserved = 0
+        self._in_use = 0
+        self._peak_reserved = 0
+        self._peak_in_use = 0
+        self._allocations = 0
+        self._reuses = 0
+        self._pin_failures = 0
+        self._evictions = 0
+        self._received_bytes = 0
+
+    # -- allocation -------------------------------------------------------
+
+    def _allocate(self, nbytes: int, pin: bool) -> HostBuffer:
+        if pin and self._device_type == "cuda":
+            t = torch.empty(nbytes, dtype=torch.uint8)
+            if _torch_private.register_host_memory(t):
+                return HostBuffer(t, nbytes, pinned=True, registered=True)
+        if pin:
+            try:
+                return HostBuffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes, True)
+            except RuntimeError:
+                pass
+            self._pin_failures += 1
+        return HostBuffer(torch.empty(nbytes, dtype=torch.uint8), nbytes, pinned=False)
+
+    def _release(self, buf: HostBuffer) -> None:
+        if buf.registered:
+            # A registered buffer may still be read by an in-flight async copy;
+            # unregistering under it is undefined, so wait for the device first.
+            torch.cuda.synchronize()
+            _torch_private.unregister_host_memory(buf.tensor)
+
+    def _evict_for(self, nbytes: int) -> bool:
+        """Free cached buffers of other sizes until ``nbytes`` more fit under the cap."""
+        cap = self.capacity_bytes
+        while self._reserved + nbytes > cap and self._free:
+            size, bufs = next(iter(self._free.items()))
+            buf = bufs.pop()
+            if not bufs:
+                del self._free[size]
+            self._reserved -= buf.nbytes
+            self._evictions += 1
+            self._release(buf)
+        return self._reserved + nbytes <= cap
+
+    def take(self, nbytes: int) -> HostBuffer | None:
+        """A buffer of exactly ``nbytes``, or None if the cap leaves no room."""
+        with self._lock:
+            bufs = self._free.get(nbytes)
+            if bufs:
+                buf = bufs.pop()
+                if not bufs:
+                    del self._free[nbytes]
+                self._reuses += 1
+            else:
+                if self.capacity_bytes is not None and not self._evict_for(nbytes):
+                    return None
+                buf = self._allocate(nbytes, self.pin)
+                self._allocations += 1
+                self._reserved += nbytes
+                self._peak_reserved = max(self._peak_reserved, self._reserved)
+            self._in_use += nbytes
+            self._peak_in_use = max(self._peak_in_use, self._in_use)
+            self._received_bytes += nbytes
+            return buf
+
+    def overflow(self, nbytes: int) -> HostBuffer:
+        """A one-off pageable buffer outside the pool (``on_host_budget="pageable"``)."""
+        return HostBuffer(torch.empty(nbytes, dtype=torch.uint8), nbytes, pinned=False, pooled=False)
+
+    def give(self, buf: HostBuffer) -> None:
+        """Return a buffer taken with :meth:`take`; it will be reused for the same size."""
+        if not buf.pooled:
+            return
+        with self._lock:
+            self._in_use -= buf.nbytes
+            self._free.setdefault(buf.nbytes, []).append(buf)
+            self._free.move_to_end(buf.nbytes)
+
+    def clear(self) -> None:
+        """Release every free buffer (buffers in use stay valid)."""
+        with self._lock:
+            for bufs in self._free.values():
+                for buf in bufs:
+                    self._reserved -= buf.nbytes
+                    self._release(buf)
+            self._free.clear()
+
+    # -- accounting -------------------------------------------------------
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self._in_use
+
+    def stats(self) -> dict[str, int | None]:
+        """Snapshot of the pool's counters (bytes and counts)."""
+        with self._lock:
+            return {
+                "reserved_bytes": self._reserved,
+                "in_use_bytes": self._in_use,
+                "peak_reserved_bytes": self._peak_reserved,
+                "peak_in_use_bytes": self._peak_in_use,
+                "allocations": self._allocations,
+                "reuses": self._reuses,
+                "pin_failures": self._pin_failures,
+                "evictions": self._evictions,
+                "received_bytes": self._received_bytes,
+                "capacity_bytes": self.capacity_bytes,
+            }

@@ -1,0 +1,171 @@
+"""Regions that stay on the device: NoOpManager, module exclusion, the output head.
+
+The output head is excluded by default because its activations are consumed
+first in backward (so there is no compute to hide the reload behind) and,
+for large vocabularies, are the biggest tensors of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .engine import OffloadActivations
+
+__all__ = [
+    "NoOpManager",
+    "RegionHandle",
+    "exclude_module",
+    "find_output_head",
+    "get_act_offloading_ctx_manager",
+]
+
+
+class _VersionChecked:
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.version = t._version
+
+
+def _noop_pack(t: torch.Tensor) -> _VersionChecked:
+    return _VersionChecked(t)
+
+
+def _noop_unpack(p: _VersionChecked) -> torch.Tensor:
+    t = p.tensor
+    if t._version != p.version:
+        from .engine import _inplace_error
+
+        raise _inplace_error(t.shape, t.dtype, t._version, p.version)
+    return t
+
+
+class NoOpManager(torch.autograd.graph.saved_tensors_hooks):
+    """Leave every tensor saved inside the block where it is (torchtune-compatible).
+
+    It shadows any enclosing OffloadActivations (only the innermost hooks run),
+    so what it keeps is invisible to that engine's ledger; prefer
+    ``ctx.excluded()`` or ``ctx.exclude(module)``, which keep the same tensors
+    and still record them. Unlike a bare identity hook, it keeps autograd's
+    in-place check (Rule 6).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(_noop_pack, _noop_unpack)
+
+
+class RegionHandle:
+    """Removable handle of an excluded module (``remove()`` undoes it; idempotent)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> "RegionHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def exclude_module(engine: "OffloadActivations", module: nn.Module) -> RegionHandle:
+    """Keep tensors saved inside ``module``'s forward on the device, recorded (Rule 8)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"OffloadActivations.exclude: module must be an nn.Module, got {type(module).__name__}. "
+            "To exclude a code region rather than a module, use `with ctx.excluded():`."
+        )
+
+    def pre(mod: nn.Module, args: Any) -> None:
+        engine._excluded_depth += 1
+
+    def post(mod: nn.Module, args: Any, out: Any) -> None:
+        engine._excluded_depth -= 1
+
+    # always_call: the depth is restored even when the module's forward raises.
+    return RegionHandle([
+        module.register_forward_pre_hook(pre),
+        module.register_forward_hook(post, always_call=True),
+    ])
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # DDP / DataParallel / torch.compile wrappers keep the real model inside.
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(model, attr, None)
+        if isinstance(inner, nn.Module) and inner is not model:
+            return _unwrap(inner)
+    return model
+
+
+def find_output_head(model: nn.Module) -> nn.Module | None:
+    """The module that computes the logits, or None.
+
+    Looked for, in order: HF's ``get_output_embeddings()``, ``model.output``
+    (or its ``.linear`` when ``output`` is a torchtune-style TiedLinear that is
+    not itself a module), ``model.lm_head``, and a Linear whose weight is an
+    Embedding's weight (a tied head).
+    """
+    model = _unwrap(model)
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        try:
+            head = get()
+        except (NotImplementedError, AttributeError):
+            head = None
+        if isinstance(head, nn.Module):
+            return head
+    for name in ("output", "lm_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return head
+        inner = getattr(head, "linear", None)
+        if isinstance(inner, nn.Module):
+            return inner
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tied = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in embeddings]
+    if tied:
+        return tied[-1]
+    return None
+
+
+def get_act_offloading_ctx_manager(
+    model: nn.Module, enable_activation_offloading: bool, **kwargs: Any
+) -> "OffloadActivations | contextlib.nullcontext":
+    """An OffloadActivations for ``model`` with its output head excluded (torchtune's API).
+
+    ``kwargs`` go to OffloadActivations unchanged (``model`` defaults to this
+    model so its parameters and buffers are known up front). Returns a null
+    context when offloading is disabled. Warns, with the fix, when no head
+    is found.
+    """
+    if not enable_activation_offloading:
+        return contextlib.nullcontext()
+    from .engine import OffloadActivations
+
+    kwargs.setdefault("model", model)
+    ctx = OffloadActivations(**kwargs)
+    head = find_output_head(model)
+    if head is None:
+        warnings.warn(
+            f"get_act_offloading_ctx_manager: no output head found on {type(model).__name__} "
+            "(looked for get_output_embeddings(), .output, .lm_head and a Linear tied to an "
+            "Embedding), so the head's activations will be offloaded too: they are needed first "
+            "in backward, so their reload cannot overlap compute and costs step time for little "
+            "memory. Fix: call ctx.exclude(<your head module>) on the returned context.",
+            stacklevel=2,
+        )
+    else:
+        ctx.exclude(head)
+    return ctx
