@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 from torch.nn.modules.module import (
     register_module_forward_hook,
@@ -59,6 +60,11 @@ def _name_of(module: nn.Module, stack: list[tuple[nn.Module, str]]) -> str:
 
 
 def _pre_hook(module: nn.Module, args) -> None:
+    # Under torch.compile tracing this is a constant no-op, so the hooks add
+    # no graph breaks; saved tensors of a compiled region are packed after it
+    # runs, in eager, and are attributed to the module that called it.
+    if torch.compiler.is_compiling():
+        return
     stack, depth = _thread_state()
     if depth[0] <= 0:
         return
@@ -66,6 +72,8 @@ def _pre_hook(module: nn.Module, args) -> None:
 
 
 def _post_hook(module: nn.Module, args, output) -> None:
+    if torch.compiler.is_compiling():
+        return
     stack, depth = _thread_state()
     if depth[0] <= 0:
         return
