@@ -1,0 +1,59 @@
+"""Measure what activation offloading buys without turning it off.
+
+Public API, by concern. Everything else (modules starting with ``_``, the
+``HookContext`` internals beyond its documented attributes) is not public.
+"""
+
+from __future__ import annotations
+
+# Saved-for-backward bytes and host memory, per module and per step.
+from .packed import PackedBytesTracker
+from .rss import RSSTracker
+
+# The MemProfiler: scheduled snapshots around named functions.
+from .config import MemProfilerCfg, MemProfilerFuncs, MemProfilerHooks, MemProfilerSchedule
+from .hooks import HookContext, npp_rss_post_forward, npp_rss_pre_forward, reset_memory_hooks_state
+from .memprofiler import MemProfiler, memprofilable
+
+# torch.profiler traces for plain loops.
+from .trace import TraceProfiler
+
+# Per-module memory statistics (MemTracker) and CUDA-only estimators.
+from .module_stats import ModuleMemoryStats, estimate_module_runtimes, estimate_sac
+
+# Readable output.
+from .report import format_bytes, format_table, plot_series, write_json, write_yaml
+
+# Errors.
+from .errors import ProfilingError
+
+__all__ = [
+    # trackers
+    "PackedBytesTracker",
+    "RSSTracker",
+    # MemProfiler
+    "MemProfiler",
+    "MemProfilerCfg",
+    "MemProfilerFuncs",
+    "MemProfilerHooks",
+    "MemProfilerSchedule",
+    "memprofilable",
+    "HookContext",
+    "npp_rss_pre_forward",
+    "npp_rss_post_forward",
+    "reset_memory_hooks_state",
+    # traces
+    "TraceProfiler",
+    # per-module stats
+    "ModuleMemoryStats",
+    "estimate_module_runtimes",
+    "estimate_sac",
+    # output
+    "format_bytes",
+    "format_table",
+    "plot_series",
+    "write_json",
+    "write_yaml",
+    # errors
+    "ProfilingError",
+]

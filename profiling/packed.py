@@ -1,0 +1,368 @@
+"""PackedBytesTracker: what autograd saves for backward, per module and per step.
+
+Three numbers per pack, because each answers a different question:
+
+- ``packed``: everything the saved-tensor stream carried, parameters included.
+  This is what an offload engine's ``ledger.summary()["packed_bytes"]`` counts.
+- ``logical`` (the MemProfiler's "npp", non-parameter packed bytes): logical
+  size ``numel * element_size`` of each saved tensor that is neither a
+  Parameter nor a view of one (``weight.t()`` is excluded; see
+  ``offload.is_static_tensor``). A tensor saved twice counts twice.
+- ``unique``: the bytes of the distinct storages behind the logical saves in a
+  step. Views of one storage and repeated saves count once, at the storage's
+  full size, because that is what the saves keep alive.
+
+# NOTE [ Tracker and engine ]
+Only the innermost ``saved_tensors_hooks`` runs (pytorch/pytorch#70932), so a
+tracker that installed its own hooks inside an offload engine's context would
+silently turn offloading off. The rules, which the code cites as "Rule N":
+
+1. The tracker always registers a pack observer (``offload.add_pack_observer``):
+   every engine active on this thread forwards each of its packs to it.
+2. On entry, the tracker installs its own hooks only if no engine is active on
+   this thread. Entered inside an engine, it observes and never shadows.
+3. Entered outside an engine, its own hooks are outermost: inside the engine's
+   context the engine's hooks shadow them, so each pack reaches the tracker
+   exactly once, either through its own hook or through the observer. No pack
+   is counted twice, in either nesting order.
+4. Its own hooks keep the saved tensor itself (nothing is copied) and record
+   ``t._version`` at pack: hooks bypass autograd's in-place check, so unpack
+   raises autograd's error itself if the tensor was modified in place.
+5. A step ends when a backward pass finishes that used the tracker's own hooks
+   or any engine it observed (the engine closes its ledger step then); the
+   next pack opens a new step. ``step()`` ends one explicitly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _engine
+from ._torch_private import queue_end_of_backward
+from .errors import ProfilingError
+from .report import format_table, plot_series, write_json
+
+__all__ = ["PackedBytesTracker"]
+
+@dataclass
+class _Counts:
+    packed_bytes: int = 0
+    packed_count: int = 0
+    logical_bytes: int = 0
+    logical_count: int = 0
+    unique_bytes: int = 0
+    unique_count: int = 0
+    static_bytes: int = 0
+    static_count: int = 0
+    via_engine_bytes: int = 0
+    via_engine_count: int = 0
+
+    def add(self, other: _Counts) -> None:
+        for f in _COUNT_FIELDS:
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
+    def as_dict(self) -> dict[str, int]:
+        return {f: getattr(self, f) for f in _COUNT_FIELDS}
+
+
+_COUNT_FIELDS = tuple(f.name for f in fields(_Counts))
+
+
+@dataclass
+class _Step:
+    index: int
+    totals: _Counts = field(default_factory=_Counts)
+    modules: dict[str, _Counts] = field(default_factory=dict)
+    storages: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"step": self.index}
+        d.update(self.totals.as_dict())
+        d["modules"] = {k: v.as_dict() for k, v in self.modules.items()}
+        return d
+
+
+def _storage_identity(t: torch.Tensor, nbytes: int) -> tuple[Any, int]:
+    """(key, bytes) of the storage behind ``t``; subclasses without one count as themselves."""
+    try:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        size = st.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return ("id", id(t)), nbytes
+    if ptr == 0:  # empty / meta storages all share address 0: count each save once
+        return ("id", id(t)), size
+    return (str(t.device), ptr), size
+
+
+def _weak(t: torch.Tensor) -> Callable[[], Any]:
+    try:
+        return weakref.ref(t)
+    except TypeError:  # some subclasses refuse weakrefs: treat the storage as alive for the step
+        return lambda: t
+
+
+class _Saved:
+    """What the tracker's own pack hook hands autograd: the tensor and its version (Rule 4)."""
+
+    __slots__ = ("tensor", "version", "inner")
+
+    def __init__(self, tensor: torch.Tensor | None, version: int, inner: Any) -> None:
+        self.tensor = tensor
+        self.version = version
+        self.inner = inner
+
+
+class PackedBytesTracker:
+    """Count bytes saved for backward, per module and per step, alone or under an offload engine.
+
+    >>> with PackedBytesTracker() as t:
+    ...     loss = model(x).sum()
+    >>> t.summary()["logical_bytes"], t.summary()["unique_bytes"]
+
+    Args:
+        pack_hook / unpack_hook: optional user saved-tensor functions chained
+            behind the tracker's own hooks (the MemProfiler's
+            ``saved_tensors_funcs``). They run only when the tracker installs
+            hooks, i.e. when no engine is active (Rule 2).
+        auto_step: start a new step after each backward pass (Rule 5).
+        max_steps_kept: per-step breakdowns kept (oldest dropped); totals never lose counts.
+    """
+
+    def __init__(
+        self,
+        *,
+        pack_hook: Callable[[torch.Tensor], Any] | None = None,
+        unpack_hook: Callable[[Any], torch.Tensor] | None = None,
+        auto_step: bool = True,
+        max_steps_kept: int = 1000,
+    ) -> None:
+        if (pack_hook is None) != (unpack_hook is None):
+            raise ValueError(
+                "PackedBytesTracker: pack_hook and unpack_hook must be given together "
+                f"(got pack_hook={pack_hook!r}, unpack_hook={unpack_hook!r})"
+            )
+        if max_steps_kept < 1:
+            raise ValueError(f"PackedBytesTracker: max_steps_kept={max_steps_kept} must be >= 1")
+        self.auto_step = auto_step
+        self._user_pack = pack_hook
+        self._user_unpack = unpack_hook
+        self._stack: ExitStack | None = None
+        self.own_hooks_installed = False
+        """True while this tracker's own saved_tensors_hooks are installed (no engine at entry)."""
+        self._engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._last_engine: weakref.ref | None = None
+        self._bw_epoch = 0
+        self._seen_epoch = 0
+        self._cb_pending = False
+        self._max_steps_kept = max_steps_kept
+        self.reset()
+
+    # ----------------------------------------------------------------- lifecycle
+    def __enter__(self) -> PackedBytesTracker:
+        if self._stack is not None:
+            raise ProfilingError(
+                "PackedBytesTracker: this tracker is already active; use one tracker per "
+                "`with` block (nest two trackers if you need two views)"
+            )
+        stack = ExitStack()
+        try:
+            stack.enter_context(_engine.track_modules())
+            handle = _engine.add_pack_observer(self._on_engine_pack)  # Rule 1
+            stack.callback(handle.remove)
+            if _engine.active_engine() is None:  # Rule 2
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+                self.own_hooks_installed = True
+                stack.callback(self._hooks_removed)
+        except BaseException:
+            stack.close()
+            raise
+        self._seen_epoch = self._bw_epoch
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def _hooks_removed(self) -> None:
+        self.own_hooks_installed = False
+
+    @property
+    def active(self) -> bool:
+        return self._stack is not None
+
+    def reset(self) -> None:
+        """Forget all counts and steps (hooks and observers stay as they are)."""
+        self._totals = _Counts()
+        self._modules: dict[str, _Counts] = {}
+        self._closed: deque[_Step] = deque(maxlen=self._max_steps_kept)
+        self._n_closed = 0
+        self._cur = _Step(0)
+        self._seen_epoch = self._bw_epoch
+        self._engine_steps_seen = {e: _engine.engine_closed_steps(e) for e in list(self._engines)}
+
+    # ------------------------------------------------------------------- hooks
+    def _pack(self, t: torch.Tensor) -> _Saved:
+        self._record(t, _engine.current_module_name(), via_engine=False)
+        if self._user_pack is not None:
+            return _Saved(None, 0, self._user_pack(t))
+        return _Saved(t, t._version, None)
+
+    def _unpack(self, saved: _Saved) -> torch.Tensor:
+        if self.auto_step and not self._cb_pending:
+            try:
+                queue_end_of_backward(self._on_backward_end)
+                self._cb_pending = True
+            except RuntimeError:  # unpacked outside backward (e.g. grad_fn._saved_*): no step end
+                pass
+        if saved.tensor is None:
+            return self._user_unpack(saved.inner)  # type: ignore[misc]
+        if saved.tensor._version != saved.version:  # Rule 4
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{saved.tensor.dtype} {tuple(saved.tensor.shape)}] is at version "
+                f"{saved.tensor._version}; expected version {saved.version} instead. "
+                "(Detected by PackedBytesTracker's saved-tensor hooks, which bypass autograd's own "
+                "check.) Hint: the tensor was changed in place after the forward saved it."
+            )
+        return saved.tensor
+
+    def _on_backward_end(self) -> None:
+        self._cb_pending = False
+        self._bw_epoch += 1
+
+    def _on_engine_pack(self, event: Any) -> None:
+        engine = event.engine
+        if engine not in self._engines:
+            self._engines[engine] = None
+            self._engine_steps_seen[engine] = _engine.engine_closed_steps(engine)
+        self._last_engine = weakref.ref(engine)
+        self._record(event.tensor, event.record.module, via_engine=True)
+
+    # --------------------------------------------------------------- counting
+    def _maybe_roll(self) -> None:
+        """Close the open step if a backward finished since it was opened (Rule 5)."""
+        if not self.auto_step:
+            return
+        changed = self._bw_epoch != self._seen_epoch
+        for e in list(self._engines):
+            n = _engine.engine_closed_steps(e)
+            if n != self._engine_steps_seen.get(e, n):
+                changed = True
+            self._engine_steps_seen[e] = n
+        self._seen_epoch = self._bw_epoch
+        if changed and self._cur.totals.packed_count:
+            self._close_step()
+
+    def _record(self, t: torch.Tensor, module: str, *, via_engine: bool) -> None:
+        self._maybe_roll()
+        nbytes = t.numel() * t.element_size()
+        c = _Counts(packed_bytes=nbytes, packed_count=1)
+        if via_engine:
+            c.via_engine_bytes, c.via_engine_count = nbytes, 1
+        if _engine.is_static_tensor(t):
+            c.static_bytes, c.static_count = nbytes, 1
+        else:
+            c.logical_bytes, c.logical_count = nbytes, 1
+            key, size = _storage_identity(t, nbytes)
+            # An address names a storage only while that storage lives: an
+            # engine frees offloaded sources mid-forward, and the allocator may
+            # hand the same address to a later activation. The base tensor's
+            # weakref tells the two apart.
+            ref = self._cur.storages.get(key)
+            if ref is None or ref() is None:
+                base = t._base if t._base is not None else t
+                self._cur.storages[key] = _weak(base)
+                c.unique_bytes, c.unique_count = size, 1
+        step = self._cur
+        step.totals.add(c)
+        self._totals.add(c)
+        for table in (step.modules, self._modules):
+            m = table.get(module)
+            if m is None:
+                m = table[module] = _Counts()
+            m.add(c)
+
+    def _close_step(self) -> None:
+        self._cur.storages = {}
+        self._closed.append(self._cur)
+        self._n_closed += 1
+        self._cur = _Step(self._n_closed)
+
+    def step(self) -> dict[str, Any]:
+        """End the current step now and return its figures."""
+        self._maybe_roll()
+        done = self._cur
+        self._close_step()
+        return done.as_dict()
+
+    # ----------------------------------------------------------------- results
+    @property
+    def logical_bytes(self) -> int:
+        """Non-parameter packed bytes since the last reset (the "npp" number)."""
+        return self._totals.logical_bytes
+
+    @property
+    def unique_bytes(self) -> int:
+        return self._totals.unique_bytes
+
+    @property
+    def packed_bytes(self) -> int:
+        return self._totals.packed_bytes
+
+    @property
+    def engine(self) -> Any | None:
+        """The offload engine whose packs this tracker observed most recently, if any."""
+        return self._last_engine() if self._last_engine is not None else None
+
+    def steps(self) -> list[dict[str, Any]]:
+        """Per-step figures (kept steps, then the open step if it saw any pack)."""
+        self._maybe_roll()
+        out = [s.as_dict() for s in self._closed]
+        if self._cur.totals.packed_count:
+            out.append(self._cur.as_dict())
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Totals since the last reset, per-module totals and per-step figures."""
+        self._maybe_roll()
+        d: dict[str, Any] = self._totals.as_dict()
+        d["steps"] = self._n_closed + (1 if self._cur.totals.packed_count else 0)
+        d["modules"] = {k: v.as_dict() for k, v in self._modules.items()}
+        d["per_step"] = self.steps()
+        return d
+
+    def table(self, unit: str = "auto") -> str:
+        """Per-module text table, largest logical bytes first."""
+        rows = [
+            {"module": name or "(outside modules)", **c.as_dict()}
+            for name, c in sorted(self._modules.items(), key=lambda kv: -kv[1].logical_bytes)
+        ]
+        rows.append({"module": "TOTAL", **self._totals.as_dict()})
+        cols = ["module", "logical_count", "logical_bytes", "unique_bytes", "static_bytes", "via_engine_bytes"]
+        return format_table(
+            rows,
+            cols,
+            title="Saved-for-backward bytes per module (logical = npp, unique = distinct storages)",
+            byte_columns=[c for c in cols if c.endswith("_bytes")],
+            unit=unit,
+        )
+
+    def plot(self, path: str | Path, unit: str = "MiB") -> Path:
+        """PNG of packed / logical / unique bytes per step."""
+        steps = self.steps()
+        series = {k: [s[k] for s in steps] for k in ("packed_bytes", "logical_bytes", "unique_bytes")}
+        return plot_series(series, path, x=[s["step"] for s in steps], title="Saved-for-backward bytes per step", unit=unit)
+
+    def to_json(self, path: str | Path) -> Path:
+        return write_json(self.summary(), path)
