@@ -1,0 +1,290 @@
+"""Per-module memory statistics on ``torch.distributed._tools.MemTracker``, with measured times.
+
+For every module: parameter, gradient, buffer, input and output bytes; the
+activations it adds in forward; activation and activation-gradient bytes at
+its backward peak; the gradients accumulated when its backward starts; its
+forward and backward wall time; and the forward/backward module orders. From
+those, a peak-memory baseline ``max_i(P_root + G_total_i + A_grad_i + A_total_i)``
+(the no-AC, no-FSDP estimate PyTorch's auto-AC ILP starts from).
+
+MemTracker accounts tensor storages through a dispatch mode, so it works on
+CPU. Times are measured (forward/backward hooks and a clock; CUDA is
+synchronised on each hook when ``sync_cuda``). PyTorch's RuntimeEstimator and
+SACEstimator need CUDA: on a CPU build they fail inside module hooks in a way
+that aborts the whole process, so ``estimate_module_runtimes`` and
+``estimate_sac`` refuse to run without CUDA before touching them.
+
+Caveat for offloading on a CPU-only host: the engine's "host" copies live on
+the same device, so MemTracker counts them as activations; it cannot show an
+offload saving there. Use the engine's ledger for that.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ProfilingError
+from .report import format_bytes, format_table, write_json
+
+__all__ = ["ModuleMemoryStats", "estimate_module_runtimes", "estimate_sac"]
+
+def _require_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise ProfilingError(
+            f"{what} needs CUDA: PyTorch's estimators use CUDA events and device properties, and on a "
+            "CPU build they abort the process from inside module hooks. Use ModuleMemoryStats' measured "
+            "times instead (runtime_source='measured')."
+        )
+
+
+class ModuleMemoryStats:
+    """Collect per-module memory (MemTracker) and measured times over the steps run inside it.
+
+    >>> stats = ModuleMemoryStats(model, optimizer)
+    >>> with stats:
+    ...     loss = model(x).sum(); loss.backward(); optimizer.step()
+    >>> stats.modules()[0]["act_total_bytes"], stats.peak_baseline()
+
+    Figures are from the latest call of each module; ``reset()`` between
+    steps drops older ones (the first step also allocates optimizer state).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 *, sync_cuda: bool = True) -> None:
+        from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        self.model = model
+        self.optimizer = optimizer
+        self.sync_cuda = sync_cuda and torch.cuda.is_available()
+        self.mem_tracker = MemTracker()
+        self.mem_tracker.track_external(*(x for x in (model, optimizer) if x is not None))
+        self._timer = ModTracker()
+        self._timer.register_user_hooks(self._pre_fw, self._post_fw, self._pre_bw, self._post_bw)
+        self.runtime_source = "measured"
+        """Where ``fw_ms``/``bw_ms`` come from: "measured" or "estimated" (see ``use_runtimes``)."""
+        self._estimated: dict[str, dict[str, float]] | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop collected figures (MemTracker module stats, times and orders)."""
+        self.mem_tracker.reset_mod_stats()
+        self._open: dict[tuple[str, bool], list[float]] = {}
+        self._times: dict[str, dict[str, float]] = {}
+        self.order: dict[str, list[str]] = {"fw_pre_order": [], "fw_post_order": [],
+                                            "bw_pre_order": [], "bw_post_order": []}
+
+    def __enter__(self) -> ModuleMemoryStats:
+        self.mem_tracker.__enter__()
+        try:
+            self._timer.__enter__()
+        except BaseException:
+            self.mem_tracker.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._timer.__exit__(*exc)
+        finally:
+            self.mem_tracker.__exit__(*exc)
+
+    # ------------------------------------------------------------ timing hooks
+    def _now(self) -> float:
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _fqn(self, mod: nn.Module | None) -> str | None:
+        return self._timer.get_known_fqn(mod) if mod is not None else None
+
+    def _begin(self, mod: nn.Module | None, bw: bool) -> None:
+        fqn = self._fqn(mod)
+        if fqn is None:
+            return
+        order = self.order["bw_pre_order" if bw else "fw_pre_order"]
+        if fqn not in order:
+            order.append(fqn)
+        self._open.setdefault((fqn, bw), []).append(self._now())
+
+    def _end(self, mod: nn.Module | None, bw: bool) -> None:
+        fqn = self._fqn(mod)
+        if fqn is None:
+            return
+        starts = self._open.get((fqn, bw))
+        if not starts:
+            return
+        dt_ms = (self._now() - starts.pop()) * 1e3
+        t = self._times.setdefault(fqn, {"fw_ms": 0.0, "bw_ms": 0.0})
+        t["bw_ms" if bw else "fw_ms"] += dt_ms
+        order = self.order["bw_post_order" if bw else "fw_post_order"]
+        if fqn not in order:
+            order.append(fqn)
+
+    def _pre_fw(self, mod: nn.Module, inputs: Any) -> None:
+        self._begin(mod, False)
+
+    def _post_fw(self, mod: nn.Module, inputs: Any, outputs: Any) -> None:
+        self._end(mod, False)
+
+    def _pre_bw(self, mod: nn.Module | None, grad_output: Any) -> None:
+        self._begin(mod, True)
+
+    def _post_bw(self, mod: nn.Module | None, grad_input: Any) -> None:
+        self._end(mod, True)
+
+    def use_runtimes(self, runtimes: dict[str, dict[str, float]]) -> None:
+        """Replace measured times with estimates from ``estimate_module_runtimes`` (same fqns)."""
+        self._estimated = runtimes
+        self.runtime_source = "estimated"
+
+    # ----------------------------------------------------------------- results
+    def _device(self) -> torch.device:
+        for p in self.model.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def modules(self) -> list[dict[str, Any]]:
+        """One dict per module that ran, in forward pre-order (bytes and milliseconds)."""
+        from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
+
+        dev = self._device()
+        times = self._estimated if self._estimated is not None else self._times
+
+        def snap(stats: Any, state: Any, ref: Any) -> int:
+            shots = stats.snapshots.get(state)
+            if not shots:
+                return 0
+            return int(shots[-1].get(dev, {}).get(ref, 0))
+
+        rows: dict[str, dict[str, Any]] = {}
+        for mod in self.model.modules():
+            st = self.mem_tracker.memory_tracking.get(mod)
+            if st is None:
+                continue
+            act_pre = snap(st, _ModState.PRE_FW, _MemRefType.ACT)
+            act_post = snap(st, _ModState.POST_FW, _MemRefType.ACT)
+            t = times.get(st.mod_fqn, {})
+            rows[st.mod_fqn] = {
+                "fqn": st.mod_fqn,
+                "param_bytes": int(st.parameter_mem),
+                "grad_bytes": int(st.parameter_mem),  # one gradient per parameter, same size
+                "buffer_bytes": int(st.buffer_mem),
+                "input_bytes": int(st.input_mem),
+                "output_bytes": int(st.output_mem),
+                "act_fw_bytes": max(0, act_post - act_pre - int(st.output_mem)),
+                "act_bw_bytes": max(0, snap(st, _ModState.PEAK_BW, _MemRefType.ACT)),
+                "act_grad_bytes": snap(st, _ModState.PEAK_BW, _MemRefType.TEMP)
+                - snap(st, _ModState.PRE_BW, _MemRefType.TEMP),
+                "act_total_bytes": act_post,
+                "grad_total_bytes": snap(st, _ModState.PRE_BW, _MemRefType.GRAD),
+                "peak_bytes": int(st.local_peak.get(dev, 0)),
+                "fw_ms": float(t.get("fw_ms", 0.0)),
+                "bw_ms": float(t.get("bw_ms", 0.0)),
+                "is_leaf": not any(True for _ in mod.children()),
+                "depth": st.mod_fqn.count("."),
+            }
+        pre = self.order["fw_pre_order"]
+        rank = {fqn: i for i, fqn in enumerate(pre)}
+        return sorted(rows.values(), key=lambda r: rank.get(r["fqn"], len(pre)))
+
+    def peak(self) -> dict[str, int]:
+        """MemTracker's peak snapshot on the model's device: ``{category: bytes, "Total": bytes}``."""
+        snap = self.mem_tracker.get_tracker_snapshot("peak").get(self._device(), {})
+        return {getattr(k, "name", str(k)): int(v) for k, v in snap.items()}
+
+    def peak_baseline(self) -> tuple[int, float]:
+        """(peak bytes, forward + backward ms of the root) with no AC and no FSDP."""
+        rows = self.modules()
+        if not rows:
+            raise ProfilingError("ModuleMemoryStats: no module ran inside the `with` block; nothing to estimate")
+        root = rows[0]
+        peak = max(root["param_bytes"] + r["grad_total_bytes"] + r["act_grad_bytes"] + r["act_total_bytes"]
+                   for r in rows)
+        return peak, root["fw_ms"] + root["bw_ms"]
+
+    def summary(self) -> dict[str, Any]:
+        peak, ms = self.peak_baseline()
+        return {
+            "modules": self.modules(),
+            "order": {k: list(v) for k, v in self.order.items()},
+            "peak": self.peak(),
+            "baseline_peak_bytes": peak,
+            "baseline_runtime_ms": ms,
+            "runtime_source": self.runtime_source,
+        }
+
+    def table(self, depth: int | None = None, unit: str = "auto") -> str:
+        rows = [r for r in self.modules() if depth is None or r["depth"] <= depth]
+        cols = ["fqn", "param_bytes", "input_bytes", "output_bytes", "act_fw_bytes", "act_total_bytes",
+                "act_grad_bytes", "grad_total_bytes", "fw_ms", "bw_ms"]
+        peak, ms = self.peak_baseline() if rows else (0, 0.0)
+        title = (f"Per-module memory (MemTracker) and {self.runtime_source} times; "
+                 f"baseline peak {format_bytes(peak)}, runtime {ms:.2f} ms")
+        return format_table(rows, cols, title=title, byte_columns=[c for c in cols if c.endswith("_bytes")],
+                            unit=unit)
+
+    def to_json(self, path: str | Path) -> Path:
+        return write_json(self.summary(), path)
+
+
+def estimate_module_runtimes(
+    setup: Callable[[], Any],
+    step: Callable[[Any], None],
+    *,
+    mode: str = "operator-level-cost-model",
+) -> dict[str, dict[str, float]]:
+    """Per-module fw/bw runtime estimates (ms) from PyTorch's RuntimeEstimator. CUDA only.
+
+    ``setup()`` builds the model, optimizer and inputs under ``FakeTensorMode``
+    and returns them; ``step(state)`` runs one training step under the estimator.
+    ``mode`` is ``"operator-level-cost-model"`` (roofline) or ``"operator-level-benchmark"``.
+    """
+    _require_cuda("estimate_module_runtimes")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.runtime_estimator import RuntimeEstimator
+
+    est = RuntimeEstimator()
+    with FakeTensorMode():
+        state = setup()
+        with est(estimate_mode_type=mode):
+            step(state)
+    return {fqn: {"fw_ms": float(v["fw"]), "bw_ms": float(v["bw"])} for fqn, v in est.mod_runtimes.items()}
+
+
+def estimate_sac(
+    setup: Callable[[], Any],
+    step: Callable[[Any], None],
+    *,
+    mode: str = "operator-level-cost-model",
+) -> dict[str, dict[str, float]]:
+    """Per-module selective-AC statistics from PyTorch's SACEstimator. CUDA only.
+
+    Returns, per module fqn: operator count, operators whose outputs autograd
+    saves, and the summed operator memory (bytes) and runtime (ms).
+    """
+    _require_cuda("estimate_sac")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.sac_estimator import SACEstimator
+
+    sace = SACEstimator()
+    with FakeTensorMode():
+        state = setup()
+        with sace(estimate_mode_type=mode):
+            step(state)
+    return {
+        fqn: {
+            "num_ops": len(s.func_names),
+            "saved_ops": len(s.saved_autograd_ops),
+            "memory_bytes": int(sum(s.memory)),
+            "runtime_ms": float(sum(s.runtimes)),
+        }
+        for fqn, s in sace.sac_mod_stats.items()
+    }
+
