@@ -1,0 +1,132 @@
+"""``python -m bench``: every strategy on one workload, side by side, in one run.
+
+    python -m bench                                  # CPU: tiny preset, all strategies (~1 min on 2 cores)
+    python -m bench --preset 8b --seq 8192           # GPU: 8B-shaped blocks, as many as fit
+    python -m bench --strategies none,ac,offload_ac --steps 5
+    python -m bench --list                           # presets and strategies
+
+Writes ``<run_id>.json``, ``<run_id>.md`` and ``<run_id>.png`` under
+``bench/results/<device>/`` (or ``--out``) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.env import default_device, results_dir, run_metadata
+from bench.harness import BenchConfig, run_bench
+from bench.probe import measure_ceiling
+from bench.report import format_tables, write_all
+from bench.results import BenchResult, to_jsonable
+from bench.strategies import DEFAULT_ORDER, STRATEGIES
+from bench.targets import evaluate_targets
+from bench.workloads import PRESETS, Workload, resolve_dtype
+
+__all__ = ["main", "parse_args", "config_from_args"]
+
+_CPU_DEFAULTS = {"steps": 20, "warmup": 2, "order": "interleaved"}
+_GPU_DEFAULTS = {"steps": 8, "warmup": 3, "order": "sequential"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: tiny on CPU, 1b on GPU")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (tokens)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step")
+    p.add_argument("--layers", type=int, default=None, help="number of blocks (turns off fit-to-memory for 8b)")
+    p.add_argument("--dim", type=int, default=None, help="hidden size (heads are adjusted to keep head_dim)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: preset's; bf16 on GPU)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per strategy (CPU 20, GPU 8)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per strategy (CPU 2, GPU 3)")
+    p.add_argument("--strategies", default="all", help=f"comma list or 'all' ({','.join(DEFAULT_ORDER)})")
+    p.add_argument("--order", choices=("interleaved", "sequential"), default=None,
+                   help="interleave strategies step by step (CPU default) or run them one after another (GPU)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-probe", action="store_true", help="skip the copy-ceiling measurement")
+    p.add_argument("--no-write", action="store_true", help="print only; write no files")
+    p.add_argument("--quiet", action="store_true", help="no progress indicator")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--list", action="store_true", help="list presets and strategies, then exit")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    device = args.device or default_device()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("python -m bench: --device cuda but torch.cuda.is_available() is False; use --device cpu")
+    on_gpu = device == "cuda"
+    preset = args.preset or ("1b" if on_gpu else "tiny")
+    wl: Workload = PRESETS[preset]
+    changes: dict = {}
+    if args.seq is not None:
+        changes["seq_len"] = args.seq
+    if args.batch is not None:
+        changes["batch"] = args.batch
+    if args.layers is not None:
+        changes.update(n_layers=args.layers, fit_layers=False)
+    if args.dim is not None:
+        head_dim = wl.dim // wl.n_heads
+        changes.update(dim=args.dim, n_heads=max(1, args.dim // head_dim))
+    if args.vocab is not None:
+        changes["vocab_size"] = args.vocab
+    if args.dtype is not None:
+        resolve_dtype(args.dtype)
+        changes["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
+    wl = wl.replace(**changes)
+    defaults = _GPU_DEFAULTS if on_gpu else _CPU_DEFAULTS
+    if args.strategies == "all":
+        names = DEFAULT_ORDER
+    else:
+        names = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    return BenchConfig(
+        workload=wl,
+        strategies=names,
+        device=device,
+        steps=args.steps if args.steps is not None else defaults["steps"],
+        warmup=args.warmup if args.warmup is not None else defaults["warmup"],
+        order=args.order or defaults["order"],
+        seed=args.seed,
+        progress=not args.quiet,
+    )
+
+
+def _list() -> str:
+    lines = ["presets:"]
+    for name, wl in PRESETS.items():
+        lines.append(f"  {name:<5} h={wl.dim} layers={wl.n_layers}{'(fit)' if wl.fit_layers else ''} "
+                     f"heads={wl.n_heads} vocab={wl.vocab_size} s={wl.seq_len} b={wl.batch} {wl.dtype}")
+    lines.append("strategies:")
+    for name, spec in STRATEGIES.items():
+        lines.append(f"  {name:<22} [{spec.group}] {spec.description}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the bench; returns the process exit code (0 unless arguments are wrong)."""
+    args = parse_args(argv)
+    if args.list:
+        print(_list())
+        return 0
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"python -m bench: {e}", file=sys.stderr)
+        return 2
+    meta = run_metadata(cfg.device, argv if argv is not None else sys.argv[1:])
+    ceiling = None if args.no_probe else measure_ceiling(cfg.device)
+    result: BenchResult = run_bench(cfg, meta, ceiling)
+    result.targets = to_jsonable(evaluate_targets(result))
+    print(format_tables(result))
+    if not args.no_write:
+        out_dir = args.out if args.out is not None else results_dir(cfg.device)
+        for path in write_all(result, out_dir, plot=not args.no_plot):
+            print(f"wrote {path}")
+    return 0

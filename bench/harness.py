@@ -1,0 +1,476 @@
+"""Run strategies on one workload: warm up, time steps, read memory, check numerics.
+
+One model and one batch are shared by every strategy (no optimizer: the
+parameters never change, so every step of every strategy computes the same
+loss and gradients, and each is compared bitwise with ``none``). Gradients are
+allocated up front and zeroed in place, so "static" memory is parameters +
+gradients and activation memory is what a step adds on top.
+
+Order: on CPU the strategies are *interleaved* (one step of each per round),
+so machine-load drift hits every strategy alike; on a GPU they run
+*sequentially*, one engine (and host pool) alive at a time. Compiled
+strategies always run alone.
+
+Memory:
+* GPU: ``max_memory_allocated`` / ``max_memory_reserved`` over the measured
+  steps; activation bytes = peak allocated - allocated before the step.
+* CPU: one extra profiled step per strategy; activation bytes = the peak of the
+  running sum of CPU allocations and frees during that fwd+bwd (torch.profiler
+  memory events). Host pool buffers reused from warm-up are not allocations,
+  so bytes the engine moved into its pool leave the "device", as on a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import psutil
+import torch
+
+from bench.model import ToyLlama, make_batch
+from bench.results import BenchResult, Correctness, EngineStats, StepTimes, StrategyResult
+from bench.strategies import STRATEGIES, BenchEnv, Prepared, Skip, StrategySpec
+from bench.workloads import Workload
+
+__all__ = ["BenchConfig", "run_bench", "fit_layers", "Progress", "cpu_activation_peak"]
+
+CPU_ACTIVATION_SOURCE = (
+    "cpu: peak net bytes allocated during one profiled fwd+bwd (torch.profiler memory events); "
+    "host-pool buffers reused from warm-up are not counted, so offloaded bytes leave the 'device'"
+)
+GPU_ACTIVATION_SOURCE = "cuda: max_memory_allocated during the step - memory_allocated before it"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    workload: Workload
+    """Model shape and batch geometry."""
+    strategies: tuple[str, ...]
+    """Strategy names, run in this order (``none`` is moved first: it is the correctness reference)."""
+    device: str = "cpu"
+    """``"cpu"`` or ``"cuda"``."""
+    steps: int = 20
+    """Measured steps per strategy."""
+    warmup: int = 2
+    """Unmeasured steps per strategy before measuring (pool fills, compile, allocator settles)."""
+    order: str = "interleaved"
+    """``"interleaved"`` (one step of each strategy per round) or ``"sequential"``."""
+    seed: int = 0
+    """Seed for weights and tokens."""
+    progress: bool = True
+    """Print progress to stderr."""
+    fit_budget_frac: float = 0.85
+    """For ``fit_layers`` workloads: fraction of device memory the ``none`` step may use."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"BenchConfig: steps={self.steps} must be >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"BenchConfig: warmup={self.warmup} must be >= 0")
+        if self.order not in ("interleaved", "sequential"):
+            raise ValueError(f"BenchConfig: order={self.order!r}; use 'interleaved' or 'sequential'")
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"BenchConfig: unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
+
+
+class Progress:
+    """A one-line progress indicator on stderr (a bar on a terminal, a line per milestone otherwise)."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+        self._last_pct = -1
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        pct = int(100 * self.done / self.total)
+        elapsed = time.perf_counter() - self.t0
+        if self.tty:
+            bar = "#" * (pct // 5) + "." * (20 - pct // 5)
+            sys.stderr.write(f"\r[bench] [{bar}] {pct:3d}% {self.done}/{self.total} steps {elapsed:5.0f}s {label:<28}")
+            sys.stderr.flush()
+        elif pct // 10 != self._last_pct // 10:
+            sys.stderr.write(f"[bench] {pct:3d}% ({self.done}/{self.total} steps, {elapsed:.0f}s) {label}\n")
+        self._last_pct = pct
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(("\n" if self.tty else "") + f"[bench] {text}\n")
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+
+
+# ------------------------------------------------------------------ model
+
+
+def build_model(workload: Workload, device: torch.device, seed: int, n_layers: int | None = None) -> ToyLlama:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = ToyLlama(workload.model_config(n_layers))
+    model.to(workload.torch_dtype)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    return model
+
+
+def _zero_grads(model: ToyLlama) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fit_layers(workload: Workload, device: torch.device, budget_frac: float, seed: int = 0) -> int:
+    """How many blocks of ``workload`` fit when ``none`` (the most memory-hungry strategy) runs.
+
+    Measures the peak of a 1-block and a 2-block model; the difference is one block's
+    cost (weights, grads, activations), the rest is the embedding/head/logits base.
+    """
+    if device.type != "cuda":
+        return workload.n_layers
+    peaks = []
+    for n in (1, 2):
+        model = build_model(workload, device, seed, n_layers=n)
+        tokens, targets = make_batch(model.cfg, workload.batch, workload.seq_len, device=device, seed=seed)
+        env = BenchEnv(model=model, tokens=tokens, targets=targets, device=device, engine_device=None)
+        step = STRATEGIES["none"].prepare(env).step
+        step()
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        _sync(device)
+        peaks.append(torch.cuda.max_memory_allocated(device))
+        del model, env, step, tokens, targets
+        gc.collect()
+        torch.cuda.empty_cache()
+    per_layer = max(peaks[1] - peaks[0], 1)
+    base = peaks[0] - per_layer
+    total = torch.cuda.get_device_properties(device).total_memory
+    fit = int((budget_frac * total - base) // per_layer)
+    return max(1, min(workload.n_layers, fit))
+
+
+# ------------------------------------------------------------------ measurement helpers
+
+
+def cpu_activation_peak(step: Callable[[], Any]) -> int:
+    """Peak of the running sum of CPU allocations minus frees during ``step()`` (bytes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    # kineto_results carries every [memory] event with its signed size; the public
+    # EventList drops some of them, which breaks the running sum.
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    current = peak = 0
+    for _, nbytes in events:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+def _ledger_summary(engine: Any) -> dict[str, Any] | None:
+    if engine is None:
+        return None
+    try:
+        return engine.ledger.summary()
+    except AttributeError:
+        return None
+
+
+def _engine_stats(engine: Any, before: dict[str, Any], after: dict[str, Any], steps: int) -> EngineStats:
+    def per_step(key: str) -> float:
+        return (after.get(key, 0) - before.get(key, 0)) / steps
+
+    kept_after = after.get("kept_by_reason", {})
+    kept_before = before.get("kept_by_reason", {})
+    kept = {k: (v - kept_before.get(k, 0)) / steps for k, v in kept_after.items() if v - kept_before.get(k, 0)}
+    pool_a, pool_b = after.get("pool", {}), before.get("pool", {})
+    return EngineStats(
+        steps=steps,
+        packed_bytes=per_step("packed_bytes"),
+        offloaded_bytes=per_step("offloaded_bytes"),
+        kept_bytes=per_step("kept_bytes"),
+        kept_by_reason=kept,
+        d2h_bytes=per_step("d2h_bytes"),
+        d2h_seconds=per_step("d2h_seconds"),
+        h2d_bytes=per_step("h2d_bytes"),
+        h2d_seconds=per_step("h2d_seconds"),
+        stall_seconds=per_step("stall_seconds"),
+        peak_inflight_bytes=int(after.get("peak_inflight_bytes", 0)),
+        pool_reserved_bytes=int(pool_a.get("reserved_bytes", 0)),
+        pool_peak_reserved_bytes=int(pool_a.get("peak_reserved_bytes", 0)),
+        pool_peak_in_use_bytes=int(pool_a.get("peak_in_use_bytes", 0)),
+        pool_allocations_total=int(pool_a.get("allocations", 0)),
+        pool_allocations_after_warmup=int(pool_a.get("allocations", 0) - pool_b.get("allocations", 0)),
+        pool_pin_failures=int(pool_a.get("pin_failures", 0)),
+        module_offloaded_bytes=_last_step_by_module(engine),
+    )
+
+
+def _last_step_by_module(engine: Any, top: int = 48) -> dict[str, int]:
+    """Bytes moved to host in the engine's last recorded step, by module (largest first)."""
+    records = list(getattr(engine.ledger, "records", []))
+    if not records:
+        return {}
+    last = max(r.step for r in records)
+    by: dict[str, int] = {}
+    for r in records:
+        if r.step == last and r.decision == "offloaded":
+            by[r.module] = by.get(r.module, 0) + r.copy_bytes
+    return dict(sorted(by.items(), key=lambda kv: -kv[1])[:top])
+
+
+# ------------------------------------------------------------------ one strategy
+
+
+@dataclass
+class _Runner:
+    spec: StrategySpec
+    result: StrategyResult
+    prepared: Prepared | None = None
+    steps_done: int = 0
+    peak_alloc: int = 0
+    peak_reserved: int = 0
+    static: int | None = None
+    ledger_before: dict[str, Any] | None = None
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return self.prepared is not None and self.result.status == "ok"
+
+
+class _Bench:
+    def __init__(self, cfg: BenchConfig, workload: Workload, progress: Progress) -> None:
+        self.cfg = cfg
+        self.workload = workload
+        self.device = torch.device(cfg.device)
+        self.progress = progress
+        self.model = build_model(workload, self.device, cfg.seed)
+        tokens, targets = make_batch(self.model.cfg, workload.batch, workload.seq_len, device=self.device, seed=cfg.seed)
+        self.env = BenchEnv(
+            model=self.model, tokens=tokens, targets=targets, device=self.device,
+            engine_device="cpu" if self.device.type == "cpu" else None,
+        )
+        self.reference: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self.process = psutil.Process()
+
+    # -- lifecycle
+
+    def new_runner(self, name: str) -> _Runner:
+        spec = STRATEGIES[name]
+        result = StrategyResult(
+            name=name, description=spec.description, status="ok",
+            tokens_per_step=self.workload.tokens_per_step, flops_per_step=self.workload.flops_per_step(),
+            activation_source=GPU_ACTIVATION_SOURCE if self.device.type == "cuda" else CPU_ACTIVATION_SOURCE,
+        )
+        return _Runner(spec=spec, result=result)
+
+    def prepare(self, r: _Runner) -> None:
+        try:
+            r.prepared = r.spec.prepare(self.env)
+        except Skip as e:
+            self._fail(r, "skipped", str(e))
+        except Exception as e:  # a strategy that breaks must not take the others down
+            self._fail(r, "error", f"prepare failed: {type(e).__name__}: {e}", tb=True)
+
+    def _fail(self, r: _Runner, status: str, reason: str, tb: bool = False) -> None:
+        r.result.status = status
+        r.result.reason = reason
+        if tb:
+            traceback.print_exc(file=sys.stderr)
+        self.progress.note(f"{r.spec.name}: {status}: {reason}")
+        self.release(r)
+
+    def release(self, r: _Runner) -> None:
+        prepared, r.prepared = r.prepared, None
+        if prepared is not None and prepared.close is not None:
+            try:
+                prepared.close()
+            except Exception:
+                traceback.print_exc(file=sys.stderr)
+        del prepared
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- steps
+
+    def step(self, r: _Runner, measure: bool) -> None:
+        if not r.active:
+            return
+        assert r.prepared is not None
+        _zero_grads(self.model)
+        _sync(self.device)
+        cuda = self.device.type == "cuda"
+        if cuda and measure:
+            static = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            t0 = time.perf_counter()
+            loss = r.prepared.step()
+            _sync(self.device)
+            dt = time.perf_counter() - t0
+        except torch.OutOfMemoryError as e:
+            self._fail(r, "oom", f"out of device memory: {str(e).splitlines()[0]}")
+            return
+        except Exception as e:
+            self._fail(r, "error", f"step failed: {type(e).__name__}: {e}", tb=True)
+            return
+        self.progress.step(r.spec.name)
+        if not measure:
+            return
+        r.result.times.seconds.append(dt)
+        r.losses.append(float(loss))
+        r.steps_done += 1
+        if cuda:
+            r.static = static if r.static is None else max(r.static, static)
+            r.peak_alloc = max(r.peak_alloc, torch.cuda.max_memory_allocated(self.device))
+            r.peak_reserved = max(r.peak_reserved, torch.cuda.max_memory_reserved(self.device))
+        if r.steps_done == self.cfg.steps:
+            self.after_last_step(r, loss)
+
+    def begin_measuring(self, r: _Runner) -> None:
+        if r.active:
+            r.ledger_before = _ledger_summary(r.prepared.engine)
+
+    def after_last_step(self, r: _Runner, loss: torch.Tensor) -> None:
+        """Correctness against ``none`` (grads still hold this step's values), then engine stats."""
+        grads = [p.grad for p in self.model.parameters()]
+        if r.spec.name == "none":
+            self.reference = (loss.detach().cpu().clone(), [g.detach().cpu().clone() for g in grads])
+        elif self.reference is not None:
+            r.result.correctness = _compare(self.reference, loss, grads)
+        r.result.loss = float(loss)
+        engine = r.prepared.engine if r.prepared is not None else None
+        after = _ledger_summary(engine)
+        if after is not None and r.ledger_before is not None:
+            r.result.engine = _engine_stats(engine, r.ledger_before, after, r.steps_done)
+
+    def finish(self, r: _Runner) -> None:
+        """Memory numbers, then release the strategy's engine and caches."""
+        res = r.result
+        if r.active:
+            if self.device.type == "cuda":
+                res.static_bytes = r.static
+                res.peak_allocated_bytes = r.peak_alloc
+                res.peak_reserved_bytes = r.peak_reserved
+                if r.static is not None:
+                    res.activation_bytes = r.peak_alloc - r.static
+            else:
+                try:
+                    _zero_grads(self.model)
+                    res.activation_bytes = cpu_activation_peak(r.prepared.step)
+                    self.progress.step(r.spec.name + " (memory)")
+                except Exception as e:
+                    res.activation_source = f"n/a: profiled step failed: {type(e).__name__}: {e}"
+            res.rss_bytes = self.process.memory_info().rss
+        self.release(r)
+
+
+def _compare(reference: tuple[torch.Tensor, list[torch.Tensor]], loss: torch.Tensor,
+             grads: list[torch.Tensor | None]) -> Correctness:
+    ref_loss, ref_grads = reference
+    loss_cpu = loss.detach().cpu()
+    loss_equal = torch.equal(loss_cpu, ref_loss)
+    max_diff = 0.0 if loss_equal else float((loss_cpu.double() - ref_loss.double()).abs().max())
+    grads_equal = True
+    for g, ref in zip(grads, ref_grads):
+        g_cpu = g.detach().cpu() if g is not None else torch.zeros_like(ref)
+        if not torch.equal(g_cpu, ref):
+            grads_equal = False
+            diff = float((g_cpu.double() - ref.double()).abs().max())
+            max_diff = max(max_diff, diff if math.isfinite(diff) else math.inf)
+    return Correctness(loss_equal=loss_equal, grads_equal=grads_equal, grads_compared=len(ref_grads),
+                       max_abs_diff=max_diff)
+
+
+# ------------------------------------------------------------------ the run
+
+
+def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None) -> BenchResult:
+    """Run every strategy of ``cfg`` on its workload and return the measurements."""
+    device = torch.device(cfg.device)
+    workload = cfg.workload
+    names = list(dict.fromkeys(cfg.strategies))
+    if "none" in names:
+        names.remove("none")
+        names.insert(0, "none")
+    if workload.fit_layers and device.type == "cuda":
+        n = fit_layers(workload, device, cfg.fit_budget_frac, cfg.seed)
+        meta["fit_layers"] = {"requested": workload.n_layers, "fits": n, "budget_frac": cfg.fit_budget_frac}
+        workload = workload.replace(n_layers=n)
+
+    per_strategy = cfg.warmup + cfg.steps + (1 if device.type == "cpu" else 0)
+    progress = Progress(per_strategy * len(names), enabled=cfg.progress)
+    bench = _Bench(cfg, workload, progress)
+    runners = [bench.new_runner(n) for n in names]
+
+    def run_alone(r: _Runner) -> None:
+        if r.prepared is None and r.result.status == "ok":
+            bench.prepare(r)
+        for _ in range(cfg.warmup):
+            bench.step(r, measure=False)
+        bench.begin_measuring(r)
+        for _ in range(cfg.steps):
+            bench.step(r, measure=True)
+        bench.finish(r)
+
+    if cfg.order == "sequential":
+        for r in runners:
+            run_alone(r)
+    else:
+        for r in runners:
+            bench.prepare(r)
+        together = [r for r in runners if r.active and not r.prepared.isolated]
+        alone = [r for r in runners if r.active and r.prepared.isolated]
+        for _ in range(cfg.warmup):
+            for r in together:
+                bench.step(r, measure=False)
+        for r in together:
+            bench.begin_measuring(r)
+        for _ in range(cfg.steps):
+            for r in together:
+                bench.step(r, measure=True)
+        for r in together:
+            bench.finish(r)
+        for r in alone:
+            run_alone(r)
+    progress.close()
+
+    meta = dict(meta)
+    try:
+        meta["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        meta["loadavg_1m_at_end"] = None
+    meta["order"] = cfg.order
+    meta["steps"] = cfg.steps
+    meta["warmup"] = cfg.warmup
+    wl = {f: getattr(workload, f) for f in workload.__dataclass_fields__}
+    wl.update(tokens_per_step=workload.tokens_per_step, param_count=workload.param_count(),
+              flops_per_step=workload.flops_per_step(), run_id=workload.run_id)
+    return BenchResult(meta=meta, workload=wl, ceiling=ceiling, strategies=[r.result for r in runners])

@@ -1,0 +1,234 @@
+"""Turn a :class:`BenchResult` into a stdout table, JSON, markdown and a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.results import BenchResult, StrategyResult, to_jsonable
+from bench.targets import evaluate_targets
+
+__all__ = ["format_tables", "write_json", "write_markdown", "write_png", "write_all"]
+
+_MiB = float(1 << 20)
+
+
+def _f(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _correct(s: StrategyResult) -> str:
+    if s.name == "none":
+        return "reference"
+    c = s.correctness
+    if c is None:
+        return "—"
+    if c.bitwise_equal:
+        return "bitwise"
+    return f"NO (max|d| {c.max_abs_diff:.1e})"
+
+
+def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:
+    head = ["strategy", "step ms", "IQR ms", "tok/s", "x none", "x ac", "act MiB", "act x none",
+            "peak alloc MiB", "host MiB", "grads vs none"]
+    rows = []
+    for s in result.strategies:
+        if not s.ok:
+            continue
+        rows.append([
+            s.name,
+            _f(s.median_s * 1e3, ".1f"),
+            _f(s.times.iqr_s * 1e3, ".1f"),
+            _f(s.tokens_per_s, ",.0f"),
+            _f(result.time_ratio(s.name, "none"), ".3f"),
+            _f(result.time_ratio(s.name, "ac"), ".3f"),
+            _f(s.activation_bytes / _MiB if s.activation_bytes is not None else None, ".1f"),
+            _f(result.activation_ratio(s.name, "none"), ".3f"),
+            _f(s.peak_allocated_bytes / _MiB if s.peak_allocated_bytes is not None else None, ".0f"),
+            _f(s.host_bytes / _MiB if s.host_bytes is not None else None, ".1f"),
+            _correct(s),
+        ])
+    return head, rows
+
+
+def _rows_engine(result: BenchResult) -> tuple[list[str], list[list[str]]]:
+    head = ["strategy", "packed MiB", "offloaded MiB", "kept MiB (by reason)", "D2H GB/s", "H2D GB/s",
+            "of ceiling", "exposed copy ms", "pool allocs after warm-up", "host / offloaded"]
+    ceil = result.ceiling
+    rows = []
+    for s in result.strategies:
+        e = s.engine
+        if not s.ok or e is None:
+            continue
+        kept = ", ".join(f"{k} {v / _MiB:.1f}" for k, v in sorted(e.kept_by_reason.items(), key=lambda kv: -kv[1]))
+        frac = []
+        if ceil and ceil.d2h_gb_s and e.d2h_gb_s:
+            frac.append(f"{e.d2h_gb_s / ceil.d2h_gb_s:.0%}")
+        if ceil and ceil.h2d_gb_s and e.h2d_gb_s:
+            frac.append(f"{e.h2d_gb_s / ceil.h2d_gb_s:.0%}")
+        rows.append([
+            s.name,
+            _f(e.packed_bytes / _MiB, ".1f"),
+            _f(e.offloaded_bytes / _MiB, ".1f"),
+            f"{e.kept_bytes / _MiB:.1f}" + (f" ({kept})" if kept else ""),
+            _f(e.d2h_gb_s, ".2f"),
+            _f(e.h2d_gb_s, ".2f"),
+            " / ".join(frac) or "—",
+            _f(e.stall_seconds * 1e3, ".2f"),
+            str(e.pool_allocations_after_warmup),
+            _f(e.host_footprint_ratio, ".3f"),
+        ])
+    return head, rows
+
+
+def _text_table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _head_study(result: BenchResult) -> list[str]:
+    off, exc = result.get("offload"), result.get("offload_head_excluded")
+    if not off or not exc or not off.ok or not exc.ok or not off.engine or not exc.engine:
+        return []
+    t = result.time_ratio("offload_head_excluded", "offload")
+    a = result.activation_ratio("offload_head_excluded", "offload")
+    head_kept = exc.engine.kept_by_reason.get("excluded_region", 0.0)
+    head_moved = sum(v for k, v in off.engine.module_offloaded_bytes.items() if k.endswith(".output"))
+    return [
+        "Head study (output head offloaded = `offload`, kept on device = `offload_head_excluded`):",
+        f"  step time excluded / offloaded = {_f(t, '.3f')}; activation memory excluded / offloaded = {_f(a, '.3f')}",
+        f"  head bytes offloaded per step by `offload`: {head_moved / _MiB:.2f} MiB; "
+        f"kept as excluded_region by `offload_head_excluded`: {head_kept / _MiB:.2f} MiB",
+    ]
+
+
+def _skipped(result: BenchResult) -> list[str]:
+    return [f"  {s.name}: {s.status}: {s.reason}" for s in result.strategies if not s.ok]
+
+
+def _header(result: BenchResult) -> list[str]:
+    wl, m = result.workload, result.meta
+    lines = [
+        f"workload {wl['name']}: h={wl['dim']} layers={wl['n_layers']} heads={wl['n_heads']} vocab={wl['vocab_size']} "
+        f"s={wl['seq_len']} b={wl['batch']} {wl['dtype']} ({wl['param_count'] / 1e6:.1f}M params, "
+        f"{wl['tokens_per_step']} tokens/step)",
+        f"device {m.get('device_name')} | torch {m.get('torch')} | {m.get('torch_threads')} threads | "
+        f"{m.get('steps')} measured steps after {m.get('warmup')} warm-up, {m.get('order')} | commit {m.get('git_commit')}",
+    ]
+    if m.get("loadavg_1m_at_start") is not None:
+        lines.append(f"machine load (1-min avg) at start {m.get('loadavg_1m_at_start')}, at end "
+                     f"{m.get('loadavg_1m_at_end')} on {m.get('cpu_count')} CPUs")
+    if result.ceiling:
+        c = result.ceiling
+        lines.append(f"copy ceiling ({c.note}): D2H {_f(c.d2h_gb_s, '.2f')} GB/s, H2D {_f(c.h2d_gb_s, '.2f')} GB/s")
+    if "fit_layers" in m:
+        f = m["fit_layers"]
+        lines.append(f"layers that fit at {f['budget_frac']:.0%} of device memory: {f['fits']} (of {f['requested']})")
+    return lines
+
+
+def format_tables(result: BenchResult) -> str:
+    """The readable stdout report."""
+    out = _header(result) + [""]
+    out.append(_text_table(*_rows_main(result)))
+    eh, er = _rows_engine(result)
+    if er:
+        out += ["", "Engine accounting (per step, measured steps):", _text_table(eh, er)]
+    hs = _head_study(result)
+    if hs:
+        out += [""] + hs
+    sk = _skipped(result)
+    if sk:
+        out += ["", "Not run:"] + sk
+    out += ["", "DESIGN.md performance targets:"]
+    for t in evaluate_targets(result):
+        out.append(f"  [{t.verdict}] {t.target}\n      {t.measured}" + (f"  ({t.note})" if t.note else ""))
+    src = next((s.activation_source for s in result.strategies if s.ok), "")
+    if src:
+        out += ["", f"act = activation memory, {src}"]
+    return "\n".join(out)
+
+
+def write_json(result: BenchResult, path: Path) -> None:
+    data = to_jsonable(result)
+    if not data.get("targets"):
+        data["targets"] = to_jsonable(evaluate_targets(result))
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def write_markdown(result: BenchResult, path: Path, json_name: str, png_name: str | None) -> None:
+    m = result.meta
+    lines = [f"# bench: {result.workload['run_id']} on {m.get('device_name')}", ""]
+    lines += [f"Command: `{m.get('command')}`  ", f"Date: {m.get('date_utc')}, commit `{m.get('git_commit')}`, "
+              f"torch {m.get('torch')}, Python {m.get('python')}  ", f"Data: [`{json_name}`]({json_name})", ""]
+    lines += [line + "  " for line in _header(result)] + [""]
+    lines.append(_md_table(*_rows_main(result)))
+    eh, er = _rows_engine(result)
+    if er:
+        lines += ["", "Engine accounting (per step):", "", _md_table(eh, er)]
+    hs = _head_study(result)
+    if hs:
+        lines += [""] + [h.strip() + "  " for h in hs]
+    sk = _skipped(result)
+    if sk:
+        lines += ["", "Not run:", ""] + [f"- {s.strip()}" for s in sk]
+    lines += ["", "## DESIGN.md performance targets", ""]
+    lines.append(_md_table(["target", "measured", "verdict", "note"],
+                           [[t.target, t.measured, t.verdict, t.note] for t in evaluate_targets(result)]))
+    src = next((s.activation_source for s in result.strategies if s.ok), "")
+    lines += ["", f"Activation memory: {src}."]
+    if png_name:
+        lines += ["", f"![activation memory vs step time]({png_name})"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_png(result: BenchResult, path: Path) -> bool:
+    """Activation memory vs step time, one point per strategy. False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    pts = [s for s in result.strategies if s.ok and s.activation_bytes is not None and s.times.n]
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for s in pts:
+        x, y = s.activation_bytes / _MiB, s.median_s * 1e3
+        lo, hi = s.times.p25_s * 1e3, s.times.p75_s * 1e3
+        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=3)
+        ax.annotate(s.name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    wl = result.workload
+    ax.set_xlabel("activation memory (MiB)")
+    ax.set_ylabel("step time, median (ms; bars: IQR)")
+    ax.set_title(f"{wl['run_id']} on {result.meta.get('device_name')}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_all(result: BenchResult, out_dir: Path, plot: bool = True) -> list[Path]:
+    """JSON, markdown and (if matplotlib is there) PNG under ``out_dir``, named by the workload's run id."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = result.workload["run_id"]
+    written = []
+    json_path = out_dir / f"{stem}.json"
+    write_json(result, json_path)
+    written.append(json_path)
+    png_path = out_dir / f"{stem}.png"
+    png_ok = plot and write_png(result, png_path)
+    if png_ok:
+        written.append(png_path)
+    md_path = out_dir / f"{stem}.md"
+    write_markdown(result, md_path, json_path.name, png_path.name if png_ok else None)
+    written.append(md_path)
+    return written

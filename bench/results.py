@@ -1,0 +1,249 @@
+"""Result dataclasses for ``python -m bench``: raw measurements as fields, derived metrics as properties.
+
+Everything serialises to JSON through :func:`to_jsonable` (properties included, so a
+results file carries the numbers the table printed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "StepTimes",
+    "Correctness",
+    "EngineStats",
+    "StrategyResult",
+    "Ceiling",
+    "BenchResult",
+    "to_jsonable",
+]
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float:
+    """Linear-interpolated quantile of an already sorted list (numpy's default method)."""
+    if not sorted_xs:
+        return math.nan
+    pos = (len(sorted_xs) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+@dataclass
+class StepTimes:
+    """Wall-clock seconds of each measured step (after warm-up)."""
+
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.seconds)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else math.nan
+
+    @property
+    def p25_s(self) -> float:
+        return _quantile(sorted(self.seconds), 0.25)
+
+    @property
+    def p75_s(self) -> float:
+        return _quantile(sorted(self.seconds), 0.75)
+
+    @property
+    def iqr_s(self) -> float:
+        return self.p75_s - self.p25_s
+
+    @property
+    def min_s(self) -> float:
+        return min(self.seconds) if self.seconds else math.nan
+
+    @property
+    def max_s(self) -> float:
+        return max(self.seconds) if self.seconds else math.nan
+
+
+@dataclass
+class Correctness:
+    """Loss and every gradient compared with the ``none`` strategy by ``torch.equal``."""
+
+    loss_equal: bool
+    grads_equal: bool
+    grads_compared: int
+    """Number of parameter gradients compared."""
+    max_abs_diff: float
+    """Largest |difference| over loss and grads (0.0 when bitwise equal)."""
+
+    @property
+    def bitwise_equal(self) -> bool:
+        return self.loss_equal and self.grads_equal
+
+
+@dataclass
+class EngineStats:
+    """What an offload engine's ledger and pool said over the measured steps (per step where noted)."""
+
+    steps: int
+    """Measured steps these deltas cover."""
+    packed_bytes: float
+    """Per step: bytes autograd handed to the pack hook."""
+    offloaded_bytes: float
+    """Per step: bytes moved into the host pool."""
+    kept_bytes: float
+    """Per step: bytes left on the device."""
+    kept_by_reason: dict[str, float]
+    """Per step: kept bytes by reason."""
+    d2h_bytes: float
+    d2h_seconds: float
+    h2d_bytes: float
+    h2d_seconds: float
+    stall_seconds: float
+    """Per step: compute time spent waiting on copies (exposed copy time)."""
+    peak_inflight_bytes: int
+    pool_reserved_bytes: int
+    """Host bytes the pool holds at the end of the run."""
+    pool_peak_reserved_bytes: int
+    pool_peak_in_use_bytes: int
+    """Most host bytes held at once (the peak of what was offloaded and not yet released)."""
+    pool_allocations_total: int
+    pool_allocations_after_warmup: int
+    """New host buffers allocated during the measured steps (target: 0 for static shapes)."""
+    pool_pin_failures: int
+    module_offloaded_bytes: dict[str, int] = field(default_factory=dict)
+    """Offloaded bytes of the last step, by module qualified name (top entries)."""
+
+    @property
+    def d2h_gb_s(self) -> float | None:
+        return self.d2h_bytes / self.d2h_seconds / 1e9 if self.d2h_seconds > 0 else None
+
+    @property
+    def h2d_gb_s(self) -> float | None:
+        return self.h2d_bytes / self.h2d_seconds / 1e9 if self.h2d_seconds > 0 else None
+
+    @property
+    def host_footprint_ratio(self) -> float | None:
+        """Pool peak reserved bytes / peak bytes held in it (target <= 1.05).
+
+        The denominator is bytes actually copied (``copy_bytes``: a view's copy spans its
+        storage), which is what the host must hold, not the logical ``offloaded_bytes``.
+        """
+        if self.pool_peak_in_use_bytes <= 0:
+            return None
+        return self.pool_peak_reserved_bytes / self.pool_peak_in_use_bytes
+
+
+@dataclass
+class StrategyResult:
+    """One strategy's measurements on one workload."""
+
+    name: str
+    description: str
+    status: str
+    """``"ok"``, ``"skipped"``, ``"oom"`` or ``"error"``."""
+    reason: str = ""
+    """Why it was skipped or failed (empty when ok)."""
+    tokens_per_step: int = 0
+    flops_per_step: float = 0.0
+    times: StepTimes = field(default_factory=StepTimes)
+    static_bytes: int | None = None
+    """Device bytes allocated before the step (params + grads); None on CPU."""
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    activation_bytes: int | None = None
+    """Peak device bytes above ``static_bytes`` during a step (on CPU: see ``activation_source``)."""
+    activation_source: str = ""
+    rss_bytes: int | None = None
+    """Process RSS after this strategy's steps (whole process; informational)."""
+    engine: EngineStats | None = None
+    correctness: Correctness | None = None
+    loss: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def median_s(self) -> float:
+        return self.times.median_s
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        if not self.ok or not self.times.n or self.median_s <= 0:
+            return None
+        return self.tokens_per_step / self.median_s
+
+    @property
+    def achieved_tflops(self) -> float | None:
+        """Model FLOPs (no recompute counted) per second: the useful work rate."""
+        if not self.ok or not self.times.n or self.median_s <= 0:
+            return None
+        return self.flops_per_step / self.median_s / 1e12
+
+    @property
+    def host_bytes(self) -> int | None:
+        return self.engine.pool_peak_reserved_bytes if self.engine else None
+
+
+@dataclass
+class Ceiling:
+    """The copy-bandwidth ceiling achieved numbers are judged against (from ``bench.probe``)."""
+
+    kind: str
+    """``"pinned"`` on a GPU; ``"memcpy"`` on CPU (pinned memory does not exist there)."""
+    d2h_gb_s: float | None
+    h2d_gb_s: float | None
+    size_bytes: int
+    note: str = ""
+
+
+@dataclass
+class BenchResult:
+    """Everything one ``python -m bench`` invocation measured."""
+
+    meta: dict[str, Any]
+    workload: dict[str, Any]
+    ceiling: Ceiling | None
+    strategies: list[StrategyResult]
+    targets: list[dict[str, Any]] = field(default_factory=list)
+
+    def get(self, name: str) -> StrategyResult | None:
+        for s in self.strategies:
+            if s.name == name:
+                return s
+        return None
+
+    def time_ratio(self, name: str, base: str) -> float | None:
+        """Median step time of ``name`` / median step time of ``base`` (None if either did not run)."""
+        a, b = self.get(name), self.get(base)
+        if not a or not b or not a.ok or not b.ok or not a.times.n or not b.times.n:
+            return None
+        return a.median_s / b.median_s
+
+    def activation_ratio(self, name: str, base: str) -> float | None:
+        """Activation bytes of ``name`` / activation bytes of ``base``."""
+        a, b = self.get(name), self.get(base)
+        if not a or not b or a.activation_bytes is None or not b.activation_bytes:
+            return None
+        return a.activation_bytes / b.activation_bytes
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses (fields + properties), dicts, lists and floats (NaN -> None) to JSON-ready values."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        for name in dir(type(obj)):
+            if isinstance(getattr(type(obj), name, None), property):
+                out[name] = to_jsonable(getattr(obj, name))
+        return out
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    return obj

@@ -1,0 +1,345 @@
+"""Bench strategies: one small function each, all run the same way on one shared model.
+
+A strategy function takes the :class:`BenchEnv` and returns a :class:`Prepared`
+whose ``step()`` runs one forward + loss + backward and returns the detached
+loss. The harness zeroes gradients, times the step and reads memory; a
+strategy only decides how activations are kept (saved, recomputed or moved).
+
+The forward runs inside the memory-saving context and the loss and backward
+outside it, as torchtune recipes do; the loss is therefore computed the same
+way for every strategy.
+
+A strategy that cannot run here raises :class:`Skip` with the reason, which
+is recorded in the results instead of the numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from bench.model import ToyLlama
+
+__all__ = ["BenchEnv", "Prepared", "Skip", "StrategySpec", "STRATEGIES", "DEFAULT_ORDER"]
+
+# min_offload_size that no tensor reaches: the engine runs, records every pack, moves nothing.
+_NOTHING = 1 << 62
+
+
+class Skip(Exception):
+    """This strategy cannot run in this environment; the message says why."""
+
+
+@dataclass
+class BenchEnv:
+    """What every strategy gets: the shared model and batch, and where the engine should offload from."""
+
+    model: ToyLlama
+    tokens: torch.Tensor  # (B, T) int64
+    targets: torch.Tensor  # (B, T) int64
+    device: torch.device
+    engine_device: str | None
+    """``"cpu"`` on a CPU-only machine, so the engine's real pack -> pool -> unpack path runs;
+    None on a GPU (the engine then offloads from the current accelerator)."""
+
+    def loss_backward(self, logits: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy in float32 and backward; returns the detached loss."""
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), self.targets.flatten())  # (B*T, V) -> ()
+        loss.backward()
+        return loss.detach()
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+
+@dataclass
+class Prepared:
+    step: Callable[[], torch.Tensor]
+    """One forward + loss + backward; returns the detached loss."""
+    engine: Any = None
+    """The OffloadActivations whose ledger and pool the harness reports (ours only)."""
+    isolated: bool = False
+    """Run alone (warm-up then measured steps, not interleaved with others): compiled strategies."""
+    close: Callable[[], None] | None = None
+    """Undo global state (dynamo caches, config patches) after the strategy's last step."""
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    name: str
+    description: str
+    prepare: Callable[[BenchEnv], Prepared]
+    group: str
+    """``baseline``, ``ours``, ``control`` or ``peer``."""
+
+
+STRATEGIES: dict[str, StrategySpec] = {}
+
+
+def _strategy(name: str, group: str, description: str) -> Callable[[Callable[[BenchEnv], Prepared]], Callable]:
+    def register(fn: Callable[[BenchEnv], Prepared]) -> Callable[[BenchEnv], Prepared]:
+        STRATEGIES[name] = StrategySpec(name=name, description=description, prepare=fn, group=group)
+        return fn
+
+    return register
+
+
+def _offload_module() -> Any:
+    try:
+        import offload
+    except Exception as e:  # ImportError before the engine lands, or anything it raises on import
+        raise Skip(f"the offload engine is not importable here: {type(e).__name__}: {e}") from e
+    return offload
+
+
+def _plain_step(env: BenchEnv, ctx_factory: Callable[[], Any] | None, *, checkpoint_blocks: bool) -> Callable:
+    model = env.model
+
+    def step() -> torch.Tensor:
+        model.checkpoint_blocks = checkpoint_blocks
+        if ctx_factory is None:
+            logits = model(env.tokens)  # (B, T, V)
+        else:
+            with ctx_factory():
+                logits = model(env.tokens)
+        return env.loss_backward(logits)
+
+    return step
+
+
+# ---------------------------------------------------------------- baselines
+
+
+@_strategy("none", "baseline", "No memory saving: every saved activation stays on the device.")
+def none(env: BenchEnv) -> Prepared:
+    return Prepared(step=_plain_step(env, None, checkpoint_blocks=False))
+
+
+@_strategy("ac", "baseline", "Full activation checkpointing: each block under non-reentrant checkpoint.")
+def ac(env: BenchEnv) -> Prepared:
+    return Prepared(step=_plain_step(env, None, checkpoint_blocks=True))
+
+
+def _sac_save_ops() -> frozenset:
+    aten = torch.ops.aten
+    names = (
+        "mm.default",
+        "addmm.default",
+        "bmm.default",
+        "_scaled_dot_product_flash_attention.default",
+        "_scaled_dot_product_efficient_attention.default",
+        "_scaled_dot_product_cudnn_attention.default",
+        "_scaled_dot_product_flash_attention_for_cpu.default",
+    )
+    ops = []
+    for name in names:
+        packet, overload = name.split(".")
+        if hasattr(aten, packet):
+            ops.append(getattr(getattr(aten, packet), overload))
+    return frozenset(ops)
+
+
+_SAC_SAVE_OPS = _sac_save_ops()
+
+
+def _sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Save matmul and attention outputs; recompute the cheap elementwise work (norms, RoPE, SiLU)."""
+    return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _forward_selective(model: ToyLlama, tokens: torch.Tensor) -> torch.Tensor:
+    # ToyLlama.forward with the block checkpoint given a selective-checkpoint context_fn.
+    # (bench/model.py's checkpoint_blocks has no context_fn hook, so the loop is restated here.)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
+    h = model.tok_embeddings(tokens)  # (B, T, C)
+    for layer in model.layers:
+        h = checkpoint(layer, h, model.rope_cos, model.rope_sin, use_reentrant=False, context_fn=context_fn)
+    return model.output(model.norm(h))  # (B, T, V)
+
+
+@_strategy("sac", "baseline", "Selective checkpointing: save matmul/attention outputs, recompute the rest.")
+def sac(env: BenchEnv) -> Prepared:
+    model = env.model
+
+    def step() -> torch.Tensor:
+        model.checkpoint_blocks = False
+        return env.loss_backward(_forward_selective(model, env.tokens))
+
+    return Prepared(step=step)
+
+
+# ---------------------------------------------------------------- ours
+
+
+def _engine_strategy(env: BenchEnv, *, checkpoint_blocks: bool, **kwargs: Any) -> Prepared:
+    offload = _offload_module()
+    engine = offload.OffloadActivations(device=env.engine_device, **kwargs)
+    return Prepared(step=_plain_step(env, lambda: engine, checkpoint_blocks=checkpoint_blocks), engine=engine)
+
+
+@_strategy("offload", "ours", "Ours: OffloadActivations with side streams; everything saved is offloaded, head included.")
+def offload(env: BenchEnv) -> Prepared:
+    return _engine_strategy(env, checkpoint_blocks=False, use_streams=True)
+
+
+@_strategy("offload_sync", "ours", "Ours without side streams (use_streams=False): copies on the compute stream.")
+def offload_sync(env: BenchEnv) -> Prepared:
+    return _engine_strategy(env, checkpoint_blocks=False, use_streams=False)
+
+
+@_strategy("offload_ac", "ours", "Ours on top of full AC: only the checkpoint inputs (and head) are offloaded.")
+def offload_ac(env: BenchEnv) -> Prepared:
+    return _engine_strategy(env, checkpoint_blocks=True, use_streams=True)
+
+
+@_strategy(
+    "offload_head_excluded",
+    "ours",
+    "Head study: get_act_offloading_ctx_manager (output head kept on device); compare with `offload`.",
+)
+def offload_head_excluded(env: BenchEnv) -> Prepared:
+    offload = _offload_module()
+    engine = offload.get_act_offloading_ctx_manager(env.model, True, device=env.engine_device)
+    return Prepared(step=_plain_step(env, lambda: engine, checkpoint_blocks=False), engine=engine)
+
+
+@_strategy(
+    "account_only",
+    "control",
+    "Control: our engine with min_offload_size beyond any tensor; accounting on, nothing moved.",
+)
+def account_only(env: BenchEnv) -> Prepared:
+    return _engine_strategy(env, checkpoint_blocks=False, use_streams=True, min_offload_size=_NOTHING)
+
+
+# ---------------------------------------------------------------- peers
+
+
+@_strategy("save_on_cpu", "peer", "Peer: torch.autograd.graph.save_on_cpu(pin_memory=True); synchronous, no prefetch.")
+def save_on_cpu(env: BenchEnv) -> Prepared:
+    # On a CPU-only torch, pin_memory=True still makes a fresh host copy (pinning itself is skipped),
+    # so the copy path runs; pin_memory=False would return the tensor itself.
+    factory = functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=True)
+    return Prepared(step=_plain_step(env, factory, checkpoint_blocks=False))
+
+
+def _gpu_only(env: BenchEnv, what: str) -> None:
+    if env.on_cpu:
+        raise Skip(f"{what} is a GPU-only peer (it asks for the CUDA default stream); n/a on CPU")
+
+
+def _load_trl_offload() -> type:
+    spec = importlib.util.find_spec("trl")
+    if spec is None or not spec.submodule_search_locations:
+        raise Skip(
+            "trl is not installed; `pip install --no-deps trl` provides trl/models/activation_offloading.py "
+            "(loaded on its own; it needs torch, psutil, accelerate and transformers)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "models" / "activation_offloading.py"
+    if not path.is_file():
+        raise Skip(f"this trl has no {path}")
+    file_spec = importlib.util.spec_from_file_location("_bench_trl_activation_offloading", path)
+    module = importlib.util.module_from_spec(file_spec)
+    try:
+        file_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as e:
+        raise Skip(f"loading {path} failed: {type(e).__name__}: {e}") from e
+    return module.OffloadActivations
+
+
+@_strategy("trl", "peer", "Peer: TRL's OffloadActivations (torchtune's lineage, maintained), streams on.")
+def trl(env: BenchEnv) -> Prepared:
+    _gpu_only(env, "TRL OffloadActivations")
+    cls = _load_trl_offload()
+    ctx = cls(use_pin_memory=True, use_streams=True)
+    return Prepared(step=_plain_step(env, lambda: ctx, checkpoint_blocks=False))
+
+
+@_strategy("torchtune", "peer", "Peer: torchtune's OffloadActivations (unmaintained upstream), streams on.")
+def torchtune(env: BenchEnv) -> Prepared:
+    _gpu_only(env, "torchtune OffloadActivations")
+    if importlib.util.find_spec("torchtune") is None:
+        raise Skip("torchtune is not installed")
+    try:
+        from torchtune.training._activation_offloading import OffloadActivations
+    except Exception as e:  # its import chain pins torchdata and an old torchao path
+        raise Skip(f"importing torchtune's OffloadActivations failed: {type(e).__name__}: {e}") from e
+    ctx = OffloadActivations(use_pin_memory=True, use_streams=True)
+    return Prepared(step=_plain_step(env, lambda: ctx, checkpoint_blocks=False))
+
+
+def _mark_all_for_offload(gm: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
+    # The partitioner offloads only marked nodes that end up saved for backward, are no views,
+    # are contiguous and are no model outputs (torch/_functorch/_activation_offloading, can_offload).
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta["should_offload"] = True
+    return gm
+
+
+def _compile_offload_patch() -> dict[str, Any]:
+    cfg = torch._functorch.config
+    missing = [k for k in ("enable_activation_offloading", "joint_custom_pass") if not hasattr(cfg, k)]
+    if missing:
+        raise Skip(f"torch {torch.__version__} has no torch._functorch.config.{'/'.join(missing)}")
+    patch: dict[str, Any] = {"enable_activation_offloading": True, "joint_custom_pass": _mark_all_for_offload}
+    for flag in ("activation_offload_separate_stream", "activation_offload_sink_wait", "activation_reload_prefetch"):
+        if hasattr(cfg, flag):
+            patch[flag] = True
+    return patch
+
+
+def _compile_gpu_only(env: BenchEnv) -> None:
+    if env.on_cpu:
+        raise Skip(
+            "compile strategies run on GPU only: compile-time offloading moves accelerator tensors to host, "
+            "so on CPU there is nothing to move (and a cold compile costs ~20 s on 2 cores)"
+        )
+
+
+def _compiled(env: BenchEnv, patch: dict[str, Any] | None) -> Prepared:
+    _compile_gpu_only(env)
+    import torch._dynamo
+
+    torch._dynamo.reset()  # the other compiled strategy's graphs must not be reused
+    compiled = torch.compile(env.model)
+    model = env.model
+
+    def step() -> torch.Tensor:
+        model.checkpoint_blocks = False
+        if patch is None:
+            logits = compiled(env.tokens)
+        else:
+            with torch._functorch.config.patch(**patch):
+                logits = compiled(env.tokens)
+        return env.loss_backward(logits)
+
+    return Prepared(step=step, isolated=True, close=torch._dynamo.reset)
+
+
+@_strategy("compile", "peer", "Reference for compile_offload: torch.compile(model), nothing offloaded.")
+def compile_(env: BenchEnv) -> Prepared:
+    return _compiled(env, None)
+
+
+@_strategy(
+    "compile_offload",
+    "peer",
+    "Peer: PyTorch compile-time activation offloading (torch._functorch.config.enable_activation_offloading).",
+)
+def compile_offload(env: BenchEnv) -> Prepared:
+    _compile_gpu_only(env)
+    return _compiled(env, _compile_offload_patch())
+
+
+DEFAULT_ORDER: tuple[str, ...] = tuple(STRATEGIES)
+"""All strategies, ``none`` first (its step is the correctness reference)."""
