@@ -1,0 +1,154 @@
+"""Rule 5: unpack returns the saved tensor's exact size, stride, dtype and device, and its values.
+
+Inductor's compiled backward asserts the strides of what it saved (a ``clone()``
+on pack breaks it), and eager kernels may take a different code path for a
+different layout, so layout preservation is part of bitwise correctness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from bench.model import ToyLlama
+from offload_testkit import (
+    TINY,
+    Recorder,
+    assert_really_offloaded,
+    assert_same_grads,
+    cpu_ctx,
+    loss_of,
+    make_inputs,
+    twin_of,
+)
+
+
+class _SaveView(torch.autograd.Function):
+    """y = 3x; saves ``make_view(x)`` and reports what backward gets back for it."""
+
+    @staticmethod
+    def forward(ctx, x, make_view, seen):
+        v = make_view(x)
+        ctx.save_for_backward(v)
+        ctx.seen = seen
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (v,) = ctx.saved_tensors
+        ctx.seen.append(
+            dict(size=v.size(), stride=v.stride(), dtype=v.dtype, device=v.device, value=v.detach().clone(),
+                 offset=v.storage_offset(), ptr=v.data_ptr())
+        )
+        return g * 3 + v.sum(), None, None
+
+
+VIEWS = {
+    "transpose": lambda x: x.transpose(0, 2),
+    "permute": lambda x: x.permute(2, 0, 1),
+    "strided_slice": lambda x: x[:, ::2, 1:],
+    "storage_offset": lambda x: x[3:, 4:, :],
+    "flat_offset": lambda x: x.reshape(-1)[100:700],
+    "expand_stride0": lambda x: x[:, :1, :].expand(8, 16, 12),
+    "scalar_expand": lambda x: x[1, 2, 3].expand(4, 5),
+    "overlapping_unfold": lambda x: x.reshape(-1).unfold(0, 64, 16),
+}
+MUST_OFFLOAD = {"transpose", "permute", "strided_slice", "storage_offset", "flat_offset", "expand_stride0"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(VIEWS))
+def test_saved_view_round_trips_with_its_layout(name, dtype):
+    """A view saved for backward comes back with the same size, stride, dtype, device and values."""
+    make_view = VIEWS[name]
+    base = torch.randn(8, 16, 12).to(dtype)
+    x = base.clone().requires_grad_()
+    expect = make_view(x.detach())
+    expect_layout = (expect.size(), expect.stride())
+    expect_value = expect.clone()
+
+    ctx = cpu_ctx()
+    rec = Recorder()
+    ctx.add_observer(rec)
+    seen: list[dict] = []
+    with ctx:
+        y = _SaveView.apply(x, make_view, seen)
+    y.sum().backward()
+
+    (s,) = seen
+    assert (s["size"], s["stride"]) == expect_layout, f"{name}: layout {s['size']}/{s['stride']} != {expect_layout}"
+    assert s["dtype"] == dtype and s["device"] == x.device
+    assert torch.equal(s["value"], expect_value), f"{name}: values changed on the round trip"
+    decisions = {r.decision for r in rec.records}
+    if name in MUST_OFFLOAD:
+        assert decisions == {"offloaded"}, f"{name}: {[(r.decision, r.reason) for r in rec.records]}"
+        assert s["ptr"] != expect.data_ptr(), f"{name}: offloaded but backward read the original memory"
+    # The grad is the twin's, bit for bit.
+    x2 = base.clone().requires_grad_()
+    _SaveView.apply(x2, make_view, []).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_disjoint_views_of_one_storage_both_come_back():
+    """Two disjoint views of one storage saved in turn both unpack to their own values (dedupe is span-safe)."""
+    w = torch.randn(32, 32)
+    x = torch.randn(16, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    ctx = cpu_ctx()
+    with ctx:
+        a = x @ w  # (16, 32)
+        p = a[:, :8].sin()  # saves the left 8 columns
+        q = a[:, 8:].cos()  # saves the right 24 columns of the same storage
+        r = a[4:].tanh()  # a row slice overlapping both
+        loss = p.sum() + q.pow(2).sum() + r.sum()
+    loss.backward()
+    a2 = x2 @ w
+    (a2[:, :8].sin().sum() + a2[:, 8:].cos().pow(2).sum() + a2[4:].tanh().sum()).backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert_really_offloaded(ctx)
+
+
+def test_small_view_then_whole_tensor_of_same_storage():
+    """A narrow view saved before its whole base (the first copy covers less) still round-trips both."""
+    x = torch.randn(16, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    ctx = cpu_ctx()
+    with ctx:
+        a = x * 1.5 + 0.25
+        loss = a[:2, :3].sin().sum() + a.sin().sum() + a.t().exp().sum()
+    loss.backward()
+    a2 = x2 * 1.5 + 0.25
+    (a2[:2, :3].sin().sum() + a2.sin().sum() + a2.t().exp().sum()).backward()
+    assert torch.equal(x.grad, x2.grad)
+    s = assert_really_offloaded(ctx)
+    # Everything saved above lives in at most a's storage, the exp result and x: nothing is moved twice.
+    assert s["offloaded_bytes"] <= 2 * a.numel() * a.element_size() + 64, s
+
+
+def test_torch_compile_model_under_ctx_bitwise():
+    """A torch.compile'd toy Llama (saved q/k/v views) runs under the engine with strides intact, bitwise."""
+    torch._dynamo.reset()
+    cfg = dataclasses.replace(TINY, n_layers=1)
+    model = ToyLlama(cfg)
+    compiled = torch.compile(model)
+    inputs = make_inputs("toy")
+    # Reference: the same compiled module without offloading (same kernels, same numerics).
+    want = loss_of(compiled, inputs)
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ctx = cpu_ctx()
+    with ctx:
+        got = loss_of(compiled, inputs)
+    got.backward()
+    assert torch.equal(got, want)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, ref[n]), n
+    assert_really_offloaded(ctx)
+    gc.collect()
+    assert ctx.pool.stats()["in_use_bytes"] == 0
+    torch._dynamo.reset()
