@@ -152,8 +152,8 @@ class _HostCopy:
     back to the pool when the last handle is dropped.
     """
 
-    __slots__ = ("buf", "pool", "lo", "nbytes", "d2h", "prefetched", "live", "key", "version",
-                 "base_ref", "__weakref__")
+    __slots__ = ("buf", "pool", "lo", "nbytes", "d2h", "prefetched", "held", "users", "used",
+                 "key", "version", "base_ref", "__weakref__")
 
     def __init__(self, buf: HostBuffer, pool: HostPool, lo: int, nbytes: int) -> None:
         self.buf = buf
@@ -162,7 +162,11 @@ class _HostCopy:
         self.nbytes = nbytes
         self.d2h: Copy | None = None
         self.prefetched: tuple[torch.Tensor, Copy] | None = None
-        self.live: tuple[weakref.ref, Copy] | None = None
+        # Reloaded device bytes, held while other handles sharing this copy
+        # have not been unpacked yet in this backward pass.
+        self.held: tuple[torch.UntypedStorage, Copy] | None = None
+        self.users = 0
+        self.used = 0
         self.key: tuple[str, int] | None = None
         self.version = 0
         self.base_ref: weakref.ref | None = None
@@ -365,6 +369,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._order: list[weakref.ref] = []
         self._dedupe: dict[tuple[str, int], weakref.ref] = {}
         self._prefetched: list[_HostCopy] = []
+        self._touched: list[_HostCopy] = []
         self._prefetched_bytes = 0
         self._last_graph_task = -1
         self._process = psutil.Process()
@@ -552,6 +557,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 self._dedupe[key] = weakref.ref(hc)
         h = _Offloaded()
         h.hc = hc
+        hc.users += 1
         h.shape = t.shape
         h.stride = t.stride()
         h.offset = (t.storage_offset() * es - hc.lo) // es
@@ -649,17 +655,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return entry.src
         hc = h.hc
         storage, copy = None, None
-        if hc.live is not None:
-            out0 = hc.live[0]()
-            if out0 is not None:
-                storage, copy = out0.untyped_storage(), hc.live[1]
-        if storage is None and hc.prefetched is not None:
+        if hc.held is not None:
+            storage, copy = hc.held
+        elif hc.prefetched is not None:
             dev, copy = hc.prefetched
             hc.prefetched = None
             with self._lock:
                 self._prefetched_bytes -= hc.nbytes
             storage = dev.untyped_storage()
-        if storage is None:
+        else:
             dev, copy = self._load(hc, h.rec)
             storage = dev.untyped_storage()
         self._wait(copy)
@@ -667,7 +671,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         consumer = self._backend.current_stream()
         if consumer is not None and copy.stream is not None and consumer != copy.stream:
             out.record_stream(consumer)  # Rule 4: consumed on another stream than allocated
-        hc.live = (weakref.ref(out), copy)
+        with self._lock:
+            if hc.used == 0:
+                self._touched.append(hc)
+            hc.used += 1
+            # Keep the bytes on the device until every sibling view has been
+            # unpacked once, instead of reloading the storage per view.
+            hc.held = (storage, copy) if hc.used < hc.users else None
         if self.prefetch_bytes:
             self._prefetch_before(h.index)
         return out
@@ -709,8 +719,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 hc = h.hc
                 if hc.prefetched is not None or (h.stash is not None and h.stash.src is not None):
                     continue
-                if hc.live is not None and hc.live[0]() is not None:
-                    continue
+                if hc.held is not None or hc.used >= hc.users:
+                    continue  # on the device already, or consumed in this pass
                 if self._prefetched_bytes + hc.nbytes > self.prefetch_bytes:
                     break
                 hc.prefetched = self._load(hc, h.rec)
@@ -722,9 +732,19 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         with self._lock:
             self._drain_stash()
             for hc in self._prefetched:
-                hc.prefetched = None
+                if hc.prefetched is not None:
+                    # Never consumed: the block goes back to its allocation
+                    # stream's pool, so order that stream after the H2D write
+                    # before dropping it (Rule 4).
+                    _, copy = hc.prefetched
+                    self._backend.release_after(copy, copy.stream)
+                    hc.prefetched = None
             self._prefetched.clear()
             self._prefetched_bytes = 0
+            for hc in self._touched:
+                hc.held = None  # consumed (waited on) by compute: safe to drop
+                hc.used = 0
+            self._touched.clear()
             self._order = [r for r in self._order if r() is not None]
             for i, r in enumerate(self._order):
                 r().index = i

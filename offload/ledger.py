@@ -131,7 +131,7 @@ class Ledger:
             self._open = StepTotals(step=0)
             self._open_used = False
             self._seen_storages: set[int] = set()
-            self._pending: list[tuple[PackRecord, str, Any]] = []
+            self._pending: list[tuple[PackRecord | None, str, Any, StepTotals]] = []
 
     # -- recording (called by the engine) ------------------------------------
 
@@ -154,8 +154,9 @@ class Ledger:
             if kind == "h2d":
                 self._open.h2d_bytes += nbytes
                 self._open_used = True
-            self._pending.append((rec, kind, copy))
-            self._resolve_locked(block=False)
+            self._pending.append((rec, kind, copy, self._open))
+            if copy.done is None or len(self._pending) > 64:
+                self._resolve_locked(block=False)
 
     def add_stall(self, seconds: float) -> None:
         with self._lock:
@@ -167,33 +168,35 @@ class Ledger:
                 self._open.peak_inflight_bytes = nbytes
 
     def _resolve_locked(self, block: bool) -> None:
+        # Device copies finish after the host moved on; their times are added
+        # to the step they belong to whenever they resolve, so closing a step
+        # never forces a host synchronize.
         still = []
-        for rec, kind, copy in self._pending:
+        for item in self._pending:
+            rec, kind, copy, owner = item
             if block and copy.done is not None:
                 copy.done.synchronize()
             secs = copy.elapsed()
             if secs is None:
                 if copy.query() and copy.start is None:
                     continue  # finished, but timing was off: nothing to add
-                still.append((rec, kind, copy))
+                still.append(item)
                 continue
-            if kind == "d2h":
-                self._open.d2h_seconds += secs
-                if rec is not None:
-                    rec.d2h_s = secs
-            elif kind == "stall":
-                self._open.stall_seconds += secs
-            else:
-                self._open.h2d_seconds += secs
-                if rec is not None:
-                    rec.h2d_s = secs
+            targets = (owner,) if owner is self._open else (owner, self._closed)
+            attr = {"d2h": "d2h_seconds", "stall": "stall_seconds"}.get(kind, "h2d_seconds")
+            for tot in targets:
+                setattr(tot, attr, getattr(tot, attr) + secs)
+            if rec is not None and kind == "d2h":
+                rec.d2h_s = secs
+            elif rec is not None and kind == "h2d":
+                rec.h2d_s = secs
         self._pending = still
 
     def close_step(self, *, pool: dict | None = None, host_rss_bytes: int | None = None,
                    device_peak_allocated_bytes: int | None = None) -> StepTotals | None:
         """Close the open step (if anything happened in it) and start the next."""
         with self._lock:
-            self._resolve_locked(block=True)
+            self._resolve_locked(block=False)
             if not self._open_used:
                 return None
             done = self._open
@@ -209,18 +212,26 @@ class Ledger:
 
     # -- reading -------------------------------------------------------------
 
-    def totals(self) -> StepTotals:
-        """Totals over every closed step plus the open one."""
+    def totals(self, synchronize: bool = False) -> StepTotals:
+        """Totals over every closed step plus the open one.
+
+        Copy times of device copies still in flight are not included unless
+        ``synchronize`` waits for them.
+        """
         with self._lock:
-            self._resolve_locked(block=False)
+            self._resolve_locked(block=synchronize)
             t = StepTotals(step=-1)
             t.merge(self._closed)
             t.merge(self._open)
             return t
 
-    def summary(self, pool: dict | None = None) -> dict[str, Any]:
-        """Totals since the last reset, as a plain dict (JSON-ready)."""
-        t = self.totals()
+    def summary(self, pool: dict | None = None, synchronize: bool = False) -> dict[str, Any]:
+        """Totals since the last reset, as a plain dict (JSON-ready).
+
+        ``synchronize=True`` first waits for in-flight device copies so their
+        times are included (a host sync: call it when reporting, not per step).
+        """
+        t = self.totals(synchronize)
         out = asdict(t)
         del out["step"], out["host_rss_bytes"], out["device_peak_allocated_bytes"]
         out["steps"] = len(self.step_totals)
