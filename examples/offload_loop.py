@@ -1,0 +1,68 @@
+"""(a) Activation offloading in a plain PyTorch training loop.
+
+Wrap the forward pass in ``OffloadActivations``; run the loss and backward
+outside it. Tensors autograd saves during the forward move to host memory as
+they are saved and come back (prefetched) during backward; the ledger says
+what moved, what stayed and why.
+
+Runbook (after ``pip install -e .``, or with ``PYTHONPATH=.`` from the repo root):
+    python examples/offload_loop.py                       # CPU: tiny model, device="cpu" runs the real copies
+    python examples/offload_loop.py --dim 2048 --layers 8 --seq 4096 --steps 20   # on a GPU, unchanged
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from bench.model import ToyLlama, ToyLlamaConfig, make_batch
+from offload import OffloadActivations
+
+MiB = 2**20
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2)
+    args = p.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    cfg = ToyLlamaConfig(vocab_size=512, dim=args.dim, n_layers=args.layers,
+                         n_heads=max(1, args.dim // 64), max_seq_len=args.seq)
+    model = ToyLlama(cfg).to(device=device, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    # device=None offloads from the current accelerator; with none present it would run
+    # pass-through (nothing moved), so on a CPU-only machine ask for device="cpu".
+    ctx = OffloadActivations(device=None if cuda else "cpu")
+
+    for step in range(args.steps):
+        tokens, targets = make_batch(cfg, args.batch, args.seq, device=device, seed=step)
+        with ctx:
+            logits = model(tokens)  # (B, T, V): saved activations leave the device here
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()  # outside the context: activations come back, prefetched
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t = ctx.ledger.step_totals[-1]  # the step closes at the end of each backward
+        print(f"step {step}: loss {loss.item():.4f} | offloaded {t.offloaded_bytes / MiB:6.1f} MiB "
+              f"in {t.offloaded_count} tensors | kept {t.kept_bytes / MiB:5.1f} MiB | "
+              f"exposed copy {t.stall_seconds * 1e3:.1f} ms")
+
+    s = ctx.ledger.summary()
+    kept = ", ".join(f"{k} {v / MiB:.1f} MiB" for k, v in s["kept_by_reason"].items())
+    print(f"kept on device over {s['steps']} steps, by reason: {kept}")
+    pool = s["pool"]
+    print(f"host pool: {pool['reserved_bytes'] / MiB:.1f} MiB reserved, {pool['allocations']} allocations, "
+          f"{pool['reuses']} reuses (a static-shape loop only allocates in its first step)")
+
+
+if __name__ == "__main__":
+    main()
