@@ -353,7 +353,7 @@ class MemProfiler:
             entry["modules"] = {
                 name: {a: v for a, v in vals.items() if a in attrs} for name, vals in self._ctx.values.items()
             }
-        self.memory_stats[key] = entry
+        self.memory_stats.setdefault(key, {}).update(entry)
         self._dirty = True
 
     # ------------------------------------------------------------------- FSDP
@@ -396,7 +396,8 @@ class MemProfiler:
         target = self.memory_stats.setdefault(key, {})
         for dev, by_type in peak.items():
             for ref, nbytes in by_type.items():
-                target[f"fsdp.peak.{dev}.{getattr(ref, 'value', ref)}"] = int(nbytes)
+                label = str(getattr(ref, "value", ref)).lower().replace(" ", "_")
+                target[f"fsdp.peak.{dev}.{label}"] = int(nbytes)
 
     # ----------------------------------------------------------------- output
     def summary_table(self, unit: str = "auto") -> str:

@@ -15,11 +15,12 @@ timeline (``memory_filename``: ``.html``, ``.json``, ``.json.gz`` or
 ``num_traces_to_keep`` really deletes the oldest trace files (Composer's
 never filled its list, so nothing was ever deleted). Summary tables (CPU time
 and CPU memory, plus CUDA when traced) are built at close and written to
-``summary_filename``.
+``summary_filename``; with several cycles they cover all of them.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import warnings
@@ -122,9 +123,11 @@ class TraceProfiler:
         self._schedule = torch.profiler.schedule(
             skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat
         )
-        self._kwargs = dict(
+        self._kwargs: dict[str, Any] = dict(
             record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack, with_flops=with_flops
         )
+        if "acc_events" in inspect.signature(torch.profiler.profile).parameters:
+            self._kwargs["acc_events"] = True  # summaries cover every recorded cycle, not just the last
         self.saved_traces: list[tuple[int, list[Path]]] = []
         """(step, files) of the traces still on disk, oldest first."""
         self.summary_text: str | None = None

@@ -1,0 +1,77 @@
+"""TraceProfiler: schedule, templated names, gzip, memory timeline, pruning, summaries."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from profiling import ProfilingError, TraceProfiler
+
+
+def _step(model: nn.Module) -> None:
+    model(torch.randn(4, 32)).sum().backward()
+
+
+@pytest.fixture
+def net() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+
+
+def test_schedule_names_and_summary(tmp_path, net):
+    """wait=1, warmup=1, active=2, repeat=2 saves traces after steps 4 and 8, named by rank and step."""
+    with TraceProfiler(folder=str(tmp_path / "{run_name}"), run_name="exp", wait=1, warmup=1, active=2,
+                       repeat=2) as tp:
+        for _ in range(9):
+            _step(net)
+            tp.step()
+    folder = tmp_path / "exp"
+    assert sorted(p.name for p in folder.glob("*.json")) == ["rank0.4.pt.trace.json", "rank0.8.pt.trace.json"]
+    trace = json.loads((folder / "rank0.4.pt.trace.json").read_text())
+    assert any("aten::addmm" in ev.get("name", "") for ev in trace["traceEvents"])
+    summary = (folder / "rank0.summary.txt").read_text()
+    assert "sorted by cpu_time_total" in summary and "sorted by self_cpu_memory_usage" in summary
+    assert "aten::addmm" in summary
+    assert tp.summary() == summary and [s for s, _ in tp.saved_traces] == [4, 8]
+
+
+def test_gzip_memory_timeline_and_pruning(tmp_path, net):
+    """use_gzip writes gzip JSON; the memory timeline is exported; only the newest trace is kept."""
+    tp = TraceProfiler(folder=str(tmp_path), filename="t.{step}.json", use_gzip=True,
+                       memory_filename="m.{step}.json", record_shapes=True, with_stack=True,
+                       warmup=0, active=1, repeat=3, num_traces_to_keep=1, summary_filename=None)
+    with tp:
+        for _ in range(3):
+            _step(net)
+            tp.step()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["m.3.json", "t.3.json.gz"]
+    with gzip.open(tmp_path / "t.3.json.gz", "rt") as f:
+        assert "traceEvents" in json.load(f)
+    times, sizes = json.loads((tmp_path / "m.3.json").read_text())
+    assert len(times) == len(sizes) > 0
+    assert [s for s, _ in tp.saved_traces] == [3]
+
+
+def test_folder_must_be_empty_without_overwrite(tmp_path, net):
+    (tmp_path / "old.json").write_text("{}")
+    with pytest.raises(ProfilingError, match="not empty and overwrite=False"):
+        TraceProfiler(folder=str(tmp_path)).start()
+    with TraceProfiler(folder=str(tmp_path), overwrite=True, active=1) as tp:
+        _step(net)
+        tp.step()
+    assert (tmp_path / "rank0.1.pt.trace.json").exists()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"needs \['record_shapes', 'with_stack'\]"):
+        TraceProfiler(memory_filename="m.html")
+    with pytest.raises(ValueError, match="must end with one of"):
+        TraceProfiler(memory_filename="m.txt", record_shapes=True, with_stack=True)
+    with pytest.raises(ValueError, match="active=0"):
+        TraceProfiler(active=0)
+    with pytest.raises(ProfilingError, match="outside start"):
+        TraceProfiler().step()
