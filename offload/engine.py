@@ -44,7 +44,7 @@ import itertools
 import threading
 import warnings
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -90,10 +90,11 @@ def _engines() -> list["OffloadActivations"]:
     return st
 
 
-def _global_observers() -> dict[int, Callable[[PackEvent], None]]:
+def _global_observers() -> "OrderedDict[int, Callable[[PackEvent], None]]":
+    # OrderedDict, not dict: RemovableHandle keeps a weak reference to it.
     d = getattr(_tls, "observers", None)
     if d is None:
-        d = _tls.observers = {}
+        d = _tls.observers = OrderedDict()
     return d
 
 
@@ -358,7 +359,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._backend = make_backend(self.device, use_streams) if self.enabled else None
         if self._backend is not None and hasattr(self._backend, "timing"):
             self._backend.timing = timing
-        self._observers: dict[int, Callable[[PackEvent], None]] = {}
+        self._observers: OrderedDict[int, Callable[[PackEvent], None]] = OrderedDict()
         self._seq = itertools.count()
         self._lock = threading.RLock()
         self._static_ptrs: set[int] = set()
@@ -632,6 +633,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     # -- unpack -----------------------------------------------------------------
 
     def _unpack(self, handle: Any) -> torch.Tensor:
+        self._begin_backward_pass()
         if isinstance(handle, _Kept):
             return handle.unpack()
         _internal_assert(isinstance(handle, _Offloaded), f"unpack got a {type(handle).__name__}")
@@ -645,7 +647,6 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 _torch_private.queue_end_of_backward(self._end_of_backward)
 
     def _reload(self, h: _Offloaded) -> torch.Tensor:
-        self._begin_backward_pass()
         b = h.base_ref()
         if b is not None and b._version != h.version:
             raise _inplace_error(h.shape, h.dtype, b._version, h.version)
