@@ -29,7 +29,7 @@ from bench.workloads import PRESETS, Workload, resolve_dtype
 __all__ = ["main", "parse_args", "config_from_args"]
 
 _CPU_DEFAULTS = {"steps": 20, "warmup": 2, "order": "interleaved"}
-_GPU_DEFAULTS = {"steps": 8, "warmup": 3, "order": "sequential"}
+_GPU_DEFAULTS = {"steps": 6, "warmup": 2, "order": "sequential"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,8 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=None, help="hidden size (heads are adjusted to keep head_dim)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: preset's; bf16 on GPU)")
-    p.add_argument("--steps", type=int, default=None, help="measured steps per strategy (CPU 20, GPU 8)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per strategy (CPU 2, GPU 3)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per strategy (CPU 20, GPU 6)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per strategy (CPU 2, GPU 2)")
     p.add_argument("--strategies", default="all", help=f"comma list or 'all' ({','.join(DEFAULT_ORDER)})")
     p.add_argument("--order", choices=("interleaved", "sequential"), default=None,
                    help="interleave strategies step by step (CPU default) or run them one after another (GPU)")
@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-probe", action="store_true", help="skip the copy-ceiling measurement")
     p.add_argument("--no-write", action="store_true", help="print only; write no files")
     p.add_argument("--quiet", action="store_true", help="no progress indicator")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice); 1 is steadier on a shared, busy machine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="list presets and strategies, then exit")
     return p.parse_args(argv)
@@ -115,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print(_list())
         return 0
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"python -m bench: --threads={args.threads} must be >= 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     try:
         cfg = config_from_args(args)
     except ValueError as e:

@@ -362,7 +362,7 @@ class _Bench:
         """Correctness against ``none`` (grads still hold this step's values), then engine stats."""
         grads = [p.grad for p in self.model.parameters()]
         if r.spec.name == "none":
-            self.reference = (loss.detach().cpu().clone(), [g.detach().cpu().clone() for g in grads])
+            self.reference = (loss.detach().to("cpu", copy=True), [g.detach().to("cpu", copy=True) for g in grads])
         elif self.reference is not None:
             r.result.correctness = _compare(self.reference, loss, grads)
         r.result.loss = float(loss)

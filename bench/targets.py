@@ -41,7 +41,7 @@ def evaluate_targets(result: BenchResult) -> list[TargetRow]:
     rows.append(TargetRow(
         target="AC + offload of checkpoint inputs: <= 1.01x AC-only step time",
         measured=f"offload_ac / ac step time = {_fmt(r)}",
-        verdict=NOT_RUN if r is None else (NA_CPU if on_cpu else (PASS if r <= 1.01 else FAIL)),
+        verdict=NA_CPU if on_cpu else (NOT_RUN if r is None else (PASS if r <= 1.01 else FAIL)),
         note="CPU copies are memcpy on the compute thread; nothing can overlap" if on_cpu else "",
     ))
 
@@ -51,10 +51,10 @@ def evaluate_targets(result: BenchResult) -> list[TargetRow]:
     saved = None if a is None else 1.0 - a
     wl = result.workload
     in_shape = wl.get("dim") == 4096 and 4096 <= wl.get("seq_len", 0) <= 8192
-    if t is None or a is None:
-        verdict = NOT_RUN
-    elif on_cpu:
+    if on_cpu:
         verdict = NA_CPU
+    elif t is None or a is None:
+        verdict = NOT_RUN
     elif not in_shape:
         verdict = CONTEXT
     else:
@@ -76,10 +76,10 @@ def evaluate_targets(result: BenchResult) -> list[TargetRow]:
     h2d = off.engine.h2d_gb_s if off and off.engine else None
     fd = d2h / ceil.d2h_gb_s if d2h and ceil and ceil.d2h_gb_s else None
     fh = h2d / ceil.h2d_gb_s if h2d and ceil and ceil.h2d_gb_s else None
-    if fd is None or fh is None:
-        verdict = NOT_RUN
-    elif on_cpu:
+    if on_cpu:
         verdict = NA_CPU
+    elif fd is None or fh is None:
+        verdict = NOT_RUN
     else:
         verdict = PASS if min(fd, fh) >= 0.90 else FAIL
     kind = ceil.kind if ceil else "ceiling"
