@@ -390,8 +390,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
             self._static_ptrs = {
-                t.untyped_storage().data_ptr()
-                for t in itertools.chain(model.parameters(), model.buffers())
+                policy.storage_ptr(t) for t in itertools.chain(model.parameters(), model.buffers())
             }
         self._poll_stash()
         _engines().append(self)

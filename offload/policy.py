@@ -26,6 +26,7 @@ __all__ = [
     "is_static_tensor",
     "classify",
     "storage_key",
+    "storage_ptr",
     "span_elems",
 ]
 
@@ -83,16 +84,25 @@ def span_elems(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi
 
 
+def storage_ptr(t: torch.Tensor) -> int | None:
+    """Data pointer of ``t``'s storage, of its local shard for DTensor, or None."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2 sharded parameters)
+        return storage_ptr(local) if isinstance(local, torch.Tensor) else None
+
+
 def _owned_storages(modules: Iterable[nn.Module]) -> tuple[set[int], set[int]]:
     params: set[int] = set()
     buffers: set[int] = set()
     for m in modules:
         for p in m._parameters.values():
             if p is not None:
-                params.add(p.untyped_storage().data_ptr())
+                params.add(storage_ptr(p))
         for b in m._buffers.values():
             if b is not None:
-                buffers.add(b.untyped_storage().data_ptr())
+                buffers.add(storage_ptr(b))
     return params, buffers
 
 
