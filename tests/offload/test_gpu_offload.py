@@ -1,0 +1,523 @@
+"""GPU tests of the offload engine: bitwise grads on CUDA, forced stream races, known peer bugs, peak memory.
+
+Run on a GPU machine with ``PYTHONPATH=. pytest -m gpu tests/offload``. On a
+machine without CUDA, tests/conftest.py skips them with a reason.
+
+Every race test forces its bad interleaving instead of hoping for it:
+``torch.cuda._sleep`` parks a stream for ~100 ms so the host runs far ahead,
+and freed blocks are "poisoned" with NaN first so that reading memory at the
+wrong time shows up as NaN or a bit difference, never as a lucky pass.
+Numerics are made repeatable (deterministic algorithms, math SDPA) so a
+twin without offloading is an exact reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Before any cuBLAS handle exists (collection time), so matmuls are repeatable.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+from bench.model import ToyLlama, ToyLlamaConfig, make_batch  # noqa: E402
+from offload import OffloadActivations, get_act_offloading_ctx_manager  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+GPU_CFG = ToyLlamaConfig(vocab_size=2048, dim=512, n_layers=4, n_heads=8, max_seq_len=1024)
+"""Toy Llama big enough that copies take real time on an H100, small enough for seconds per test."""
+B, T = 4, 512
+SLEEP_CYCLES = int(2e8)
+"""torch.cuda._sleep cycles: ~100 ms at H100 clocks, far longer than any copy here."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True)
+def _repeatable_numerics():
+    """Deterministic kernels and the math SDPA backend, so the no-offload twin is an exact reference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(prev)
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def gpu_ctx(**kw) -> OffloadActivations:
+    kw.setdefault("device", "cuda")
+    kw.setdefault("min_offload_size", 0)
+    return OffloadActivations(**kw)
+
+
+def toy(dtype=torch.float32, cfg=GPU_CFG, *, tied=False, seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    if tied:
+        cfg = dataclasses.replace(cfg, tie_embeddings=True)
+    return ToyLlama(cfg).to(device="cuda", dtype=dtype)
+
+
+def batch(seed=0, cfg=GPU_CFG, b=B, t=T):
+    x, y = make_batch(cfg, b, t, seed=seed)
+    return x.cuda(), y.cuda()
+
+
+def lm_loss(model, inputs):
+    x, y = inputs
+    logits = model(x)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def step(model, inputs, ctx=None):
+    if ctx is None:
+        loss = lm_loss(model, inputs)
+    else:
+        with ctx:
+            loss = lm_loss(model, inputs)
+    loss.backward()
+    return loss.detach()
+
+
+def assert_same_grads(model, twin):
+    n = 0
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+            continue
+        assert p.grad is not None, name
+        assert not torch.isnan(p.grad).any(), f"{name}: NaN grad"
+        assert torch.equal(p.grad, q.grad), (
+            f"{name}: grads differ (max abs diff {(p.grad.float() - q.grad.float()).abs().max().item():.3e})"
+        )
+        n += 1
+    assert n > 0
+
+
+def settle(ctx=None) -> None:
+    torch.cuda.synchronize()
+    gc.collect()
+    if ctx is not None:
+        assert ctx.pool.stats()["in_use_bytes"] == 0, ctx.pool.stats()
+
+
+def poison_free_blocks(nbytes: int, stream: torch.cuda.Stream | None = None, count: int = 8) -> None:
+    """Fill ``count`` blocks of ``nbytes`` with NaN on ``stream`` and free them, so the cached free blocks
+    the next same-size allocations get hold NaN: reading one before it is written shows up as NaN.
+    Waits for the fill, so the NaN is in place before anything queued later runs."""
+    stream = stream or torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        ts = [torch.full((nbytes // 4,), float("nan"), device="cuda") for _ in range(count)]
+        del ts
+    stream.synchronize()
+
+
+def on_output_grad(module: nn.Module, fn) -> None:
+    """Call ``fn(grad)`` in backward when the gradient of ``module``'s output arrives (a tensor hook;
+    works under non-reentrant checkpoint, unlike full backward hooks)."""
+
+    def fwd_hook(mod, args, out):
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(fn)
+
+    module.register_forward_hook(fwd_hook)
+
+
+# --------------------------------------------------------------------------- bitwise on CUDA
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("use_pin_memory", [True, False], ids=["pinned", "pageable"])
+@pytest.mark.parametrize("use_streams", [True, False], ids=["streams", "sync"])
+def test_gpu_bitwise_streams_pin_dtype(use_streams, use_pin_memory, dtype):
+    """On CUDA, every use_streams x use_pin_memory x dtype gives the twin's loss and grads bit for bit."""
+    model = toy(dtype)
+    twin, twin2 = copy.deepcopy(model), copy.deepcopy(model)
+    ctx = gpu_ctx(use_streams=use_streams, use_pin_memory=use_pin_memory, min_offload_size=1024)
+    assert ctx.backend == ("stream" if use_streams else "sync")
+    for i in range(2):
+        inputs = batch(seed=i)
+        want = step(twin, inputs)
+        assert torch.equal(step(twin2, inputs), want), "reference itself is not repeatable: test invalid"
+        got = step(model, inputs, ctx)
+        assert torch.equal(got, want), f"step {i}: loss {got.item()} != {want.item()}"
+        settle(ctx)
+    assert_same_grads(twin2, twin)
+    assert_same_grads(model, twin)
+    s = ctx.ledger.summary()
+    assert s["offloaded_bytes"] > 0 and s["steps"] == 2
+    offloaded = [r for r in ctx.ledger.records if r.decision == "offloaded"]
+    if use_pin_memory:
+        assert any(r.pinned for r in offloaded), "use_pin_memory=True pinned nothing"
+    else:
+        assert not any(r.pinned for r in offloaded)
+    assert s["d2h_bytes"] > 0 and s["h2d_bytes"] > 0
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_gpu_ctx_manager_with_checkpointed_blocks_bitwise(tied):
+    """AC + offload of checkpoint inputs (torchtune's recommended setup) with the head excluded: bitwise."""
+    model = toy(torch.bfloat16, tied=tied)
+    model.checkpoint_blocks = True
+    twin = copy.deepcopy(model)
+    ctx = get_act_offloading_ctx_manager(model, True, device="cuda", min_offload_size=1024)
+    for i in range(3):
+        inputs = batch(seed=i)
+        assert torch.equal(step(model, inputs, ctx), step(twin, inputs))
+        settle(ctx)
+    assert_same_grads(model, twin)
+    s = ctx.ledger.summary()
+    assert s["offloaded_bytes"] > 0 and s["kept_by_reason"].get("excluded_region", 0) > 0
+
+
+def test_gpu_retain_graph_and_autograd_grad_with_streams():
+    """Rule 1 on CUDA with streams and prefetch: retain_graph twice, then autograd.grad, all bitwise."""
+    model = toy(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    inputs = batch()
+    ctx = gpu_ctx(prefetch_bytes=64 << 20)
+    want = lm_loss(twin, inputs)
+    with ctx:
+        got = lm_loss(model, inputs)
+    for _ in range(2):
+        want.backward(retain_graph=True)
+        got.backward(retain_graph=True)
+    params = list(model.parameters())
+    g_got = torch.autograd.grad(got, params)
+    g_want = torch.autograd.grad(want, list(twin.parameters()))
+    for a, b in zip(g_got, g_want):
+        assert torch.equal(a, b)
+    assert_same_grads(model, twin)
+    del got
+    settle(ctx)
+
+
+def test_gpu_cpu_tensor_kept_as_other_device():
+    """A CPU tensor saved while offloading CUDA activations is kept with reason "other_device"."""
+    ctx = gpu_ctx()
+    c = torch.randn(256, 256, requires_grad=True)
+    g = torch.randn(256, 256, device="cuda", requires_grad=True)
+    with ctx:
+        loss = c.sin().sum() + g.sin().sum().cpu()
+    recs = list(ctx.ledger.records)
+    by_dev = {r.device: r for r in recs}
+    assert by_dev["cpu"].reason == "other_device"
+    assert by_dev[f"cuda:{torch.cuda.current_device()}"].decision == "offloaded"
+    loss.backward()
+    assert torch.equal(c.grad, c.detach().cos()) and torch.equal(g.grad, g.detach().cos())
+
+
+def test_gpu_device_none_uses_current_accelerator():
+    """device=None on a CUDA machine means the current CUDA device, enabled, with the stream backend."""
+    ctx = OffloadActivations()
+    assert ctx.enabled and ctx.device == torch.device("cuda", torch.cuda.current_device())
+    assert ctx.backend == "stream"
+
+
+def test_gpu_many_pinned_engines_in_sequence():
+    """Engines with pinned pools created and dropped one after another (as a test suite or a sweep does)
+    keep working: host memory pinned by a dead engine's pool must not break the next engine's pinning,
+    and no CUDA error is left behind for the next kernel launch."""
+    model = toy(torch.bfloat16, dataclasses.replace(GPU_CFG, n_layers=2))
+    twin = copy.deepcopy(model)
+    for i in range(6):
+        ctx = gpu_ctx(min_offload_size=0 if i % 2 else 4096)  # small buffers share host pages
+        inputs = batch(seed=i)
+        assert torch.equal(step(model, inputs, ctx), step(twin, inputs)), f"engine {i}"
+        settle(ctx)
+        assert any(r.pinned for r in ctx.ledger.records if r.decision == "offloaded"), f"engine {i}"
+        del ctx
+        gc.collect()
+    torch.cuda.synchronize()
+    torch.ones(1, device="cuda").add_(1)  # a kernel launch surfaces any leftover CUDA error
+    torch.cuda.synchronize()
+    assert_same_grads(model, twin)
+
+
+# --------------------------------------------------------------------------- forced races
+
+
+def test_gpu_race_d2h_waits_for_the_kernel_that_produces_the_tensor():
+    """Rule 2/4 race: a 100 ms kernel is queued before the producer of h, so h's D2H is issued long
+    before h is written. The side stream must wait on the live compute stream; if it does not, the
+    copy reads the NaN left in h's recycled block and backward (fed from the host copy) returns NaN."""
+    n = 4096 * 4096
+    x = torch.randn(n, device="cuda", requires_grad=True)
+    ref_x = x.detach().clone().requires_grad_()
+    (ref_x * 2.0).sin().exp().sum().backward()
+
+    ctx = gpu_ctx(max_fwd_stash_size=1, max_inflight_bytes=1)  # sources released as soon as possible
+
+    def forward():
+        poison_free_blocks(n * 4)
+        torch.cuda._sleep(SLEEP_CYCLES)  # compute stream busy: everything below is only queued
+        h = x * 2.0  # written ~100 ms from now, into a NaN block
+        y = h.sin()  # pack(h): the D2H is issued now; max_inflight_bytes=1 drops the source at once
+        z = y.exp()
+        return z.sum()
+
+    with ctx:
+        loss = forward()
+    loss.backward()
+    settle(ctx)
+    assert not torch.isnan(x.grad).any(), "D2H ran before the producing kernel (side stream did not wait)"
+    assert torch.equal(x.grad, ref_x.grad)
+    assert ctx.ledger.summary()["offloaded_count"] >= 2
+
+
+def test_gpu_race_source_block_reused_while_d2h_in_flight():
+    """Rule 2 race: with a stash of 1 each source is dropped right after its D2H is issued, and the
+    next 256 MiB activation may take its block at once. The allocator may only hand the block out
+    behind the copy's event; otherwise the next kernel overwrites bytes the copy is still reading."""
+    n = 64 << 20  # 64 Mi floats = 256 MiB per activation: each D2H takes milliseconds
+    x = torch.randn(n, device="cuda", requires_grad=True)
+    ctx = gpu_ctx(max_fwd_stash_size=1, max_inflight_bytes=1, prefetch_bytes=0)
+
+    def chain(x):
+        h = x
+        for i in range(6):
+            h = (h * (1.0 + i / 8)).sin()  # sin saves its input; the previous h dies here
+        return h.sum()
+
+    with ctx:
+        loss = chain(x)
+    loss.backward()
+    settle(ctx)
+    got = x.grad.clone()
+    x.grad = None
+    chain(x).backward()
+    assert torch.equal(got, x.grad), "a source block was reused while its D2H copy was in flight"
+
+
+class _GradIsViewOfSaved(torch.autograd.Function):
+    """y = x + 0 saving e = exp(x); backward returns (a view of) the reloaded e as the input's grad,
+    so the reloaded tensor outlives its node as a gradient flowing to the previous node."""
+
+    @staticmethod
+    def forward(ctx, x):
+        e = x.exp()
+        ctx.save_for_backward(e)
+        return x + 0
+
+    @staticmethod
+    def backward(ctx, g):
+        (e,) = ctx.saved_tensors
+        return e.view(e.shape)  # not a copy: the reloaded memory itself
+
+
+def test_gpu_race_view_of_reloaded_tensor_outlives_its_node():
+    """Race (torchtune #1860/#1936): a view of a reloaded tensor escapes its node as a grad while the
+    compute stream is parked 100 ms by a hook. The engine must not free or reuse that block (e.g. for
+    the next prefetch H2D on the side stream) before compute has read it; otherwise grads change."""
+    n = 16 << 20
+    x = torch.randn(n, device="cuda", requires_grad=True)
+
+    def sleeper(g):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return g
+
+    def chain(x, hooks):
+        h = x
+        for i in range(4):
+            a = h * (1.0 - i / 16)
+            if hooks:
+                a.register_hook(sleeper)  # runs on the view-of-e grad, before mul's backward reads it
+            h = _GradIsViewOfSaved.apply(a)
+        return h.sum()
+
+    chain(x, hooks=False).backward()
+    want = x.grad.clone()
+    x.grad = None
+    # Sources dropped at once (backward must reload from host); prefetch exactly one handle ahead.
+    ctx = gpu_ctx(prefetch_bytes=n * 4, max_fwd_stash_size=1, max_inflight_bytes=1)
+    with ctx:
+        loss = chain(x, hooks=True)
+    loss.backward()
+    settle(ctx)
+    assert not torch.isnan(x.grad).any()
+    assert torch.equal(x.grad, want), "a reloaded block was reused while a view of it was still to be read"
+
+
+def test_gpu_known_bug_torchtune_1867_nan_grads_from_deletion_race():
+    """torchtune #1867: with streams, reloaded tensors were deleted (and their blocks reused by the next
+    H2D on the side stream) while compute still read them, giving NaN grads under AC + offload. Forced
+    here by parking the compute stream in every block's backward, over several steps in bf16."""
+    model = toy(torch.bfloat16)
+    model.checkpoint_blocks = True
+    twin = copy.deepcopy(model)
+
+    def park(grad):
+        torch.cuda._sleep(SLEEP_CYCLES // 4)  # compute parked while reloads/prefetches are issued
+        return grad
+
+    for layer in model.layers:
+        on_output_grad(layer, park)
+    ctx = gpu_ctx(min_offload_size=1024, prefetch_bytes=8 << 20)
+    for i in range(3):
+        inputs = batch(seed=i)
+        got = step(model, inputs, ctx)
+        want = step(twin, inputs)
+        assert not torch.isnan(got), f"step {i}: NaN loss"
+        assert torch.equal(got, want)
+        settle(ctx)
+    assert_same_grads(model, twin)
+
+
+def _live_segment_streams() -> dict[int, int]:
+    """stream handle -> bytes allocated in segments owned by that stream."""
+    out: dict[int, int] = {}
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("allocated_size", 0) > 0:
+            out[seg["stream"]] = out.get(seg["stream"], 0) + seg["allocated_size"]
+    return out
+
+
+def test_gpu_known_bug_trl_clone_on_side_stream_read_by_compute():
+    """TRL / axolotl #3833: TRL cloned non-contiguous and offset views inside the side-stream context, so
+    compute read memory owned by the side stream with no ordering (corrupted labels every step). Check
+    that while reloaded tensors are live in backward, no allocated block belongs to a non-compute stream."""
+    model = toy(torch.bfloat16)  # q/k/v are transposed views of one qkv storage
+    ctx = gpu_ctx(min_offload_size=1024, prefetch_bytes=64 << 20)
+    compute = torch.cuda.current_stream().cuda_stream
+    allowed = {0, compute}
+    settle()
+    torch.cuda.empty_cache()
+    before = set(_live_segment_streams())
+    seen: list[dict[int, int]] = []
+
+    def snap(grad):
+        seen.append(_live_segment_streams())
+        return grad
+
+    for layer in model.layers:
+        on_output_grad(layer, snap)
+    x = torch.randn(64, 1024, device="cuda", requires_grad=True)
+    with ctx:
+        loss = lm_loss(model, batch())
+        off = (x[:, 3:] * 2).t()[5:].sin().sum()  # an offset, transposed view saved for backward
+        seen.append(_live_segment_streams())
+        loss = loss + off.float()
+    loss.backward()
+    seen.append(_live_segment_streams())
+    settle(ctx)
+    assert len(seen) >= 2 + len(model.layers)
+    for i, streams in enumerate(seen):
+        bad = {s: b for s, b in streams.items() if s not in allowed | before}
+        assert not bad, f"snapshot {i}: blocks owned by non-compute streams {bad} (compute={compute})"
+    assert ctx.ledger.summary()["offloaded_count"] > 0
+
+
+def test_gpu_known_bug_default_stream_cached_at_construction():
+    """Rule 3 (axolotl's patch of TRL): forward and backward run on a torch.cuda.Stream created after
+    the engine. Packs must order D2H after that stream (parked 100 ms, so a copy ordered after the
+    default stream reads NaN) and unpacks must make that stream, not the default one, wait for H2D
+    (its destination is NaN-poisoned right before each reload)."""
+    ctx = gpu_ctx(prefetch_bytes=0, max_fwd_stash_size=1, max_inflight_bytes=1)
+    s = torch.cuda.Stream()  # created after the engine
+    n = 8 << 20
+    x = torch.randn(n, device="cuda", requires_grad=True)
+
+    def poison_hook(g):
+        poison_free_blocks(n * 4, s)  # the next reload's destination block is NaN
+        return g
+
+    def forward(x, hooks):
+        poison_free_blocks(n * 4, s)
+        torch.cuda._sleep(SLEEP_CYCLES)  # parks s, the stream the forward runs on
+        h = x * 3.0  # queued behind the sleep, written into a NaN block
+        a = h.sin()  # pack(h) while h is still unwritten
+        if hooks:
+            a.register_hook(poison_hook)  # runs in backward right before sin's backward reloads h
+        b = a.exp()
+        return b.sum()
+
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        forward(x, hooks=False).backward()
+    s.synchronize()
+    want = x.grad.clone()
+    x.grad = None
+    with torch.cuda.stream(s):
+        with ctx:
+            loss = forward(x, hooks=True)
+        loss.backward()
+    s.synchronize()
+    settle(ctx)
+    assert not torch.isnan(x.grad).any(), "a copy was ordered against the default stream, not the live one"
+    assert torch.equal(x.grad, want)
+
+
+def test_gpu_exception_mid_forward_frees_host_and_device_memory():
+    """An exception mid-forward with streams on: host pool and device memory return to their baselines."""
+    model = toy(torch.bfloat16)
+    ctx = gpu_ctx()
+    step(model, batch(), ctx)  # warm: pool and allocator populated
+    model.zero_grad(set_to_none=True)
+    settle(ctx)
+    base = torch.cuda.memory_allocated()
+
+    def boom(module, args, out):
+        raise RuntimeError("boom")
+
+    h = model.layers[-1].register_forward_hook(boom)
+    try:
+        with ctx:
+            lm_loss(model, batch())
+    except RuntimeError as e:
+        assert "boom" in str(e)
+    else:
+        pytest.fail("the forward hook did not raise")
+    h.remove()
+    settle(ctx)
+    assert torch.cuda.memory_allocated() == base
+    step(model, batch(seed=1), ctx)
+    settle(ctx)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_gpu_peak_memory_drops_by_about_the_offloaded_bytes():
+    """On the toy model, peak allocated memory with offloading is lower than without by >= half the bytes
+    offloaded in the step (prefetch and in-flight sources bound what is still on the device)."""
+    cfg = dataclasses.replace(GPU_CFG, dim=1024, n_layers=8, n_heads=16)
+    model = toy(torch.bfloat16, cfg)
+    inputs = batch(cfg=cfg, b=4, t=1024)
+    ctx = get_act_offloading_ctx_manager(model, True, device="cuda", min_offload_size=1 << 20,
+                                         prefetch_bytes=64 << 20, max_inflight_bytes=256 << 20)
+
+    def measure(use_ctx: bool) -> int:
+        model.zero_grad(set_to_none=True)
+        settle()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        step(model, inputs, ctx if use_ctx else None)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+
+    measure(False), measure(True)  # warm-up: allocator, cuBLAS workspaces, pinned pool
+    base = measure(False)
+    off = measure(True)
+    offloaded = ctx.ledger.step_totals[-1].offloaded_bytes
+    copied = ctx.ledger.step_totals[-1].d2h_bytes  # whole storages of views (qkv for v) included
+    saved = base - off
+    print(f"peak without offload {base / 2**20:.0f} MiB, with offload {off / 2**20:.0f} MiB, "
+          f"saved {saved / 2**20:.0f} MiB, offloaded {offloaded / 2**20:.0f} MiB")
+    assert off < base, (base, off)
+    assert saved >= 0.5 * offloaded, (
+        f"saved {saved / 2**20:.0f} MiB is far below the {offloaded / 2**20:.0f} MiB offloaded"
+    )
+    assert saved <= 1.1 * copied + (64 << 20), "saved more than was copied off the device: measurement is off"
