@@ -152,3 +152,114 @@ def test_torch_compile_model_under_ctx_bitwise():
     gc.collect()
     assert ctx.pool.stats()["in_use_bytes"] == 0
     torch._dynamo.reset()
+
+
+class _PeekFlags(torch.autograd.Function):
+    """Saves ``make(a)`` and reports the conj/neg bits backward gets back for it."""
+
+    @staticmethod
+    def forward(ctx, a, make, seen):
+        v = make(a)
+        ctx.save_for_backward(v)
+        ctx.seen = seen
+        seen.append(("pack", v.is_conj(), v.is_neg()))
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (v,) = ctx.saved_tensors
+        ctx.seen.append(("unpack", v.is_conj(), v.is_neg()))
+        return g, None, None
+
+
+@pytest.mark.parametrize("name", ["conj", "neg"])
+def test_conj_and_neg_bit_views_round_trip(name):
+    """Rule 5: a lazily conjugated (x.conj()) or negated (x.conj().imag) view comes back with its bit set."""
+    make = (lambda a: a.conj()) if name == "conj" else (lambda a: a.conj().imag)
+    z = torch.randn(256, dtype=torch.complex64, requires_grad=True)
+    seen: list = []
+    ctx = cpu_ctx()
+    with ctx:
+        y = _PeekFlags.apply(z, make, seen)
+    y.abs().sum().backward()
+    assert seen[1][1:] == seen[0][1:], f"{name}: (is_conj, is_neg) {seen[0][1:]} at pack, {seen[1][1:]} at unpack"
+
+
+@pytest.mark.parametrize("name", ["conj", "neg"])
+def test_conj_and_neg_bit_views_grads_bitwise(name):
+    """Grads through saved conj / neg-bit views equal the no-offload grads bit for bit."""
+    x = torch.randn(64, 64, dtype=torch.complex64, requires_grad=True)
+    w = torch.randn(64, 64, dtype=torch.complex64 if name == "conj" else torch.float32, requires_grad=True)
+
+    def f(x, w):
+        v = x.conj() if name == "conj" else x.conj().imag  # mul saves v for w's grad
+        return (v * w).abs().sum()
+
+    ctx = cpu_ctx()
+    with ctx:
+        loss = f(x, w)
+    loss.backward()
+    got = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    f(x, w).backward()
+    assert torch.equal(got[0], x.grad), f"{name}: x.grad differs from the no-offload grad"
+    assert torch.equal(got[1], w.grad), f"{name}: w.grad differs from the no-offload grad"
+    assert_really_offloaded(ctx)
+
+
+def test_bool_int_complex_and_empty_saves_bitwise():
+    """Saved bool masks (dropout), int64 indices, complex values and zero-size tensors round-trip exactly."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(50, 32)  # saves int64 indices
+            self.drop = nn.Dropout(0.3)  # saves a bool-ish mask
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, idx):
+            h = self.drop(self.emb(idx))
+            h = h.masked_fill(h > 0.5, 0.0)  # saves a bool mask
+            z = torch.view_as_complex(self.lin(h).reshape(*h.shape[:-1], 16, 2))
+            e = h[:, :0].sin().sum()  # a zero-size save
+            return (z * z).abs().sum() + e
+
+    torch.manual_seed(0)
+    model = Mixed()
+    twin = twin_of(model)
+    idx = torch.randint(0, 50, (8, 12))
+    ctx = cpu_ctx()
+    rec = Recorder()
+    ctx.add_observer(rec)
+    torch.manual_seed(1)
+    with ctx:
+        got = model(idx)
+    got.backward()
+    torch.manual_seed(1)
+    want = twin(idx)
+    want.backward()
+    assert torch.equal(got, want)
+    assert_same_grads(model, twin)
+    dtypes = {r.dtype for r in rec.records if r.decision == "offloaded"}
+    assert {"torch.int64", "torch.bool", "torch.complex64"} <= dtypes, dtypes
+    zero = [r for r in rec.records if 0 in r.shape]
+    assert zero and all(r.decision == "kept" and r.reason == "too_small" for r in zero), zero
+
+
+def test_channels_last_conv_bitwise():
+    """A channels_last conv net (saved NHWC-strided activations) is bitwise under offloading."""
+    from offload_testkit import ConvNet
+
+    torch.manual_seed(0)
+    model = ConvNet().to(memory_format=torch.channels_last)
+    twin = twin_of(model)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    ctx = cpu_ctx()
+    with ctx:
+        got = model(x).square().sum()
+    got.backward()
+    want = twin(x).square().sum()
+    want.backward()
+    assert torch.equal(got, want)
+    assert_same_grads(model, twin)
+    assert_really_offloaded(ctx)

@@ -222,6 +222,45 @@ def test_too_small_kept():
     assert torch.equal(small.grad, small.detach().cos()) and torch.equal(big.grad, big.detach().cos())
 
 
+def test_inplace_between_two_saves_is_not_deduped():
+    """A storage modified in place between two saves is copied again, not shared at its old version."""
+    x = torch.randn(64, 64, requires_grad=True)
+    ctx = cpu_ctx()
+    rec = Recorder()
+    ctx.add_observer(rec)
+    with ctx:
+        h = x * 2.0
+        a = h.sin()  # saves h at version 0 (this graph is never backwarded)
+        h.mul_(3.0)
+        b = h.cos()  # saves h at version 1: must not share the version-0 host copy
+    (g,) = torch.autograd.grad(b.sum(), x)
+    h2 = x * 2.0
+    a2 = h2.sin()
+    h2.mul_(3.0)
+    (g2,) = torch.autograd.grad(h2.cos().sum(), x)
+    assert torch.equal(g, g2)
+    assert not rec.by_reason("duplicate_storage")
+    del a, a2
+
+
+def test_sparse_tensor_kept_as_unsupported_type():
+    """A sparse (non-strided) tensor saved for backward is kept with reason "unsupported_type", grads exact."""
+    s = torch.randn(32, 32).relu().to_sparse().requires_grad_()
+    w = torch.randn(32, 16, requires_grad=True)
+    ctx = cpu_ctx()
+    rec = Recorder()
+    ctx.add_observer(rec)
+    with ctx:
+        y = torch.sparse.mm(s, w).sum()
+    (r,) = rec.records_for(s)
+    assert (r.decision, r.reason) == ("kept", "unsupported_type")
+    y.backward()
+    g = w.grad.clone()
+    w.grad = None
+    torch.sparse.mm(s, w).sum().backward()
+    assert torch.equal(g, w.grad)
+
+
 def _nf4():
     try:
         from torchao.quantization import NF4Tensor, to_nf4  # torchao >= 0.18
