@@ -1,0 +1,20 @@
+"""Reliability tests run torch single-threaded.
+
+Their models are tiny, and on the shared 2-core CI machine two intra-op
+threads contend with everything else running (a 50-step run measured 15 s
+with 2 threads vs 1.7 s with 1). Thread count does not change the bitwise
+comparisons: twin and offloaded runs share the setting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

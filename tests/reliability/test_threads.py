@@ -1,0 +1,117 @@
+"""Two threads, each with its own model and engine, training at the same time.
+
+saved_tensors_hooks, the module-scope stack and pack observers are
+thread-local; the pool, ledger and step closing are per engine. A barrier
+before every step forces the two forwards and the two backwards to overlap.
+Any cross-talk shows up as a wrong pack count, a foreign event, or a grad that
+differs from the same thread's single-threaded no-offload reference.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from bench.model import ToyLlamaConfig
+from offload import add_pack_observer
+
+from ._common import assert_ledger_consistent, engine, grads_of, in_use_after_gc, make_batch, make_model, train_step, twin
+
+STEPS = 8
+CONFIGS = {
+    "a": (ToyLlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, max_seq_len=128), False),
+    "b": (ToyLlamaConfig(vocab_size=96, dim=48, n_layers=3, n_heads=4, max_seq_len=128), True),  # with AC
+}
+
+
+def _batches(cfg, name):
+    return [make_batch(cfg, 2, 8 + 4 * (i % 3), seed=1000 * len(name) + i) for i in range(STEPS)]
+
+
+def _reference(cfg, ac, model, batches):
+    """Single-threaded, no offloading: per-step loss, grads and number of saved tensors."""
+    ref = twin(model)
+    ref.checkpoint_blocks = ac
+    out = []
+    for batch in batches:
+        n = [0]
+
+        def count(t):
+            n[0] += 1
+            return t
+
+        ref.zero_grad(set_to_none=True)
+        tokens, targets = batch
+        with saved_tensors_hooks(count, lambda t: t):
+            logits = ref(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        out.append((loss.detach(), grads_of(ref), n[0]))
+    return out
+
+
+def test_two_threads_two_engines_concurrently():
+    """Each thread's grads equal its own single-threaded reference bitwise; no event crosses threads."""
+    setups = {}
+    for i, (name, (cfg, ac)) in enumerate(CONFIGS.items()):
+        model = make_model(seed=i, cfg=cfg)
+        batches = _batches(cfg, name)
+        expected = _reference(cfg, ac, model, batches)
+        model.checkpoint_blocks = ac
+        setups[name] = (model, batches, expected, engine())
+
+    barrier = threading.Barrier(len(setups))
+    errors: dict[str, BaseException] = {}
+    foreign: dict[str, int] = {name: 0 for name in setups}
+    observed: dict[str, int] = {name: 0 for name in setups}
+
+    def worker(name):
+        model, batches, expected, ctx = setups[name]
+
+        def on_pack(ev):
+            observed[name] += 1
+            if ev.engine is not ctx:
+                foreign[name] += 1
+
+        handle = None
+        try:
+            handle = add_pack_observer(on_pack)
+            for step, batch in enumerate(batches):
+                model.zero_grad(set_to_none=True)
+                packed_before = ctx.ledger.summary()["packed_count"]
+                barrier.wait(timeout=60)
+                loss = train_step(model, batch, ctx)
+                want_loss, want_grads, want_packs = expected[step]
+                assert torch.equal(loss, want_loss), f"thread {name} step {step}: loss differs"
+                got = grads_of(model)
+                for pname, g in want_grads.items():
+                    assert torch.equal(got[pname], g), f"thread {name} step {step}: grad of {pname} differs"
+                packs = ctx.ledger.summary()["packed_count"] - packed_before
+                assert packs == want_packs, f"thread {name} step {step}: {packs} packs, expected {want_packs}"
+        except BaseException as e:  # reported in the main thread
+            errors[name] = e
+            barrier.abort()
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    threads = [threading.Thread(target=worker, args=(name,), name=f"offload-{name}") for name in setups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not any(t.is_alive() for t in threads), "a worker thread hung"
+    for name, e in errors.items():
+        if not isinstance(e, threading.BrokenBarrierError):
+            raise AssertionError(f"thread {name} failed: {e!r}") from e
+    assert not errors, errors
+    for name, (model, _, expected, ctx) in setups.items():
+        s = ctx.ledger.summary()
+        assert foreign[name] == 0, f"thread {name} saw {foreign[name]} packs of the other engine"
+        assert observed[name] == s["packed_count"] == sum(e[2] for e in expected), (name, observed[name], s)
+        assert s["steps"] == STEPS, (name, s["steps"])
+        assert s["offloaded_count"] > 0
+        assert_ledger_consistent(s)
+        assert in_use_after_gc(ctx) == 0
