@@ -7,6 +7,7 @@ import gc
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
@@ -447,3 +448,69 @@ def test_exception_inside_excluded_head_does_not_leave_region_excluded():
     assert not wrong, f"exclusion leaked past the failed head: {wrong[:5]}"
     assert any(r.decision == "offloaded" for r in rec.records)
     assert eng.pool.stats()["in_use_bytes"] == 0
+
+
+def test_exception_mid_backward_then_next_step_is_clean():
+    """A backward that raises (in-place error) leaves no host copy behind once its graph is dropped,
+    and the same engine's next step is bitwise with a closed, reconciled ledger step."""
+    model = make_model("mlp")
+    twin = twin_of(model)
+    ctx = cpu_ctx()
+    x, y = make_inputs("mlp", seed=4)
+    x = x.clone().requires_grad_()
+    with ctx:
+        h = model.fc1(x)
+        z = h.sin()  # saves h
+        loss = model.fc3(F.silu(model.fc2(z))).sum() + z.sum()
+    h.add_(1)  # invalidates the saved h
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    del loss, z, h
+    assert _in_use(ctx) == 0
+    model.zero_grad(set_to_none=True)
+    inputs = make_inputs("mlp")
+    assert torch.equal(run_step(model, inputs, ctx), run_step(twin, inputs))
+    assert_same_grads(model, twin)
+    assert _in_use(ctx) == 0
+    assert_reconciles(ctx.ledger.summary())
+
+
+def test_reentrant_checkpoint_inside_ctx_bitwise():
+    """use_reentrant=True checkpoint inside the context (recompute runs in a nested backward): bitwise."""
+    model = _CkptNet(use_ckpt=False)
+    twin = twin_of(model)
+    x = make_inputs("mlp")[0][:, :16].contiguous().requires_grad_()
+    ctx = cpu_ctx()
+    with ctx:
+        got = model.post(checkpoint(model.block, model.pre(x), use_reentrant=True)).pow(2).sum()
+    got.backward()
+    x2 = x.detach().clone().requires_grad_()
+    want = twin.post(twin.block(twin.pre(x2))).pow(2).sum()
+    want.backward()
+    assert torch.equal(got, want)
+    assert_same_grads(model, twin)
+    assert torch.equal(x.grad, x2.grad)
+    assert_really_offloaded(ctx)
+    assert _in_use(ctx) == 0
+
+
+def test_same_engine_entered_twice_nested():
+    """Re-entering the same engine inside itself works: bitwise, one ledger step, active_engine unchanged."""
+    from offload import active_engine
+
+    model = make_model("mlp")
+    twin = twin_of(model)
+    inputs = make_inputs("mlp")
+    ctx = cpu_ctx()
+    with ctx:
+        with ctx:
+            assert active_engine() is ctx
+            a = loss_of(model, inputs)
+        assert active_engine() is ctx
+        b = loss_of(model, inputs)
+    assert active_engine() is None
+    (a + b).backward()
+    (loss_of(twin, inputs) + loss_of(twin, inputs)).backward()
+    assert_same_grads(model, twin)
+    assert ctx.ledger.summary()["steps"] == 1
+    assert _in_use(ctx) == 0

@@ -53,3 +53,21 @@ def test_200_steps_pool_flat_and_rss_bounded():
     per_step = ctx.ledger.step_totals[0].packed_count
     assert s["packed_count"] == STEPS * per_step, "totals lost counts"
     assert len(ctx.ledger.step_totals) == STEPS
+
+
+def test_dynamic_shapes_host_pool_stays_bounded():
+    """Varying sequence lengths (dynamic padding) must not grow the host pool without bound: after 30
+    distinct shapes, reserved host bytes stay within 2x the peak bytes ever in use at once (DESIGN:
+    host footprint <= 1.05x peak offloaded bytes; an exact-size cache that never evicts grows per shape)."""
+    from bench.model import make_batch
+    from offload_testkit import TINY
+
+    model = make_model("toy")
+    ctx = cpu_ctx()
+    for i in range(30):
+        run_step(model, make_batch(TINY, 2, 8 + i, seed=i), ctx)
+        assert ctx.pool.stats()["in_use_bytes"] == 0
+    st = ctx.pool.stats()
+    ratio = st["reserved_bytes"] / st["peak_in_use_bytes"]
+    print(f"reserved {st['reserved_bytes']} B, peak in use {st['peak_in_use_bytes']} B, ratio {ratio:.1f}")
+    assert ratio <= 2.0, f"host pool keeps {ratio:.1f}x its peak in-use bytes after 30 shapes: {st}"
