@@ -514,3 +514,42 @@ def test_same_engine_entered_twice_nested():
     assert_same_grads(model, twin)
     assert ctx.ledger.summary()["steps"] == 1
     assert _in_use(ctx) == 0
+
+
+@pytest.mark.parametrize("kind", ["mlp", "toy"])
+def test_backward_inside_the_context(kind):
+    """TRL/HF-trainer pattern: forward and backward both inside the context, two steps, bitwise."""
+    model, inputs = make_model(kind), make_inputs(kind)
+    twin = twin_of(model)
+    ctx = cpu_ctx()
+    for _ in range(2):
+        with ctx:
+            loss = loss_of(model, inputs)
+            loss.backward()
+        run_step(twin, inputs)
+    assert_same_grads(model, twin)
+    assert_really_offloaded(ctx)
+    assert ctx.ledger.summary()["steps"] == 2
+    assert _in_use(ctx) == 0
+
+
+def test_double_backward_entirely_inside_the_context():
+    """Gradient penalty with autograd.grad(create_graph=True) run inside the context (the double-backward
+    graph's own saves also go through the engine): bitwise."""
+    model = TanhMLP()
+    twin = twin_of(model)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))
+
+    def penalised(m):
+        xx = x.clone().requires_grad_()
+        out = m(xx)
+        (gx,) = torch.autograd.grad(out.sum(), xx, create_graph=True)
+        (out.mean() + gx.pow(2).sum()).backward()
+
+    ctx = cpu_ctx()
+    with ctx:
+        penalised(model)
+    penalised(twin)
+    assert_same_grads(model, twin)
+    assert_really_offloaded(ctx)
+    assert _in_use(ctx) == 0

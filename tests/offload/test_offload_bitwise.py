@@ -10,6 +10,7 @@ from offload_testkit import (
     assert_really_offloaded,
     assert_same_grads,
     cpu_ctx,
+    loss_of,
     make_inputs,
     make_model,
     run_step,
@@ -87,3 +88,37 @@ def test_default_min_offload_size_still_offloads_toy_activations():
     s = assert_really_offloaded(ctx)
     assert s["kept_by_reason"].get("too_small", 0) > 0, "the tiny config saves some sub-1KiB tensors"
     assert_reconciles(s)
+
+
+def test_autocast_bf16_bitwise():
+    """Under CPU autocast(bf16) (cast weight copies are saved, some twice) offloading stays bitwise."""
+    model = make_model("toy")
+    twin = twin_of(model)
+    inputs = make_inputs("toy")
+    ctx = cpu_ctx()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with ctx:
+            got = loss_of(model, inputs)
+        want = loss_of(twin, inputs)
+    got.backward()
+    want.backward()
+    assert torch.equal(got, want)
+    assert_same_grads(model, twin)
+    assert_reconciles(assert_really_offloaded(ctx))
+
+
+def test_lstm_bitwise():
+    """A 2-layer LSTM (many saved gate views) is bitwise under offloading."""
+    torch.manual_seed(0)
+    model = torch.nn.LSTM(16, 32, num_layers=2, batch_first=True)
+    twin = twin_of(model)
+    x = torch.randn(4, 10, 16)
+    ctx = cpu_ctx()
+    with ctx:
+        got = model(x)[0].square().sum()
+    got.backward()
+    want = twin(x)[0].square().sum()
+    want.backward()
+    assert torch.equal(got, want)
+    assert_same_grads(model, twin)
+    assert_really_offloaded(ctx)

@@ -332,6 +332,32 @@ def test_host_budget_raise_policy_raises_offload_error():
     assert ctx.pool.stats()["in_use_bytes"] == 0
 
 
+def test_virtual_memory_ceiling_applies_policy():
+    """Rule 9: a system-RAM ceiling below current use keeps tensors ("host_budget") or raises naming the setting."""
+    model, twin, inputs = _mlp_pair()
+    ctx = cpu_ctx(virtual_memory_safe_pct=0.001, on_host_budget="keep")
+    assert torch.equal(run_step(model, inputs, ctx), run_step(twin, inputs))
+    assert_same_grads(model, twin)
+    s = ctx.ledger.summary()
+    assert s["offloaded_count"] == 0 and s["kept_by_reason"].get("host_budget", 0) > 0, s
+    with pytest.raises(OffloadError, match="virtual_memory_safe_pct"):
+        run_step(model, inputs, cpu_ctx(virtual_memory_safe_pct=0.001, on_host_budget="raise"))
+
+
+def test_host_budget_keep_over_several_steps():
+    """Rule 9: with a budget, several steps stay bitwise, never exceed the cap and free every buffer."""
+    model, twin, inputs = _mlp_pair()
+    budget = 8192
+    ctx = cpu_ctx(host_budget_bytes=budget, on_host_budget="keep")
+    for i in range(3):
+        inputs = make_inputs("mlp", seed=i)
+        assert torch.equal(run_step(model, inputs, ctx), run_step(twin, inputs))
+        st = ctx.pool.stats()
+        assert st["in_use_bytes"] == 0 and st["peak_reserved_bytes"] <= budget, st
+    assert_same_grads(model, twin)
+    assert ctx.ledger.summary()["steps"] == 3
+
+
 def test_host_budget_pageable_policy_runs_bitwise():
     """Rule 9, on_host_budget="pageable": over-budget tensors still round-trip exactly (never a silent drop)."""
     model, twin, inputs = _mlp_pair()
