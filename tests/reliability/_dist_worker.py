@@ -1,6 +1,6 @@
 """One rank of the distributed reliability checks (run as a script, one process per rank).
 
-For each mode (ddp, fsdp2, fsdp2_ac) it trains a ToyLlama twin pair for a few
+For each mode (ddp, fsdp2, fsdp2 with activation checkpointing, fsdp2 with bf16 mixed precision) it trains a ToyLlama twin pair for a few
 SGD steps, one with the forward inside ``OffloadActivations`` and one without,
 and writes what it saw to ``<out>/result_rank<r>.json`` for the test to judge:
 loss/grad/param mismatches, parameter-like tensors that were offloaded, the
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -44,9 +44,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _wrap(model: torch.nn.Module, mode: str, mesh, device: torch.device) -> torch.nn.Module:
     if mode == "ddp":
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    kw = {}
+    if mode == "fsdp2_mp":  # bf16 compute params gathered from fp32 shards, fp32 grad reduction
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
 
 
@@ -105,7 +108,7 @@ def run_mode(mode: str, rank: int, world: int, device: torch.device, steps: int,
             with prof.profile("training_step", inputs=(tokens,)) if c is not None else contextlib.nullcontext():
                 with c if c is not None else contextlib.nullcontext():
                     logits = model(tokens)  # (B, T, vocab)
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
                 loss.backward()
             losses.append(loss.detach())
         if not torch.equal(losses[0], losses[1]):
@@ -165,7 +168,7 @@ def main() -> int:
     ap.add_argument("--init-method", required=True)
     ap.add_argument("--backend", default="gloo")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modes", default="ddp,fsdp2,fsdp2_ac")
+    ap.add_argument("--modes", default="ddp,fsdp2,fsdp2_ac,fsdp2_mp")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()

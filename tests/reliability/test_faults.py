@@ -186,6 +186,38 @@ def test_several_aborted_forwards_then_step():
     _assert_next_step_exact(model, ref, ctx)
 
 
+def _two_heads(model, tokens):
+    logits = model(tokens)  # (B, T, vocab)
+    aux = torch.tanh(model.tok_embeddings(tokens) @ model.output.weight.t())  # a second head, (B, T, vocab)
+    return logits, aux
+
+
+def test_branch_backpropagated_late_or_never():
+    """Saved tensors of a branch the step's backward does not reach stay valid after the step
+    closes (a later backward through it is exact) and are released when the branch is dropped."""
+    model = make_model()
+    ref = twin(model)
+    ctx = engine()
+    tokens, targets = make_batch(CFG, 2, 16)
+    with ctx:
+        logits, aux = _two_heads(model, tokens)
+    logits_r, aux_r = _two_heads(ref, tokens)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    F.cross_entropy(logits_r.flatten(0, 1), targets.flatten()).backward()
+    assert_grads_equal(ref, model, "main loss")
+    assert ctx.ledger.summary()["steps"] == 1
+    assert in_use_after_gc(ctx) > 0, "the un-backpropagated branch's host copies were released early"
+    aux.square().mean().backward()
+    aux_r.square().mean().backward()
+    assert_grads_equal(ref, model, "late backward through the second head")
+    with ctx:
+        unused = _two_heads(model, tokens)  # never backpropagated at all
+    assert in_use_after_gc(ctx) > 0
+    del unused, aux, logits
+    assert in_use_after_gc(ctx) == 0
+    assert_ledger_consistent(ctx.ledger.summary())
+
+
 def test_model_that_saves_nothing():
     """A forward that saves no tensor for backward: no records, exact grads, no error."""
     w = nn.Parameter(torch.randn(16, 16))
