@@ -52,7 +52,7 @@ from .report import format_table, plot_series, write_json
 
 __all__ = ["PackedBytesTracker"]
 
-@dataclass
+@dataclass(slots=True)
 class _Counts:
     packed_bytes: int = 0
     packed_count: int = 0
@@ -65,15 +65,35 @@ class _Counts:
     via_engine_bytes: int = 0
     via_engine_count: int = 0
 
-    def add(self, other: _Counts) -> None:
-        for f in _COUNT_FIELDS:
-            setattr(self, f, getattr(self, f) + getattr(other, f))
+    def bump(self, nbytes: int, static: bool, unique: int, via_engine: bool) -> None:
+        """Count one pack (``unique`` > 0 when it is the first save of its storage this step)."""
+        self.packed_bytes += nbytes
+        self.packed_count += 1
+        if via_engine:
+            self.via_engine_bytes += nbytes
+            self.via_engine_count += 1
+        if static:
+            self.static_bytes += nbytes
+            self.static_count += 1
+            return
+        self.logical_bytes += nbytes
+        self.logical_count += 1
+        if unique:
+            self.unique_bytes += unique
+            self.unique_count += 1
 
     def as_dict(self) -> dict[str, int]:
         return {f: getattr(self, f) for f in _COUNT_FIELDS}
 
 
 _COUNT_FIELDS = tuple(f.name for f in fields(_Counts))
+
+
+def _module_counts(table: dict[str, _Counts], module: str) -> _Counts:
+    c = table.get(module)
+    if c is None:
+        c = table[module] = _Counts()
+    return c
 
 
 @dataclass
@@ -267,13 +287,9 @@ class PackedBytesTracker:
     def _record(self, t: torch.Tensor, module: str, *, via_engine: bool) -> None:
         self._maybe_roll()
         nbytes = t.numel() * t.element_size()
-        c = _Counts(packed_bytes=nbytes, packed_count=1)
-        if via_engine:
-            c.via_engine_bytes, c.via_engine_count = nbytes, 1
-        if _engine.is_static_tensor(t):
-            c.static_bytes, c.static_count = nbytes, 1
-        else:
-            c.logical_bytes, c.logical_count = nbytes, 1
+        static = _engine.is_static_tensor(t)
+        unique = 0
+        if not static:
             key, size = _storage_identity(t, nbytes)
             # An address names a storage only while that storage lives: an
             # engine frees offloaded sources mid-forward, and the allocator may
@@ -283,15 +299,11 @@ class PackedBytesTracker:
             if ref is None or ref() is None:
                 base = t._base if t._base is not None else t
                 self._cur.storages[key] = _weak(base)
-                c.unique_bytes, c.unique_count = size, 1
+                unique = size
         step = self._cur
-        step.totals.add(c)
-        self._totals.add(c)
-        for table in (step.modules, self._modules):
-            m = table.get(module)
-            if m is None:
-                m = table[module] = _Counts()
-            m.add(c)
+        for c in (step.totals, self._totals, _module_counts(step.modules, module),
+                  _module_counts(self._modules, module)):
+            c.bump(nbytes, static, unique, via_engine)
 
     def _close_step(self) -> None:
         self._cur.storages = {}
