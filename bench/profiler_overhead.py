@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "seconds": r.seconds})
     result = {
         "benchmark": "profiler_overhead",
-        "command": "python -m bench.profiler_overhead " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+        "command": "python -m bench.profiler_overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
         "env": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
                 "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": "cpu",
                 "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
