@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bench.model import ToyLlama, ToyLlamaConfig, make_batch
 
 F32 = 4
 

@@ -8,6 +8,7 @@ from bench import profiler_overhead
 
 
 def test_profiler_overhead_smoke(tmp_path, capsys):
+    """Every variant runs the requested steps and lands in the JSON and the printed table."""
     out = tmp_path / "overhead.json"
     profiler_overhead.main(["--steps", "2", "--warmup", "0", "--dim", "32", "--seq", "16",
                             "--skip", "module_stats", "--threads", "0", "--out", str(out)])

@@ -129,6 +129,7 @@ def test_fsdp2_mem_tracker_on_one_gpu(tmp_path):
 
 
 def test_module_stats_on_cuda():
+    """MemTracker stats on CUDA: the root is first and activations and the peak are non-zero."""
     model, tokens = _toy()
     stats = ModuleMemoryStats(model)
     with stats:

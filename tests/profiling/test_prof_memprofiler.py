@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import warnings
 
@@ -261,6 +260,7 @@ def test_rank_in_keys_and_names(tmp_path, mlp, monkeypatch):
 
 # ----------------------------------------------------------------- configuration
 def test_bad_schedule():
+    """max_iter at or below warmup_iters, or a negative warm-up, is refused with the fix."""
     with pytest.raises(ValueError, match=r"max_iter=1 is not above warmup_iters=2"):
         MemProfilerSchedule(warmup_iters=2, max_iter=1)
     with pytest.raises(ValueError, match="warmup_iters=-1"):
@@ -268,6 +268,7 @@ def test_bad_schedule():
 
 
 def test_unknown_function_names():
+    """Unresolvable hook/saved-tensor function paths and unknown retain names name the field."""
     with pytest.raises(ValueError, match=r"memory_hooks.pre_forward_hooks.*no_such_module"):
         MemProfilerCfg(enabled=True, memory_hooks=MemProfilerHooks(pre_forward_hooks=["no_such_module.fn"]))
     with pytest.raises(ValueError, match=r"has no callable named 'nope'"):
@@ -279,6 +280,7 @@ def test_unknown_function_names():
 
 
 def test_unwritable_save_dir(tmp_path, mlp):
+    """A save_dir that cannot be created or written is reported at construction, naming the field."""
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.raises(ValueError, match=r"MemProfilerCfg.save_dir=.*a_file/sub.*not a writable directory"):
@@ -301,6 +303,7 @@ def test_cuda_requests_on_cpu_warn_and_clear():
 
 
 def test_cfg_from_dict_and_to_dict():
+    """Configs round-trip through plain data (YAML sections); unknown fields are refused."""
     cfg = MemProfilerCfg.from_dict({"enabled": True, "schedule": {"warmup_iters": 2, "max_iter": 3},
                                     "collect_funcs": {"default": ["training_step", "validation_step"]}})
     assert cfg.schedule.max_iter == 3 and cfg.collect_funcs.cpu == {"training_step", "validation_step"}
@@ -311,9 +314,9 @@ def test_cfg_from_dict_and_to_dict():
 
 
 def test_fsdp_root_must_be_fully_sharded(tmp_path, mlp):
+    """track_fsdp_mem needs a fully_shard root that exists under the model."""
     with pytest.raises(ValueError, match="without fully_shard applied"):
         MemProfiler(MemProfilerCfg(enabled=True, save_dir=tmp_path, track_fsdp_mem=True), mlp)
     with pytest.raises(ValueError, match="no such submodule"):
         MemProfiler(MemProfilerCfg(enabled=True, save_dir=tmp_path, track_fsdp_mem=True,
                                    fsdp_mem_tracker_root_module="nope"), mlp)
-    assert os.path.isdir(tmp_path)

@@ -11,6 +11,7 @@ from profiling import ProfilingError, format_bytes, format_table, plot_series, w
 
 
 def test_format_bytes_and_table():
+    """Byte formatting picks units; table columns align with bytes rendered in the byte columns."""
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(3 * 2**30, "MiB") == "3072.00 MiB"
     assert format_bytes(12, "B") == "12 B"
@@ -24,6 +25,7 @@ def test_format_bytes_and_table():
 
 
 def test_plot_json_yaml(tmp_path):
+    """PNG plots are real PNGs; YAML/JSON hold plain data (sets become sorted lists)."""
     png = plot_series({"rss": [1 << 20, 2 << 20]}, tmp_path / "p.png", x=["a", "b"])
     assert png.read_bytes()[:4] == b"\x89PNG"
     data = {"k": {"x": 1, "s": {3, 1}}, "f": 1.5}
@@ -32,6 +34,7 @@ def test_plot_json_yaml(tmp_path):
 
 
 def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
+    """Without matplotlib a plot request says how to install the optional extra."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ProfilingError, match=r"pip install 'offload\[plot\]'"):
         plot_series({"a": [1]}, tmp_path / "p.png")

@@ -57,6 +57,7 @@ def test_gzip_memory_timeline_and_pruning(tmp_path, net):
 
 
 def test_folder_must_be_empty_without_overwrite(tmp_path, net):
+    """A non-empty trace folder is refused unless overwrite=True."""
     (tmp_path / "old.json").write_text("{}")
     with pytest.raises(ProfilingError, match="not empty and overwrite=False"):
         TraceProfiler(folder=str(tmp_path)).start()
@@ -67,6 +68,7 @@ def test_folder_must_be_empty_without_overwrite(tmp_path, net):
 
 
 def test_bad_arguments():
+    """Memory-timeline prerequisites, suffixes, schedule values and step() outside a run are checked."""
     with pytest.raises(ValueError, match=r"needs \['record_shapes', 'with_stack'\]"):
         TraceProfiler(memory_filename="m.html")
     with pytest.raises(ValueError, match="must end with one of"):
