@@ -263,3 +263,37 @@ def test_channels_last_conv_bitwise():
     assert torch.equal(got, want)
     assert_same_grads(model, twin)
     assert_really_offloaded(ctx)
+
+
+def test_torch_compile_whole_model_head_exclusion_not_silently_lost():
+    """get_act_offloading_ctx_manager on a whole-model torch.compile'd toy: the head is still excluded
+    ("excluded_region" records), or the engine warns that it cannot exclude it. Silence is the bug:
+    the head's logits, the largest activations, would be offloaded against the documented default."""
+    import warnings
+
+    from offload import get_act_offloading_ctx_manager
+
+    torch._dynamo.reset()
+    model = ToyLlama(dataclasses.replace(TINY, n_layers=1))
+    compiled = torch.compile(model)
+    inputs = make_inputs("toy")
+    want = loss_of(compiled, inputs)
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as got_warnings:
+        warnings.simplefilter("always")
+        ctx = get_act_offloading_ctx_manager(compiled, True, device="cpu", min_offload_size=0)
+        with ctx:
+            got = loss_of(compiled, inputs)
+        got.backward()
+    assert torch.equal(got, want)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, ref[n]), n
+    excluded = ctx.ledger.summary()["kept_by_reason"].get("excluded_region", 0)
+    engine_warned = [w for w in got_warnings if "offload" in str(w.message).lower()]
+    assert excluded > 0 or engine_warned, (
+        "head exclusion silently lost under torch.compile: no excluded_region record and no warning; "
+        f"records' modules: {sorted({r.module for r in ctx.ledger.records})}"
+    )
+    torch._dynamo.reset()
