@@ -451,8 +451,7 @@ def test_exception_inside_excluded_head_does_not_leave_region_excluded():
 
 
 def test_exception_mid_backward_then_next_step_is_clean():
-    """A backward that raises (in-place error) leaves no host copy behind once its graph is dropped,
-    and the same engine's next step is bitwise with a closed, reconciled ledger step."""
+    """Rule 1: a backward that raises frees every host copy once its graph is dropped; the next step is exact."""
     model = make_model("mlp")
     twin = twin_of(model)
     ctx = cpu_ctx()
@@ -534,8 +533,7 @@ def test_backward_inside_the_context(kind):
 
 
 def test_double_backward_entirely_inside_the_context():
-    """Gradient penalty with autograd.grad(create_graph=True) run inside the context (the double-backward
-    graph's own saves also go through the engine): bitwise."""
+    """A gradient penalty computed wholly inside the context (double-backward saves packed too) is bitwise."""
     model = TanhMLP()
     twin = twin_of(model)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))

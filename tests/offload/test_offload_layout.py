@@ -266,9 +266,9 @@ def test_channels_last_conv_bitwise():
 
 
 def test_torch_compile_whole_model_head_exclusion_not_silently_lost():
-    """get_act_offloading_ctx_manager on a whole-model torch.compile'd toy: the head is still excluded
-    ("excluded_region" records), or the engine warns that it cannot exclude it. Silence is the bug:
-    the head's logits, the largest activations, would be offloaded against the documented default."""
+    """Under whole-model torch.compile the ctx manager still excludes the head, or warns that it cannot."""
+    # Silence is the bug: the head's logits, the largest activations, would be offloaded against the
+    # documented default and nothing would say so.
     import warnings
 
     from offload import get_act_offloading_ctx_manager

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from offload import (
@@ -17,10 +16,8 @@ from offload import (
     track_modules,
 )
 from offload_testkit import (
-    Recorder,
     assert_reconciles,
     cpu_ctx,
-    loss_of,
     make_inputs,
     make_model,
     run_step,
