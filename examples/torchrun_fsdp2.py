@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.model import ToyLlama, ToyLlamaConfig, make_batch
-from offload import OffloadActivations
+from offload import get_act_offloading_ctx_manager
 
 
 def main() -> None:
@@ -66,8 +66,9 @@ def main() -> None:
         model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    # One engine per rank, reused every step. Forward inside it, backward outside (torchtune style).
-    ctx = OffloadActivations(device=offload_device)
+    # One engine per rank, reused every step; the output head stays on the device (its activations
+    # are needed first in backward). Forward inside it, backward outside (torchtune style).
+    ctx = get_act_offloading_ctx_manager(model, True, device=offload_device)
     for step in range(args.steps):
         tokens, targets = make_batch(cfg, args.batch, args.seq, device=device, seed=world * step + rank)
         with ctx:

@@ -1,6 +1,7 @@
 """One rank of the distributed reliability checks (run as a script, one process per rank).
 
-For each mode (ddp, fsdp2, fsdp2 with activation checkpointing, fsdp2 with bf16 mixed precision) it trains a ToyLlama twin pair for a few
+For each mode (ddp; fsdp2; fsdp2 with activation checkpointing; with bf16 mixed
+precision; through get_act_offloading_ctx_manager) it trains a ToyLlama twin pair for a few
 SGD steps, one with the forward inside ``OffloadActivations`` and one without,
 and writes what it saw to ``<out>/result_rank<r>.json`` for the test to judge:
 loss/grad/param mismatches, parameter-like tensors that were offloaded, the
@@ -65,7 +66,7 @@ def _live_param_ptrs(model: torch.nn.Module) -> set[int]:
 
 
 def run_mode(mode: str, rank: int, world: int, device: torch.device, steps: int, out: Path) -> dict:
-    from offload import OffloadActivations, is_static_tensor
+    from offload import OffloadActivations, get_act_offloading_ctx_manager, is_static_tensor
 
     torch.manual_seed(0)
     base = ToyLlama(CFG).to(device)
@@ -79,7 +80,11 @@ def run_mode(mode: str, rank: int, world: int, device: torch.device, steps: int,
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt_off = torch.optim.SGD(off.parameters(), lr=0.1)
 
-    ctx = OffloadActivations(device="cpu" if device.type == "cpu" else None, min_offload_size=0)
+    kw = dict(device="cpu" if device.type == "cpu" else None, min_offload_size=0)
+    if mode == "fsdp2_head":  # torchtune's helper: head excluded, the (sharded) model given up front
+        ctx = get_act_offloading_ctx_manager(off, True, **kw)
+    else:
+        ctx = OffloadActivations(**kw)
     violations: list[str] = []
     seen = {"dtensor_packs": 0, "offloaded_packs": 0, "param_kept": 0}
 
@@ -168,7 +173,7 @@ def main() -> int:
     ap.add_argument("--init-method", required=True)
     ap.add_argument("--backend", default="gloo")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modes", default="ddp,fsdp2,fsdp2_ac,fsdp2_mp")
+    ap.add_argument("--modes", default="ddp,fsdp2,fsdp2_ac,fsdp2_mp,fsdp2_head")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()

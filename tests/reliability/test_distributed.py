@@ -20,7 +20,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = HERE / "_dist_worker.py"
-MODES = ("ddp", "fsdp2", "fsdp2_ac", "fsdp2_mp")
+MODES = ("ddp", "fsdp2", "fsdp2_ac", "fsdp2_mp", "fsdp2_head")
 STEPS = 3
 
 
@@ -81,6 +81,8 @@ def test_loss_and_grads_bitwise_equal(gloo_results, mode):
         assert not m["grad_mismatch"], f"rank {r['rank']} {mode}: {m['grad_mismatch'][:5]}"
         assert not m["param_mismatch"], f"rank {r['rank']} {mode}: params differ {m['param_mismatch'][:5]}"
         assert m["summary"]["offloaded_count"] > 0, f"rank {r['rank']} {mode}: nothing was offloaded"
+        if mode == "fsdp2_head":
+            assert m["summary"]["kept_count_by_reason"].get("excluded_region", 0) > 0, m["summary"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -142,10 +144,12 @@ def test_torchrun_example_cpu(tmp_path):
 @pytest.mark.gpu
 def test_fsdp2_one_gpu_nccl(tmp_path):
     """FSDP2 at world size 1 on nccl, real device offload: bitwise equal, no parameter offloaded."""
-    (r,) = launch_ranks(tmp_path, 1, backend="nccl", device="cuda", modes=("fsdp2", "fsdp2_ac"), steps=3)
-    for mode in ("fsdp2", "fsdp2_ac"):
+    modes = tuple(m for m in MODES if m.startswith("fsdp2"))
+    (r,) = launch_ranks(tmp_path, 1, backend="nccl", device="cuda", modes=modes, steps=STEPS)
+    for mode in modes:
         m = r["modes"][mode]
         assert not (m["loss_mismatch"] or m["grad_mismatch"] or m["param_mismatch"]), (mode, m)
         assert not m["violations"], (mode, m["violations"][:5])
         assert m["summary"]["offloaded_count"] > 0, mode
-        assert m["summary"]["steps"] == 3, mode
+        assert m["summary"]["steps"] == STEPS, mode
+        assert "0.training_step.2.end" in m["profile_keys"], (mode, m["profile_keys"])

@@ -45,7 +45,7 @@ def _unary(name: str, a: torch.Tensor) -> torch.Tensor:
     if name == "permute":
         return a.permute(*reversed(range(d))) if d else a
     if name == "narrow":
-        return a.narrow(0, 1, a.size(0) - 1) if d and a.size(0) > 1 else a[..., :]
+        return a.narrow(0, 1, a.size(0) - 1) if d and a.size(0) > 1 else a[...]
     if name == "flatten":
         return a.reshape(-1)
     if name == "unflatten":
