@@ -11,7 +11,8 @@ Each rank writes ``<out>/ledger_rank<R>.json`` (every pack decision and per-step
 totals) and prints one line: offloaded vs kept bytes. On GPU, activations move to
 pinned host memory; on CPU, ``device="cpu"`` copies them into the host pool so the
 whole path runs for real. Sharded (DTensor) parameters and the unsharded weight
-views FSDP2 gathers are never offloaded: they show up as kept, reason "parameter".
+views FSDP2 gathers are never offloaded: they show up as kept, reason "parameter";
+the output head's activations stay on the device as "excluded_region".
 """
 
 from __future__ import annotations

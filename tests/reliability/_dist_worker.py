@@ -88,10 +88,14 @@ def run_mode(mode: str, rank: int, world: int, device: torch.device, steps: int,
     violations: list[str] = []
     seen = {"dtensor_packs": 0, "offloaded_packs": 0, "param_kept": 0}
 
+    seen["param_like_bytes"] = 0
+
     def observe(ev) -> None:
         t, rec = ev.tensor, ev.record
         if isinstance(t, DTensor):
             seen["dtensor_packs"] += 1
+        if isinstance(t, DTensor) or is_static_tensor(t) or _local(t).untyped_storage().data_ptr() in _live_param_ptrs(off):
+            seen["param_like_bytes"] += rec.nbytes
         if rec.decision != "offloaded":
             if rec.reason == "parameter":
                 seen["param_kept"] += 1

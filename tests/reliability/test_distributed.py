@@ -97,6 +97,8 @@ def test_no_parameter_or_dtensor_offloaded(gloo_results, mode):
             f"rank {r['rank']} {mode}: no pack was kept as 'parameter' (kept: {s['kept_count_by_reason']})"
         )
         assert m["seen"]["param_kept"] == s["kept_count_by_reason"]["parameter"]
+        if mode != "fsdp2_head":  # (given the model up front, its buffers are also kept as "parameter")
+            assert m["seen"]["param_like_bytes"] == s["kept_by_reason"]["parameter"], (m["seen"], s["kept_by_reason"])
         assert s["packed_bytes"] == s["offloaded_bytes"] + s["kept_bytes"]
 
 

@@ -15,16 +15,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import pytest
 import torch
-from hypothesis import HealthCheck, given, reject, settings
-from hypothesis import strategies as st
-from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import checkpoint
 
-from offload import REASONS, is_static_tensor
+pytest.importorskip("hypothesis", reason="the property tests need hypothesis (pip install hypothesis)")
 
-from ._common import assert_ledger_consistent, engine, in_use_after_gc
+from hypothesis import HealthCheck, given, reject, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.autograd.graph import saved_tensors_hooks  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from offload import REASONS, is_static_tensor  # noqa: E402
+
+from ._common import assert_ledger_consistent, engine, in_use_after_gc  # noqa: E402
 
 MAX_EXAMPLES = int(os.environ.get("OFFLOAD_PROPERTY_EXAMPLES", "60"))
 MAX_NUMEL = 2048
