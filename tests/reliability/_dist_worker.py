@@ -1,7 +1,8 @@
 """One rank of the distributed reliability checks (run as a script, one process per rank).
 
-For each mode (ddp; fsdp2; fsdp2 with activation checkpointing; with bf16 mixed
-precision; through get_act_offloading_ctx_manager) it trains a ToyLlama twin pair for a few
+Modes: ddp; ddp with activation checkpointing and find_unused_parameters;
+fsdp2; fsdp2 with activation checkpointing; fsdp2 with bf16 mixed precision;
+fsdp2 through get_act_offloading_ctx_manager (head excluded). For each, it trains a ToyLlama twin pair for a few
 SGD steps, one with the forward inside ``OffloadActivations`` and one without,
 and writes what it saw to ``<out>/result_rank<r>.json`` for the test to judge:
 loss/grad/param mismatches, parameter-like tensors that were offloaded, the
@@ -43,8 +44,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _wrap(model: torch.nn.Module, mode: str, mesh, device: torch.device) -> torch.nn.Module:
-    if mode == "ddp":
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if mode.startswith("ddp"):
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                   find_unused_parameters=mode.endswith("_unused"))
     kw = {}
     if mode == "fsdp2_mp":  # bf16 compute params gathered from fp32 shards, fp32 grad reduction
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -70,7 +72,7 @@ def run_mode(mode: str, rank: int, world: int, device: torch.device, steps: int,
 
     torch.manual_seed(0)
     base = ToyLlama(CFG).to(device)
-    base.checkpoint_blocks = mode.endswith("_ac")
+    base.checkpoint_blocks = "_ac" in mode
     ref_raw = type(base)(CFG).to(device)
     ref_raw.load_state_dict(base.state_dict())
     ref_raw.checkpoint_blocks = base.checkpoint_blocks
@@ -177,7 +179,7 @@ def main() -> int:
     ap.add_argument("--init-method", required=True)
     ap.add_argument("--backend", default="gloo")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--modes", default="ddp,fsdp2,fsdp2_ac,fsdp2_mp,fsdp2_head")
+    ap.add_argument("--modes", default="ddp,ddp_ac_unused,fsdp2,fsdp2_ac,fsdp2_mp,fsdp2_head")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()

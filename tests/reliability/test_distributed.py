@@ -20,7 +20,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = HERE / "_dist_worker.py"
-MODES = ("ddp", "fsdp2", "fsdp2_ac", "fsdp2_mp", "fsdp2_head")
+MODES = ("ddp", "ddp_ac_unused", "fsdp2", "fsdp2_ac", "fsdp2_mp", "fsdp2_head")
 STEPS = 3
 
 
