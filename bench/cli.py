@@ -54,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-write", action="store_true", help="print only; write no files")
     p.add_argument("--quiet", action="store_true", help="no progress indicator")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice); 1 is steadier on a shared, busy machine")
+                   help="torch intra-op threads; default 1 on CPU (a bench on a shared machine with 2+ threads "
+                        "waits on descheduled workers: step-time spread then exceeds the median), torch's own "
+                        "choice on GPU; 0 = torch's own choice")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="list presets and strategies, then exit")
     return p.parse_args(argv)
@@ -117,23 +119,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print(_list())
         return 0
-    if args.threads is not None:
-        if args.threads < 1:
-            print(f"python -m bench: --threads={args.threads} must be >= 1", file=sys.stderr)
-            return 2
-        torch.set_num_threads(args.threads)
     try:
         cfg = config_from_args(args)
     except ValueError as e:
         print(f"python -m bench: {e}", file=sys.stderr)
         return 2
+    threads = args.threads if args.threads is not None else (1 if cfg.device == "cpu" else 0)
+    if threads < 0:
+        print(f"python -m bench: --threads={threads} must be >= 0 (0 = torch's own choice)", file=sys.stderr)
+        return 2
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        _run(cfg, args, argv)
+    finally:
+        torch.set_num_threads(before)  # main() is also called in-process (tests)
+    return 0
+
+
+def _run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None) -> BenchResult:
     meta = run_metadata(cfg.device, argv if argv is not None else sys.argv[1:])
     ceiling = None if args.no_probe else measure_ceiling(cfg.device)
-    result: BenchResult = run_bench(cfg, meta, ceiling)
+    result = run_bench(cfg, meta, ceiling)
     result.targets = to_jsonable(evaluate_targets(result))
     print(format_tables(result))
     if not args.no_write:
         out_dir = args.out if args.out is not None else results_dir(cfg.device)
         for path in write_all(result, out_dir, plot=not args.no_plot):
             print(f"wrote {path}")
-    return 0
+    return result

@@ -35,7 +35,7 @@ import psutil
 import torch
 
 from bench.model import ToyLlama, make_batch
-from bench.results import BenchResult, Correctness, EngineStats, StepTimes, StrategyResult
+from bench.results import BenchResult, Correctness, EngineStats, StrategyResult
 from bench.strategies import STRATEGIES, BenchEnv, Prepared, Skip, StrategySpec
 from bench.workloads import Workload
 
@@ -53,7 +53,8 @@ class BenchConfig:
     workload: Workload
     """Model shape and batch geometry."""
     strategies: tuple[str, ...]
-    """Strategy names, run in this order (``none`` is moved first: it is the correctness reference)."""
+    """Strategy names, run in this order (``none`` is moved first: its first measured step is the
+    correctness reference). Interleaved rounds rotate the order by one each round."""
     device: str = "cpu"
     """``"cpu"`` or ``"cuda"``."""
     steps: int = 20
@@ -351,6 +352,11 @@ class _Bench:
             r.static = static if r.static is None else max(r.static, static)
             r.peak_alloc = max(r.peak_alloc, torch.cuda.max_memory_allocated(self.device))
             r.peak_reserved = max(r.peak_reserved, torch.cuda.max_memory_reserved(self.device))
+        if r.spec.name == "none" and self.reference is None:
+            # Every step computes the same loss and grads (no optimizer), so the first measured
+            # step of `none` is the reference for every other strategy's last step.
+            self.reference = (loss.detach().to("cpu", copy=True),
+                              [p.grad.detach().to("cpu", copy=True) for p in self.model.parameters()])
         if r.steps_done == self.cfg.steps:
             self.after_last_step(r, loss)
 
@@ -361,9 +367,7 @@ class _Bench:
     def after_last_step(self, r: _Runner, loss: torch.Tensor) -> None:
         """Correctness against ``none`` (grads still hold this step's values), then engine stats."""
         grads = [p.grad for p in self.model.parameters()]
-        if r.spec.name == "none":
-            self.reference = (loss.detach().to("cpu", copy=True), [g.detach().to("cpu", copy=True) for g in grads])
-        elif self.reference is not None:
+        if r.spec.name != "none" and self.reference is not None:
             r.result.correctness = _compare(self.reference, loss, grads)
         r.result.loss = float(loss)
         engine = r.prepared.engine if r.prepared is not None else None
@@ -453,8 +457,10 @@ def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None) -> Be
                 bench.step(r, measure=False)
         for r in together:
             bench.begin_measuring(r)
-        for _ in range(cfg.steps):
-            for r in together:
+        for i in range(cfg.steps):
+            # Rotate who goes first each round, so no strategy always follows the same neighbour.
+            k = i % len(together) if together else 0
+            for r in together[k:] + together[:k]:
                 bench.step(r, measure=True)
         for r in together:
             bench.finish(r)

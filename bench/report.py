@@ -53,7 +53,7 @@ def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:
 
 def _rows_engine(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     head = ["strategy", "packed MiB", "offloaded MiB", "kept MiB (by reason)", "D2H GB/s", "H2D GB/s",
-            "of ceiling", "exposed copy ms", "pool allocs after warm-up", "host / offloaded"]
+            "of ceiling", "exposed copy ms (mean)", "pool allocs after warm-up", "host / offloaded"]
     ceil = result.ceiling
     rows = []
     for s in result.strategies:
@@ -122,6 +122,8 @@ def _header(result: BenchResult) -> list[str]:
         f"device {m.get('device_name')} | torch {m.get('torch')} | {m.get('torch_threads')} threads | "
         f"{m.get('steps')} measured steps after {m.get('warmup')} warm-up, {m.get('order')} | commit {m.get('git_commit')}",
     ]
+    if m.get("order") == "interleaved":
+        lines.append("ratios (x none, x ac) are medians of per-round paired step-time ratios")
     if m.get("loadavg_1m_at_start") is not None:
         lines.append(f"machine load (1-min avg) at start {m.get('loadavg_1m_at_start')}, at end "
                      f"{m.get('loadavg_1m_at_end')} on {m.get('cpu_count')} CPUs")
@@ -158,6 +160,15 @@ def format_tables(result: BenchResult) -> str:
 
 def write_json(result: BenchResult, path: Path) -> None:
     data = to_jsonable(result)
+    data["ratios"] = {
+        s.name: {
+            "time_x_none": result.time_ratio(s.name, "none"),
+            "time_x_ac": result.time_ratio(s.name, "ac"),
+            "activation_x_none": result.activation_ratio(s.name, "none"),
+            "activation_x_ac": result.activation_ratio(s.name, "ac"),
+        }
+        for s in result.strategies if s.ok
+    }
     if not data.get("targets"):
         data["targets"] = to_jsonable(evaluate_targets(result))
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -200,11 +211,22 @@ def write_png(result: BenchResult, path: Path) -> bool:
         return False
     pts = [s for s in result.strategies if s.ok and s.activation_bytes is not None and s.times.n]
     fig, ax = plt.subplots(figsize=(7.5, 5))
+    labels: list[tuple[float, float, list[str]]] = []  # points that nearly coincide share one label
+    xs = [s.activation_bytes / _MiB for s in pts] or [0.0]
+    ys = [s.median_s * 1e3 for s in pts] or [0.0]
+    dx, dy = 0.02 * (max(xs) - min(xs) or 1.0), 0.02 * (max(ys) - min(ys) or 1.0)
     for s in pts:
         x, y = s.activation_bytes / _MiB, s.median_s * 1e3
         lo, hi = s.times.p25_s * 1e3, s.times.p75_s * 1e3
         ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=3)
-        ax.annotate(s.name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        for lx, ly, names in labels:
+            if abs(lx - x) <= dx and abs(ly - y) <= dy:
+                names.append(s.name)
+                break
+        else:
+            labels.append((x, y, [s.name]))
+    for x, y, names in labels:
+        ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     wl = result.workload
     ax.set_xlabel("activation memory (MiB)")
     ax.set_ylabel("step time, median (ms; bars: IQR)")

@@ -218,10 +218,17 @@ class BenchResult:
         return None
 
     def time_ratio(self, name: str, base: str) -> float | None:
-        """Median step time of ``name`` / median step time of ``base`` (None if either did not run)."""
+        """Step time of ``name`` relative to ``base`` (None if either did not run).
+
+        Interleaved runs (one step of each strategy per round) give the median of the per-round
+        ratios: pairing steps taken seconds apart cancels the load drift of a shared machine.
+        Sequential runs give the ratio of the medians.
+        """
         a, b = self.get(name), self.get(base)
         if not a or not b or not a.ok or not b.ok or not a.times.n or not b.times.n:
             return None
+        if self.meta.get("order") == "interleaved" and a.times.n == b.times.n:
+            return statistics.median(x / y for x, y in zip(a.times.seconds, b.times.seconds))
         return a.median_s / b.median_s
 
     def activation_ratio(self, name: str, base: str) -> float | None:

@@ -27,7 +27,9 @@ GPU_ONLY = ["trl", "torchtune", "compile", "compile_offload"]
 @pytest.fixture(scope="module")
 def micro_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
+    threads = torch.get_num_threads()
     assert cli.main(MICRO + ["--device", "cpu", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads  # the bench's 1-thread default does not leak
     (json_path,) = out.glob("*.json")
     return out, json.loads(json_path.read_text())
 
@@ -104,6 +106,16 @@ def test_step_times_properties():
     assert t.median_s == 2.5 and t.min_s == 1.0 and t.max_s == 4.0
     assert t.p25_s == pytest.approx(1.75) and t.p75_s == pytest.approx(3.25) and t.iqr_s == pytest.approx(1.5)
     assert math.isnan(StepTimes().median_s)
+
+
+def test_time_ratio_pairs_rounds_when_interleaved():
+    """Interleaved runs compare step i with step i (load drift cancels); sequential runs compare medians."""
+    a = StrategyResult(name="a", description="", status="ok", times=StepTimes([1.0, 2.0, 4.0]))
+    b = StrategyResult(name="b", description="", status="ok", times=StepTimes([1.0, 1.0, 4.0]))
+    inter = BenchResult(meta={"order": "interleaved"}, workload={}, ceiling=None, strategies=[a, b])
+    seq = BenchResult(meta={"order": "sequential"}, workload={}, ceiling=None, strategies=[a, b])
+    assert inter.time_ratio("a", "b") == 1.0  # median of (1, 2, 1)
+    assert seq.time_ratio("a", "b") == 2.0  # 2.0 / 1.0
 
 
 def _fake_result(device: str, **ratios: float) -> BenchResult:
