@@ -2,9 +2,9 @@
 
 Modes: ddp; ddp with activation checkpointing and find_unused_parameters;
 fsdp2; fsdp2 with activation checkpointing; fsdp2 with bf16 mixed precision;
-fsdp2 through get_act_offloading_ctx_manager (head excluded). For each, it trains a ToyLlama twin pair for a few
-SGD steps, one with the forward inside ``OffloadActivations`` and one without,
-and writes what it saw to ``<out>/result_rank<r>.json`` for the test to judge:
+fsdp2 through get_act_offloading_ctx_manager (head excluded). For each, it
+trains a ToyLlama twin pair for a few SGD steps, one with the forward inside
+``OffloadActivations`` and one without, and writes what it saw to ``<out>/result_rank<r>.json`` for the test to judge:
 loss/grad/param mismatches, parameter-like tensors that were offloaded, the
 ledger summary, and the per-rank ledger (and MemProfiler, when present) files.
 
