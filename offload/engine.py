@@ -154,7 +154,7 @@ class _HostCopy:
     """
 
     __slots__ = ("buf", "pool", "lo", "nbytes", "d2h", "prefetched", "held", "users", "used",
-                 "key", "version", "base_ref", "__weakref__")
+                 "key", "version", "base_ref", "release", "__weakref__")
 
     def __init__(self, buf: HostBuffer, pool: HostPool, lo: int, nbytes: int) -> None:
         self.buf = buf
@@ -168,12 +168,18 @@ class _HostCopy:
         self.held: tuple[torch.UntypedStorage, Copy] | None = None
         self.users = 0
         self.used = 0
+        # backend.release_after, to order a never-consumed prefetch's
+        # allocation stream after its copy when this dies (Rule 4).
+        self.release: Callable[[Copy, Any], None] | None = None
         self.key: tuple[str, int] | None = None
         self.version = 0
         self.base_ref: weakref.ref | None = None
 
     def __del__(self) -> None:
         try:
+            if self.prefetched is not None and self.release is not None:
+                copy = self.prefetched[1]
+                self.release(copy, copy.stream)
             self.pool.give(self.buf)
         except Exception:  # interpreter shutdown: nothing left to return to
             pass
@@ -369,8 +375,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._stash_bytes = 0
         self._order: list[weakref.ref] = []
         self._dedupe: dict[tuple[str, int], weakref.ref] = {}
-        self._prefetched: list[_HostCopy] = []
-        self._touched: list[_HostCopy] = []
+        # Weak: a failed backward never reaches _end_of_backward, and these
+        # must not keep host copies (or reloaded device bytes) alive after the
+        # graph is freed.
+        self._prefetched: list[weakref.ref] = []
+        self._touched: list[weakref.ref] = []
         self._prefetched_bytes = 0
         self._last_graph_task = -1
         self._process = psutil.Process()
@@ -392,6 +401,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             self._static_ptrs = {
                 policy.storage_ptr(t) for t in itertools.chain(model.parameters(), model.buffers())
             }
+        if self._last_graph_task != -1 and _torch_private.graph_task_id() == -1:
+            # A backward pass began but never finished (it raised): autograd
+            # skips end-of-backward callbacks then, so clean up here.
+            self._end_of_backward()
         self._poll_stash()
         _engines().append(self)
         super().__enter__()
@@ -535,6 +548,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 rec.reason = policy.HOST_BUDGET
                 return None
             hc = _HostCopy(buf, self.pool, lo_b, nbytes)
+            hc.release = self._backend.release_after
             hc.key = key
             hc.version = t._version
             hc.base_ref = weakref.ref(base)
@@ -673,7 +687,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             out.record_stream(consumer)  # Rule 4: consumed on another stream than allocated
         with self._lock:
             if hc.used == 0:
-                self._touched.append(hc)
+                self._touched.append(weakref.ref(hc))
             hc.used += 1
             # Keep the bytes on the device until every sibling view has been
             # unpacked once, instead of reloading the storage per view.
@@ -725,14 +739,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                     break
                 hc.prefetched = self._load(hc, h.rec)
                 self._prefetched_bytes += hc.nbytes
-                self._prefetched.append(hc)
+                self._prefetched.append(weakref.ref(hc))
 
     def _end_of_backward(self) -> None:
         """Close the ledger step, release sources and unused prefetches (Rule 1, 2)."""
         with self._lock:
             self._drain_stash()
-            for hc in self._prefetched:
-                if hc.prefetched is not None:
+            for ref in self._prefetched:
+                hc = ref()
+                if hc is not None and hc.prefetched is not None:
                     # Never consumed: the block goes back to its allocation
                     # stream's pool, so order that stream after the H2D write
                     # before dropping it (Rule 4).
@@ -741,9 +756,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                     hc.prefetched = None
             self._prefetched.clear()
             self._prefetched_bytes = 0
-            for hc in self._touched:
-                hc.held = None  # consumed (waited on) by compute: safe to drop
-                hc.used = 0
+            for ref in self._touched:
+                hc = ref()
+                if hc is not None:
+                    hc.held = None  # consumed (waited on) by compute: safe to drop
+                    hc.used = 0
             self._touched.clear()
             self._order = [r for r in self._order if r() is not None]
             for i, r in enumerate(self._order):
@@ -760,6 +777,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 dev_peak = int(torch.accelerator.max_memory_allocated(self.device))
             except Exception:
                 dev_peak = None
+        self.pool.trim()
         self.ledger.close_step(
             pool=self.pool.stats(),
             host_rss_bytes=self._process.memory_info().rss,

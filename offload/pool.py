@@ -62,6 +62,8 @@ class HostPool:
         self._pin_failures = 0
         self._evictions = 0
         self._received_bytes = 0
+        self._window_peak_in_use = 0
+        self._trimmed = 0
 
     # -- allocation -------------------------------------------------------
 
@@ -116,6 +118,7 @@ class HostPool:
                 self._peak_reserved = max(self._peak_reserved, self._reserved)
             self._in_use += nbytes
             self._peak_in_use = max(self._peak_in_use, self._in_use)
+            self._window_peak_in_use = max(self._window_peak_in_use, self._in_use)
             self._received_bytes += nbytes
             return buf
 
@@ -131,6 +134,30 @@ class HostPool:
             self._in_use -= buf.nbytes
             self._free.setdefault(buf.nbytes, []).append(buf)
             self._free.move_to_end(buf.nbytes)
+
+    def trim(self) -> int:
+        """Release free buffers, least recently returned sizes first, until the
+        reserved bytes are no more than the peak in use since the last trim.
+
+        The engine calls this at the end of every step: a static-shape loop
+        loses nothing (every free buffer is reused next step), while a loop with
+        changing shapes cannot accumulate one buffer set per shape ever seen.
+        Returns the bytes released.
+        """
+        with self._lock:
+            target = max(self._window_peak_in_use, self._in_use)
+            released = 0
+            while self._reserved > target and self._free:
+                size, bufs = next(iter(self._free.items()))
+                buf = bufs.pop()
+                if not bufs:
+                    del self._free[size]
+                self._reserved -= buf.nbytes
+                released += buf.nbytes
+                self._release(buf)
+            self._trimmed += released
+            self._window_peak_in_use = self._in_use
+            return released
 
     def clear(self) -> None:
         """Release every free buffer (buffers in use stay valid)."""
@@ -163,6 +190,7 @@ class HostPool:
                 "reuses": self._reuses,
                 "pin_failures": self._pin_failures,
                 "evictions": self._evictions,
+                "trimmed_bytes": self._trimmed,
                 "received_bytes": self._received_bytes,
                 "capacity_bytes": self.capacity_bytes,
             }

@@ -128,11 +128,6 @@ def _fail_in_backward(model, ctx) -> None:
     assert "injected" in msg
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: after a backward that raises, the handles prefetched for it stay referenced by "
-    "OffloadActivations._prefetched (cleared only by the end-of-backward callback, which autograd "
-    "skips on error), so their host buffers and reloaded device tensors live until the next "
-    "successful backward"))
 def test_exception_in_backward_releases_everything():
     """A custom Function raising in backward leaves nothing in use once the graph is collected."""
     model = make_model()

@@ -128,11 +128,6 @@ def test_long_run_gpu_1000_steps():
         run_long(1000, torch.device("cuda"), warmup=100)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: with no host_budget_bytes (the default) the exact-size pool keeps a free buffer "
-    "for every size it has ever seen and never trims; with a new sequence length most steps, "
-    "reserved host memory grows with the number of distinct lengths (measured 41 MiB after 50 "
-    "steps, 90 MiB after 300, for a 1.7 MiB peak in use) until virtual_memory_safe_pct stops it"))
 def test_default_pool_stays_near_peak_use_with_new_lengths():
     """Default settings, a new sequence length most steps: pool reserved bytes stay within 2x the
     peak bytes in use (DESIGN: host footprint <= 1.05x peak offloaded bytes)."""
