@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="measured steps per strategy (CPU 20, GPU 6)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per strategy (CPU 2, GPU 2)")
     p.add_argument("--strategies", default="all", help=f"comma list or 'all' ({','.join(DEFAULT_ORDER)})")
+    p.add_argument("--skip", default="", help="comma list of strategies to leave out (e.g. compile,compile_offload)")
     p.add_argument("--order", choices=("interleaved", "sequential"), default=None,
                    help="interleave strategies step by step (CPU default) or run them one after another (GPU)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
@@ -90,6 +91,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         names = DEFAULT_ORDER
     else:
         names = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = sorted(skip - set(STRATEGIES))
+    if unknown:
+        raise ValueError(f"--skip names unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
+    names = tuple(n for n in names if n not in skip)
     return BenchConfig(
         workload=wl,
         strategies=names,

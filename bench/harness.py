@@ -314,6 +314,11 @@ class _Bench:
                 prepared.close()
             except Exception:
                 traceback.print_exc(file=sys.stderr)
+        pool = getattr(getattr(prepared, "engine", None), "pool", None)
+        if pool is not None:
+            # Hand the engine's host buffers back now (pinned ones are unregistered properly)
+            # rather than leaving them to garbage collection while the next strategy runs.
+            pool.clear()
         del prepared
         gc.collect()
         if self.device.type == "cuda":

@@ -53,7 +53,7 @@ def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:
 
 def _rows_engine(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     head = ["strategy", "packed MiB", "offloaded MiB", "kept MiB (by reason)", "D2H GB/s", "H2D GB/s",
-            "of ceiling", "exposed copy ms (mean)", "pool allocs after warm-up", "host / offloaded"]
+            "of ceiling", "exposed copy ms (mean)", "pool allocs after warm-up", "pool reserved / peak held"]
     ceil = result.ceiling
     rows = []
     for s in result.strategies:

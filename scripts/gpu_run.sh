@@ -12,6 +12,7 @@
 #   tests   PYTHONPATH=. pytest -m gpu over the whole tests/ tree -> gpu_tests.xml (junit) + gpu_tests.txt
 #   probe   python -m bench.probe: pinned/pageable H2D/D2H, 1 MB-1 GB, alone and under a matmul -> probe.json
 #   1b 3b   python -m bench --preset 1b|3b (s=4096, bf16)             -> <run_id>.json/.md/.png
+#           (compile and compile_offload run on 1b only unless COMPILE_ALL=1)
 #   8b      python -m bench --preset 8b --seq 4096 (as many h=4096 blocks as fit)
 #   8b-8k   python -m bench --preset 8b --seq 8192
 # Everything goes to bench/results/<device-slug>/ (plus gpu_run.log). When $OUT is set (the device
@@ -40,6 +41,10 @@ mkdir -p "$RES"
 LOG="$RES/gpu_run.log"
 STEP_ARGS=()
 [ -n "${STEPS:-}" ] && STEP_ARGS=(--steps "$STEPS")
+# The compiled strategies run on 1b only: compiling 16-32 unrolled h>=3072 blocks twice would
+# take minutes of each 10-minute device call. COMPILE_ALL=1 keeps them everywhere.
+NOCOMPILE="--skip compile,compile_offload"
+[ -n "${COMPILE_ALL:-}" ] && NOCOMPILE=""
 
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(tests probe 1b 3b 8b 8b-8k)
@@ -72,9 +77,9 @@ for ph in "${phases[@]}"; do
       [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && status=$rc ;;
     probe) phase probe "$PY" -m bench.probe --out "$RES" ;;
     1b)    phase 1b "$PY" -m bench --device cuda --preset 1b --out "$RES" "${STEP_ARGS[@]}" ;;
-    3b)    phase 3b "$PY" -m bench --device cuda --preset 3b --out "$RES" "${STEP_ARGS[@]}" ;;
-    8b)    phase 8b "$PY" -m bench --device cuda --preset 8b --seq 4096 --out "$RES" "${STEP_ARGS[@]}" ;;
-    8b-8k) phase 8b-8k "$PY" -m bench --device cuda --preset 8b --seq 8192 --out "$RES" "${STEP_ARGS[@]}" ;;
+    3b)    phase 3b "$PY" -m bench --device cuda --preset 3b --out "$RES" $NOCOMPILE "${STEP_ARGS[@]}" ;;
+    8b)    phase 8b "$PY" -m bench --device cuda --preset 8b --seq 4096 --out "$RES" $NOCOMPILE "${STEP_ARGS[@]}" ;;
+    8b-8k) phase 8b-8k "$PY" -m bench --device cuda --preset 8b --seq 8192 --out "$RES" $NOCOMPILE "${STEP_ARGS[@]}" ;;
     *) echo "gpu_run.sh: unknown phase '$ph' (phases: tests probe 1b 3b 8b 8b-8k)" | tee -a "$LOG"; status=2 ;;
   esac
 done
