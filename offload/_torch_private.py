@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["graph_task_id", "queue_end_of_backward", "register_host_memory", "unregister_host_memory"]
+__all__ = ["neg_view", "graph_task_id", "queue_end_of_backward", "register_host_memory", "unregister_host_memory"]
 
 
 def graph_task_id() -> int:
@@ -55,3 +55,13 @@ def unregister_host_memory(t: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
     except Exception:
         pass
+
+
+def neg_view(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t`` with the lazy negation bit set (the inverse of resolving it).
+
+    Why private: a saved tensor can carry the neg bit (e.g. the imaginary part
+    of a conjugate view); the engine copies raw storage bytes, so it must set
+    the bit again on the reloaded view, and only ``torch._neg_view`` does that.
+    """
+    return torch._neg_view(t)

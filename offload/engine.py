@@ -200,7 +200,7 @@ class _Offloaded:
     """Handle returned by pack for an offloaded tensor."""
 
     __slots__ = ("hc", "shape", "stride", "offset", "dtype", "device", "version", "base_ref",
-                 "rec", "index", "stash", "__weakref__")
+                 "rec", "index", "stash", "conj", "neg", "__weakref__")
 
     def unpack(self, engine: "OffloadActivations") -> torch.Tensor:
         return engine._reload(self)
@@ -577,6 +577,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         h.offset = (t.storage_offset() * es - hc.lo) // es
         h.dtype = t.dtype
         h.device = t.device
+        # Lazy conj/neg bits live on the view, not in the bytes (Rule 5).
+        h.conj = t.is_conj()
+        h.neg = t.is_neg()
         h.version = t._version
         h.base_ref = weakref.ref(base)
         h.rec = rec
@@ -682,6 +685,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             storage = dev.untyped_storage()
         self._wait(copy)
         out = torch.empty(0, dtype=h.dtype, device=h.device).set_(storage, h.offset, h.shape, h.stride)
+        if h.conj:
+            out = out.conj()
+        if h.neg:
+            out = _torch_private.neg_view(out)
         consumer = self._backend.current_stream()
         if consumer is not None and copy.stream is not None and consumer != copy.stream:
             out.record_stream(consumer)  # Rule 4: consumed on another stream than allocated
