@@ -370,6 +370,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._lock = threading.RLock()
         self._static_ptrs: set[int] = set()
         self._excluded_depth = 0
+        self._regions: list[Any] = []
         self._exit_stack: list[Any] = []
         self._stash: deque[_StashEntry] = deque()
         self._stash_bytes = 0
@@ -785,6 +786,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             except Exception:
                 dev_peak = None
         self.pool.trim()
+        if self._regions:
+            from .regions import warn_unused_regions
+
+            warn_unused_regions(self)
         self.ledger.close_step(
             pool=self.pool.stats(),
             host_rss_bytes=self._process.memory_info().rss,

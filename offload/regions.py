@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "NoOpManager",
     "RegionHandle",
     "exclude_module",
+    "warn_unused_regions",
     "find_output_head",
     "get_act_offloading_ctx_manager",
 ]
@@ -64,8 +66,17 @@ class NoOpManager(torch.autograd.graph.saved_tensors_hooks):
 class RegionHandle:
     """Removable handle of an excluded module (``remove()`` undoes it; idempotent)."""
 
-    def __init__(self, handles: list[Any]) -> None:
+    def __init__(self, handles: list[Any], name: str = "") -> None:
         self._handles = handles
+        self.name = name
+        """Class name of the excluded module (for messages)."""
+        self.fired = 0
+        """How many times the excluded module's forward has started."""
+        self.warned = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -87,17 +98,59 @@ def exclude_module(engine: "OffloadActivations", module: nn.Module) -> RegionHan
             "To exclude a code region rather than a module, use `with ctx.excluded():`."
         )
 
-    def pre(mod: nn.Module, args: Any) -> None:
-        engine._excluded_depth += 1
+    # Under a whole-model torch.compile, the engine's hooks only see the saved
+    # tensors after the compiled region ran, so a counter bumped while tracing
+    # would exclude nothing. Disabling dynamo on these two hooks makes the
+    # compiler break the graph around the excluded module: its saved tensors
+    # are then packed while the region is still marked (two graph breaks,
+    # around the output head by default, in exchange for correct accounting).
+    # The hooks hold the engine weakly and are removed when it dies: a context
+    # rebuilt every step must not pin old engines (and their host pools).
+    eng_ref = weakref.ref(engine)
 
+    @torch._dynamo.disable
+    def pre(mod: nn.Module, args: Any) -> None:
+        eng = eng_ref()
+        if eng is not None:
+            eng._excluded_depth += 1
+            handle.fired += 1
+
+    @torch._dynamo.disable
     def post(mod: nn.Module, args: Any, out: Any) -> None:
-        engine._excluded_depth -= 1
+        eng = eng_ref()
+        if eng is not None:
+            eng._excluded_depth -= 1
 
     # always_call: the depth is restored even when the module's forward raises.
-    return RegionHandle([
+    handle = RegionHandle([
         module.register_forward_pre_hook(pre),
         module.register_forward_hook(post, always_call=True),
-    ])
+    ], name=type(module).__name__)
+    engine._regions.append(handle)
+    weakref.finalize(engine, handle.remove)
+    return handle
+
+
+def warn_unused_regions(engine: "OffloadActivations") -> None:
+    """Warn once per excluded module whose forward never ran while the engine packed.
+
+    The usual cause is a model compiled as a whole before the exclusion was
+    registered: its cached graph does not run the new hooks, so the module's
+    tensors are offloaded like the rest. Silence would hide exactly that.
+    """
+    for h in engine._regions:
+        if h.active and h.fired == 0 and not h.warned:
+            h.warned = True
+            warnings.warn(
+                f"OffloadActivations.exclude({h.name}): a step finished without that module's "
+                "forward running under the engine, so nothing was excluded. If the model is "
+                "torch.compile'd as a whole and was run before the exclusion was registered, its "
+                "cached graph skips the exclusion hooks and the module's activations are offloaded. "
+                "Fix: create the offload context (get_act_offloading_ctx_manager) before the first "
+                "compiled call, or compile the blocks individually.",
+                stacklevel=2,
+            )
+    engine._regions = [h for h in engine._regions if h.active]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
