@@ -31,10 +31,16 @@ silently turn offloading off. The rules, which the code cites as "Rule N":
 5. A step ends when a backward pass finishes that used the tracker's own hooks
    or any engine it observed (the engine closes its ledger step then); the
    next pack opens a new step. ``step()`` ends one explicitly.
+6. Trackers shadow each other the same way, so a tracker entered while
+   another tracker's hooks are innermost (and no engine is active) joins
+   those hooks instead of installing its own: each pack reaches every active
+   tracker once. (A tracker with user pack/unpack functions installs its own
+   hooks, which forward to the trackers below them.)
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -51,6 +57,9 @@ from .errors import ProfilingError
 from .report import format_table, plot_series, write_json
 
 __all__ = ["PackedBytesTracker"]
+
+_tls = threading.local()
+"""Per thread: ``owner``, the tracker whose saved_tensors_hooks are innermost (Rule 6)."""
 
 @dataclass(slots=True)
 class _Counts:
@@ -183,6 +192,7 @@ class PackedBytesTracker:
         self._bw_epoch = 0
         self._seen_epoch = 0
         self._cb_pending = False
+        self._listeners: list[PackedBytesTracker] = [self]
         self._max_steps_kept = max_steps_kept
         self.reset()
 
@@ -199,9 +209,16 @@ class PackedBytesTracker:
             handle = _engine.add_pack_observer(self._on_engine_pack)  # Rule 1
             stack.callback(handle.remove)
             if _engine.active_engine() is None:  # Rule 2
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-                self.own_hooks_installed = True
-                stack.callback(self._hooks_removed)
+                owner = getattr(_tls, "owner", None)
+                if owner is not None and self._user_pack is None:  # Rule 6: share its hooks
+                    owner._listeners.append(self)
+                    stack.callback(owner._listeners.remove, self)
+                else:
+                    self._listeners = [*(owner._listeners if owner is not None else ()), self]
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+                    self.own_hooks_installed = True
+                    _tls.owner = self
+                    stack.callback(self._hooks_removed, owner)
         except BaseException:
             stack.close()
             raise
@@ -214,8 +231,9 @@ class PackedBytesTracker:
         if stack is not None:
             stack.close()
 
-    def _hooks_removed(self) -> None:
+    def _hooks_removed(self, previous_owner: PackedBytesTracker | None) -> None:
         self.own_hooks_installed = False
+        _tls.owner = previous_owner
 
     @property
     def active(self) -> bool:
@@ -233,15 +251,18 @@ class PackedBytesTracker:
 
     # ------------------------------------------------------------------- hooks
     def _pack(self, t: torch.Tensor) -> _Saved:
-        self._record(t, _engine.current_module_name(), via_engine=False)
+        module = _engine.current_module_name()
+        for tracker in self._listeners:  # this tracker, and any that share its hooks (Rule 6)
+            tracker._record(t, module, via_engine=False)
         if self._user_pack is not None:
             return _Saved(None, 0, self._user_pack(t))
         return _Saved(t, t._version, None)
 
     def _unpack(self, saved: _Saved) -> torch.Tensor:
-        if self.auto_step and not self._cb_pending:
+        if not self._cb_pending and any(tr.auto_step for tr in self._listeners):
             try:
-                queue_end_of_backward(self._on_backward_end)
+                listeners = list(self._listeners)
+                queue_end_of_backward(lambda: [tr._on_backward_end() for tr in listeners])
                 self._cb_pending = True
             except RuntimeError:  # unpacked outside backward (e.g. grad_fn._saved_*): no step end
                 pass

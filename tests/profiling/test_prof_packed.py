@@ -226,3 +226,43 @@ def test_unique_bytes_survive_address_reuse():
     y.sum().backward()
     assert alone.unique_bytes == 6 * 256 * 256 * F32
     assert observed.unique_bytes == alone.unique_bytes
+
+
+def test_nested_trackers_both_count(mlp):
+    """A tracker entered inside another (no engine) shares its hooks: both count every pack once."""
+    x = MLP.batch()
+    with PackedBytesTracker() as outer:
+        mlp(x).sum().backward()
+        with PackedBytesTracker() as inner:
+            assert not inner.own_hooks_installed
+            mlp(x).sum().backward()
+        mlp(x).sum().backward()
+    assert outer.logical_bytes == 3 * MLP.LOGICAL and [s["logical_bytes"] for s in outer.steps()] == [MLP.LOGICAL] * 3
+    assert inner.logical_bytes == MLP.LOGICAL and inner.summary()["steps"] == 1
+
+
+def test_memprofiler_inside_a_user_tracker(tmp_path, mlp):
+    """A MemProfiler window inside a user's tracker does not hide packs from the user's tracker."""
+    from profiling import MemProfiler, MemProfilerCfg
+
+    prof = MemProfiler(MemProfilerCfg(enabled=True, save_dir=tmp_path), mlp)
+    x = MLP.batch()
+    with PackedBytesTracker() as user:
+        for _ in range(3):
+            with prof.profile("training_step"):
+                mlp(x).sum().backward()
+    assert user.logical_bytes == 3 * MLP.LOGICAL
+    assert prof.memory_stats["0.training_step.2.end"]["npp_diff"] == MLP.LOGICAL
+
+
+def test_user_hooks_inside_a_tracker_forward(mlp):
+    """A tracker with user hooks inside another installs its own hooks and still feeds the outer one."""
+    seen = []
+    x = MLP.batch()
+    with PackedBytesTracker() as outer:
+        with PackedBytesTracker(pack_hook=lambda t: seen.append(1) or t, unpack_hook=lambda t: t) as inner:
+            assert inner.own_hooks_installed
+            mlp(x).sum().backward()
+        mlp(x).sum().backward()
+    assert len(seen) == 4 and inner.logical_bytes == MLP.LOGICAL
+    assert outer.logical_bytes == 2 * MLP.LOGICAL
