@@ -336,6 +336,11 @@ class _Bench:
         if cuda and measure:
             static = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        # Start each timed step with a fresh collector: several engines (and their ledgers) are alive
+        # at once here, which a training process never has, and a full collection over all of them
+        # would land on whichever strategy happened to trigger it. Young-generation collections
+        # caused by a strategy's own allocations still count against it.
+        gc.collect()
         try:
             t0 = time.perf_counter()
             loss = r.prepared.step()
