@@ -65,7 +65,7 @@ def run_metadata(device: str | torch.device, argv: list[str] | None = None) -> d
     dev = torch.device(device)
     meta: dict[str, Any] = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
         "git_commit": _git_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
