@@ -376,6 +376,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._stash_bytes = 0
         self._order: list[weakref.ref] = []
         self._dedupe: dict[tuple[str, int], weakref.ref] = {}
+        self._seen: dict[tuple[str, int], weakref.ref] = {}
         # Weak: a failed backward never reaches _end_of_backward, and these
         # must not keep host copies (or reloaded device bytes) alive after the
         # graph is freed.
@@ -496,9 +497,23 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if handle is None:
             handle = _Kept(t)
         counts_unique = rec.reason not in (policy.PARAMETER, policy.BUFFER, policy.UNSUPPORTED_TYPE)
-        self.ledger.add(rec, counts_unique)
+        self.ledger.add(rec, counts_unique and self._first_save_of_storage(t, key))
         self._notify(t, rec)
         return handle
+
+    def _first_save_of_storage(self, t: torch.Tensor, key: tuple[str, int]) -> bool:
+        """True the first time this step that ``t``'s storage is saved.
+
+        An address alone is not an identity: a freed source's address is
+        reused mid-forward. The first saver's base is held weakly, and the key
+        only matches while that base is alive and still on this storage.
+        """
+        ref = self._seen.get(key)
+        b = ref() if ref is not None else None
+        if b is not None and b.untyped_storage().data_ptr() == key[1]:
+            return False
+        self._seen[key] = weakref.ref(_base_of(t))
+        return True
 
     def _notify(self, t: torch.Tensor, rec: PackRecord) -> None:
         glob = _global_observers()
@@ -797,6 +812,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         )
         with self._lock:
             self._dedupe.clear()
+            self._seen.clear()
 
     def __repr__(self) -> str:
         return (

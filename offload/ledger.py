@@ -2,9 +2,15 @@
 
 Totals reconcile by construction: every pack adds exactly one record, which is
 either offloaded or kept, so ``packed = offloaded + kept`` for counts and
-bytes, and ``kept_bytes == sum(kept_by_reason.values())``. Offloaded bytes
-equal the bytes the host pool received (duplicates share a host copy and are
-recorded as kept with reason ``duplicate_storage``).
+logical bytes, and ``kept_bytes == sum(kept_by_reason.values())``.
+
+Two byte measures, on purpose: ``offloaded_bytes`` is logical (numel x
+element size of the tensors that moved), while ``d2h_bytes`` is what was
+copied, and equals what the host pool received. They differ because the
+engine copies the storage span a view can touch (the whole storage when the
+view covers at least half of it, so sibling views such as q, k, v of one
+fused projection share one copy); later saves of that storage are kept with
+reason ``duplicate_storage`` and move nothing.
 """
 
 from __future__ import annotations
@@ -130,7 +136,6 @@ class Ledger:
             self._closed = StepTotals(step=-1)
             self._open = StepTotals(step=0)
             self._open_used = False
-            self._seen_storages: set[int] = set()
             self._pending: list[tuple[PackRecord | None, str, Any, StepTotals]] = []
 
     # -- recording (called by the engine) ------------------------------------
@@ -139,12 +144,10 @@ class Ledger:
     def current_step(self) -> int:
         return self._open.step
 
-    def add(self, rec: PackRecord, counts_unique: bool) -> None:
+    def add(self, rec: PackRecord, new_storage: bool) -> None:
+        """Record one decision; ``new_storage`` adds its storage to ``unique_bytes``."""
         with self._lock:
-            new = counts_unique and rec.storage_key not in self._seen_storages
-            if new:
-                self._seen_storages.add(rec.storage_key)
-            self._open.add(rec, new)
+            self._open.add(rec, new_storage)
             self._open_used = True
             self.records.append(rec)
 
@@ -207,7 +210,6 @@ class Ledger:
             self._closed.merge(done)
             self._open = StepTotals(step=done.step + 1)
             self._open_used = False
-            self._seen_storages.clear()
             return done
 
     # -- reading -------------------------------------------------------------
