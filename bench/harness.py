@@ -277,7 +277,8 @@ class _Bench:
             model=self.model, tokens=tokens, targets=targets, device=self.device,
             engine_device="cpu" if self.device.type == "cpu" else None,
         )
-        self.reference: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self.references: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.reference_names = {spec.reference for spec in STRATEGIES.values()}
         self.process = psutil.Process()
 
     # -- lifecycle
@@ -362,11 +363,13 @@ class _Bench:
             r.static = static if r.static is None else max(r.static, static)
             r.peak_alloc = max(r.peak_alloc, torch.cuda.max_memory_allocated(self.device))
             r.peak_reserved = max(r.peak_reserved, torch.cuda.max_memory_reserved(self.device))
-        if r.spec.name == "none" and self.reference is None:
+        if r.spec.name in self.reference_names and r.spec.name not in self.references:
             # Every step computes the same loss and grads (no optimizer), so the first measured
             # step of `none` is the reference for every other strategy's last step.
-            self.reference = (loss.detach().to("cpu", copy=True),
-                              [p.grad.detach().to("cpu", copy=True) for p in self.model.parameters()])
+            self.references[r.spec.name] = (
+                loss.detach().to("cpu", copy=True),
+                [p.grad.detach().to("cpu", copy=True) for p in self.model.parameters()],
+            )
         if r.steps_done == self.cfg.steps:
             self.after_last_step(r, loss)
 
@@ -377,8 +380,9 @@ class _Bench:
     def after_last_step(self, r: _Runner, loss: torch.Tensor) -> None:
         """Correctness against ``none`` (grads still hold this step's values), then engine stats."""
         grads = [p.grad for p in self.model.parameters()]
-        if r.spec.name != "none" and self.reference is not None:
-            r.result.correctness = _compare(self.reference, loss, grads)
+        ref = self.references.get(r.spec.reference)
+        if r.spec.name != r.spec.reference and ref is not None:
+            r.result.correctness = _compare(ref, loss, grads, r.spec.reference)
         r.result.loss = float(loss)
         engine = r.prepared.engine if r.prepared is not None else None
         after = _ledger_summary(engine)
@@ -407,7 +411,7 @@ class _Bench:
 
 
 def _compare(reference: tuple[torch.Tensor, list[torch.Tensor]], loss: torch.Tensor,
-             grads: list[torch.Tensor | None]) -> Correctness:
+             grads: list[torch.Tensor | None], against: str = "none") -> Correctness:
     ref_loss, ref_grads = reference
     loss_cpu = loss.detach().cpu()
     loss_equal = torch.equal(loss_cpu, ref_loss)
@@ -420,7 +424,7 @@ def _compare(reference: tuple[torch.Tensor, list[torch.Tensor]], loss: torch.Ten
             diff = float((g_cpu.double() - ref.double()).abs().max())
             max_diff = max(max_diff, diff if math.isfinite(diff) else math.inf)
     return Correctness(loss_equal=loss_equal, grads_equal=grads_equal, grads_compared=len(ref_grads),
-                       max_abs_diff=max_diff)
+                       max_abs_diff=max_diff, against=against)
 
 
 # ------------------------------------------------------------------ the run

@@ -23,9 +23,10 @@ def _correct(s: StrategyResult) -> str:
     c = s.correctness
     if c is None:
         return "—"
+    vs = "" if c.against == "none" else f" vs {c.against}"
     if c.bitwise_equal:
-        return "bitwise"
-    return f"NO (max|d| {c.max_abs_diff:.1e})"
+        return "bitwise" + vs
+    return f"NO{vs} (max|d| {c.max_abs_diff:.1e})"
 
 
 def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:

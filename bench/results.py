@@ -70,7 +70,7 @@ class StepTimes:
 
 @dataclass
 class Correctness:
-    """Loss and every gradient compared with the ``none`` strategy by ``torch.equal``."""
+    """Loss and every gradient compared by ``torch.equal`` with the reference strategy's (``none``)."""
 
     loss_equal: bool
     grads_equal: bool
@@ -78,6 +78,8 @@ class Correctness:
     """Number of parameter gradients compared."""
     max_abs_diff: float
     """Largest |difference| over loss and grads (0.0 when bitwise equal)."""
+    against: str = "none"
+    """The strategy compared with (``compile`` for ``compile_offload``)."""
 
     @property
     def bitwise_equal(self) -> bool:

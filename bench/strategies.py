@@ -80,14 +80,19 @@ class StrategySpec:
     prepare: Callable[[BenchEnv], Prepared]
     group: str
     """``baseline``, ``ours``, ``control`` or ``peer``."""
+    reference: str = "none"
+    """Strategy whose loss and grads this one must equal bitwise (compiled ones: ``compile``)."""
 
 
 STRATEGIES: dict[str, StrategySpec] = {}
 
 
-def _strategy(name: str, group: str, description: str) -> Callable[[Callable[[BenchEnv], Prepared]], Callable]:
+def _strategy(
+    name: str, group: str, description: str, reference: str = "none"
+) -> Callable[[Callable[[BenchEnv], Prepared]], Callable]:
     def register(fn: Callable[[BenchEnv], Prepared]) -> Callable[[BenchEnv], Prepared]:
-        STRATEGIES[name] = StrategySpec(name=name, description=description, prepare=fn, group=group)
+        STRATEGIES[name] = StrategySpec(name=name, description=description, prepare=fn, group=group,
+                                        reference=reference)
         return fn
 
     return register
@@ -335,6 +340,7 @@ def compile_(env: BenchEnv) -> Prepared:
     "compile_offload",
     "peer",
     "Peer: PyTorch compile-time activation offloading (torch._functorch.config.enable_activation_offloading).",
+    reference="compile",  # compiled kernels round differently from eager; offloading must not
 )
 def compile_offload(env: BenchEnv) -> Prepared:
     _compile_gpu_only(env)
@@ -342,4 +348,5 @@ def compile_offload(env: BenchEnv) -> Prepared:
 
 
 DEFAULT_ORDER: tuple[str, ...] = tuple(STRATEGIES)
-"""All strategies, ``none`` first (its step is the correctness reference)."""
+"""All strategies, ``none`` first (its step is the correctness reference; ``compile`` is
+``compile_offload``'s and runs before it)."""

@@ -100,6 +100,28 @@ def test_micro_run_targets_cover_design(micro_run):
     assert verdicts[3] in ("PASS", "FAIL") and verdicts[4] in ("PASS", "FAIL")
 
 
+def test_sequential_order_runs_one_strategy_at_a_time():
+    """The GPU-default sequential order (one engine alive at a time, pools released) gives the same checks."""
+    wl = PRESETS["tiny"].replace(dim=64, n_heads=1, n_layers=1, seq_len=16, vocab_size=64)
+    cfg = BenchConfig(workload=wl, strategies=("offload_ac", "none", "offload"), steps=2, warmup=1,
+                      order="sequential", progress=False)
+    result = run_bench(cfg, {"device": "cpu"})
+    assert [s.name for s in result.strategies] == ["none", "offload_ac", "offload"]  # none moved first
+    for name in ("offload_ac", "offload"):
+        s = result.get(name)
+        assert s.ok and s.correctness.bitwise_equal and s.correctness.against == "none"
+        assert s.engine.pool_reserved_bytes > 0
+    assert result.meta["order"] == "sequential"
+
+
+def test_compiled_strategies_compare_with_compile():
+    """compile_offload is judged against compile (compiled kernels round differently from eager)."""
+    order = list(STRATEGIES)
+    assert STRATEGIES["compile_offload"].reference == "compile"
+    assert order.index("compile") < order.index("compile_offload")
+    assert all(spec.reference == "none" for n, spec in STRATEGIES.items() if n != "compile_offload")
+
+
 def test_step_times_properties():
     """Median, quartiles and spread are derived from the raw step times."""
     t = StepTimes([4.0, 1.0, 3.0, 2.0])
