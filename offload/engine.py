@@ -59,7 +59,7 @@ from . import _torch_private, policy
 from .errors import OffloadError, _internal_assert
 from .ledger import KEPT, OFFLOADED, Ledger, PackRecord
 from .modules import current_module_name, current_modules, track_modules
-from .pool import HostBuffer, HostPool
+from .pool import PIN_ALLOCATORS, HostBuffer, HostPool
 from .streams import Copy, make_backend
 
 __all__ = ["OffloadActivations", "PackEvent", "add_pack_observer", "active_engine"]
@@ -291,6 +291,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         dedupe: share one host copy between saves of the same storage.
         max_records: how many per-decision records the ledger retains.
         timing: time copies with device events (accelerators) or clocks (CPU).
+        pin_allocator: "caching" (default: torch's pinned allocator, which rounds
+            each block up to a power of two) or "exact" (CUDA: exact-size buffers
+            registered with cudaHostRegister; not yet validated on a GPU).
     """
 
     def __init__(
@@ -310,6 +313,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         dedupe: bool = True,
         max_records: int = 10_000,
         timing: bool = True,
+        pin_allocator: str = "caching",
     ) -> None:
         _check_int("max_fwd_stash_size", max_fwd_stash_size, 1,
                    "it bounds how many tensors may have a device-to-host copy in flight")
@@ -318,6 +322,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         _check_int("prefetch_bytes", prefetch_bytes, 0, "a size in bytes; 0 turns prefetch off")
         _check_int("host_budget_bytes", host_budget_bytes, 0, "a size in bytes", allow_none=True)
         _check_int("max_records", max_records, 0, "a count of records")
+        if pin_allocator not in PIN_ALLOCATORS:
+            raise ValueError(
+                f"OffloadActivations: pin_allocator={pin_allocator!r} is not one of "
+                f"{PIN_ALLOCATORS}: 'caching' uses PyTorch's pinned allocator, 'exact' registers "
+                "exact-size buffers with cudaHostRegister (no power-of-two rounding)."
+            )
         if on_host_budget not in _ON_HOST_BUDGET:
             raise ValueError(
                 f"OffloadActivations: on_host_budget={on_host_budget!r} is not a policy; "
@@ -358,6 +368,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             pin=bool(use_pin_memory and dev_type not in (None, "cpu")),
             capacity_bytes=host_budget_bytes,
             device_type=dev_type,
+            pin_allocator=pin_allocator,
         )
         """The host buffer pool (``pool.stats()`` for its counters)."""
         self.ledger = Ledger(max_records=max_records, pool_stats=self.pool.stats)

@@ -10,6 +10,7 @@ then does ``take`` report that the budget is full.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -17,7 +18,40 @@ import torch
 
 from . import _torch_private
 
-__all__ = ["HostPool", "HostBuffer"]
+__all__ = ["HostPool", "HostBuffer", "PIN_ALLOCATORS"]
+
+PIN_ALLOCATORS = ("caching", "exact")
+"""How pinned buffers are made: "caching" = torch.empty(pin_memory=True) (PyTorch's
+CachingHostAllocator, proven, but it rounds blocks up to a power of two);
+"exact" = page-aligned pageable memory registered with cudaHostRegister at the
+exact size (CUDA only; falls back to "caching" when registration fails)."""
+
+_PAGE = 4096
+
+
+def _unregister(raw: torch.Tensor) -> None:
+    # Runs when the buffer's memory is about to be freed. An async copy may
+    # still read it, and unregistering under one is undefined: wait first.
+    torch.cuda.synchronize()
+    _torch_private.unregister_host_memory(raw)
+
+
+def _registered_buffer(nbytes: int) -> HostBuffer | None:
+    """An exact-size pinned buffer on pages no other allocation shares.
+
+    cudaHostRegister works on whole pages, and registering a page twice fails,
+    so the registered range is page-aligned inside a slightly larger pageable
+    allocation; it is unregistered before that allocation can be freed.
+    """
+    size = -(-nbytes // _PAGE) * _PAGE
+    raw = torch.empty(size + 2 * _PAGE, dtype=torch.uint8)
+    offset = (-raw.data_ptr()) % _PAGE
+    region = raw[offset:offset + size]
+    if not _torch_private.register_host_memory(region):
+        return None
+    view = region[:nbytes]
+    weakref.finalize(view, _unregister, region)
+    return HostBuffer(view, nbytes, pinned=True, registered=True)
 
 
 @dataclass(eq=False)
@@ -31,7 +65,7 @@ class HostBuffer:
     pinned: bool
     """Page-locked (async copies possible)."""
     registered: bool = False
-    """Pinned by cudaHostRegister (must be unregistered before it is freed)."""
+    """Pinned by cudaHostRegister on pages of its own (unregistered when collected)."""
     pooled: bool = True
     """Counted in the pool (False for one-off pageable overflow buffers)."""
 
@@ -45,8 +79,15 @@ class HostPool:
         pin: bool,
         capacity_bytes: int | None = None,
         device_type: str | None = None,
+        pin_allocator: str = "caching",
     ) -> None:
+        if pin_allocator not in PIN_ALLOCATORS:
+            raise ValueError(
+                f"HostPool: pin_allocator={pin_allocator!r} is not one of {PIN_ALLOCATORS}."
+            )
         self.pin = pin
+        self.pin_allocator = pin_allocator
+        """"caching" or "exact" (see ``PIN_ALLOCATORS``)."""
         """Try to page-lock new buffers (only meaningful with an accelerator)."""
         self.capacity_bytes = capacity_bytes
         """Cap on reserved bytes; None means no cap."""
@@ -68,10 +109,10 @@ class HostPool:
     # -- allocation -------------------------------------------------------
 
     def _allocate(self, nbytes: int, pin: bool) -> HostBuffer:
-        if pin and self._device_type == "cuda":
-            t = torch.empty(nbytes, dtype=torch.uint8)
-            if _torch_private.register_host_memory(t):
-                return HostBuffer(t, nbytes, pinned=True, registered=True)
+        if pin and self.pin_allocator == "exact" and self._device_type == "cuda":
+            buf = _registered_buffer(nbytes)
+            if buf is not None:
+                return buf
         if pin:
             try:
                 return HostBuffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes, True)
@@ -81,11 +122,7 @@ class HostPool:
         return HostBuffer(torch.empty(nbytes, dtype=torch.uint8), nbytes, pinned=False)
 
     def _release(self, buf: HostBuffer) -> None:
-        if buf.registered:
-            # A registered buffer may still be read by an in-flight async copy;
-            # unregistering under it is undefined, so wait for the device first.
-            torch.cuda.synchronize()
-            _torch_private.unregister_host_memory(buf.tensor)
+        buf.tensor = None  # a registered buffer unregisters itself when collected
 
     def _evict_for(self, nbytes: int) -> bool:
         """Free cached buffers of other sizes until ``nbytes`` more fit under the cap."""
