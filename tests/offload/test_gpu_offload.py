@@ -227,18 +227,22 @@ def test_gpu_device_none_uses_current_accelerator():
     assert ctx.backend == "stream"
 
 
-def test_gpu_many_pinned_engines_in_sequence():
+@pytest.mark.parametrize("pin_allocator", ["caching", "exact"])
+def test_gpu_many_pinned_engines_in_sequence(pin_allocator):
     """Engines with pinned pools created and dropped one after another (as a test suite or a sweep does)
     keep working: host memory pinned by a dead engine's pool must not break the next engine's pinning,
     and no CUDA error is left behind for the next kernel launch."""
     model = toy(torch.bfloat16, dataclasses.replace(GPU_CFG, n_layers=2))
     twin = copy.deepcopy(model)
     for i in range(6):
-        ctx = gpu_ctx(min_offload_size=0 if i % 2 else 4096)  # small buffers share host pages
+        # small buffers share host pages
+        ctx = gpu_ctx(min_offload_size=0 if i % 2 else 4096, pin_allocator=pin_allocator)
         inputs = batch(seed=i)
         assert torch.equal(step(model, inputs, ctx), step(twin, inputs)), f"engine {i}"
         settle(ctx)
         assert any(r.pinned for r in ctx.ledger.records if r.decision == "offloaded"), f"engine {i}"
+        if pin_allocator == "exact":
+            assert ctx.pool.stats()["pin_failures"] == 0
         del ctx
         gc.collect()
     torch.cuda.synchronize()

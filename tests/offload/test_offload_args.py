@@ -32,6 +32,7 @@ BAD = [
     ("virtual_memory_safe_pct", dict(virtual_memory_safe_pct=150)),
     ("device", dict(device="cuda:7")),
     ("device", dict(device="nonsense")),
+    ("pin_allocator", dict(pin_allocator="mmap")),
 ]
 
 
