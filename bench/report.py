@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.hardware import peak_for
 from bench.results import BenchResult, StrategyResult, to_jsonable
 from bench.targets import evaluate_targets
 
@@ -31,7 +32,7 @@ def _correct(s: StrategyResult) -> str:
 
 def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     head = ["strategy", "step ms", "IQR ms", "tok/s", "x none", "x ac", "act MiB", "act x none",
-            "peak alloc MiB", "host MiB", "grads vs none"]
+            "peak alloc MiB", "host MiB", "loss & grads vs ref"]
     rows = []
     for s in result.strategies:
         if not s.ok:
@@ -131,6 +132,12 @@ def _header(result: BenchResult) -> list[str]:
     if result.ceiling:
         c = result.ceiling
         lines.append(f"copy ceiling ({c.note}): D2H {_f(c.d2h_gb_s, '.2f')} GB/s, H2D {_f(c.h2d_gb_s, '.2f')} GB/s")
+    peak = peak_for(str(m.get("device_name", "")))
+    base = result.get("none")
+    if peak is not None and base is not None and base.achieved_tflops:
+        lines.append(f"none: {base.achieved_tflops:.0f} TFLOP/s of model FLOPs = "
+                     f"{base.achieved_tflops / peak.bf16_dense_tflops:.0%} of the {peak.name.upper()} "
+                     f"dense bf16 peak ({peak.bf16_dense_tflops:.0f}, datasheet)")
     if "fit_layers" in m:
         f = m["fit_layers"]
         lines.append(f"layers that fit at {f['budget_frac']:.0%} of device memory: {f['fits']} (of {f['requested']})")

@@ -300,6 +300,8 @@ def _compile_offload_patch() -> dict[str, Any]:
     for flag in ("activation_offload_separate_stream", "activation_offload_sink_wait", "activation_reload_prefetch"):
         if hasattr(cfg, flag):
             patch[flag] = True
+    if hasattr(cfg, "enable_autograd_cache"):
+        patch["enable_autograd_cache"] = False  # the partitioner (where offloading happens) must run
     return patch
 
 
