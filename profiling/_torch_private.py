@@ -6,20 +6,10 @@ upgrade that moves it breaks here, visibly, and nowhere else.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-
-def queue_end_of_backward(fn: Callable[[], None]) -> None:
-    """Run ``fn`` when the current backward pass finishes.
-
-    Why private: autograd has no public "end of backward" callback; the
-    execution engine's ``queue_callback`` is what ``torch.utils.checkpoint``
-    and FSDP use for the same purpose. Only valid while a backward is running
-    (we call it from an unpack hook, which autograd runs during backward).
-    """
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
+# Shared with the engine: one wrapper for autograd's end-of-backward callback.
+from offload._torch_private import queue_end_of_backward  # noqa: F401
 
 
 def cuda_record_memory_history(max_entries: int | None) -> None:
