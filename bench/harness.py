@@ -28,6 +28,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -69,6 +70,9 @@ class BenchConfig:
     """Print progress to stderr."""
     fit_budget_frac: float = 0.85
     """For ``fit_layers`` workloads: fraction of device memory the ``none`` step may use."""
+    deterministic_check: bool | None = None
+    """Judge correctness on one extra step per strategy with deterministic algorithms on
+    (None: on GPU only, where default kernels may accumulate with atomics)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -277,6 +281,8 @@ class _Bench:
             model=self.model, tokens=tokens, targets=targets, device=self.device,
             engine_device="cpu" if self.device.type == "cpu" else None,
         )
+        self.deterministic_check = (cfg.deterministic_check if cfg.deterministic_check is not None
+                                    else self.device.type == "cuda")
         self.references: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.reference_names = {spec.reference for spec in STRATEGIES.values()}
         self.process = psutil.Process()
@@ -363,13 +369,10 @@ class _Bench:
             r.static = static if r.static is None else max(r.static, static)
             r.peak_alloc = max(r.peak_alloc, torch.cuda.max_memory_allocated(self.device))
             r.peak_reserved = max(r.peak_reserved, torch.cuda.max_memory_reserved(self.device))
-        if r.spec.name in self.reference_names and r.spec.name not in self.references:
+        if not self.deterministic_check and r.spec.name in self.reference_names and r.spec.name not in self.references:
             # Every step computes the same loss and grads (no optimizer), so the first measured
             # step of `none` is the reference for every other strategy's last step.
-            self.references[r.spec.name] = (
-                loss.detach().to("cpu", copy=True),
-                [p.grad.detach().to("cpu", copy=True) for p in self.model.parameters()],
-            )
+            self.references[r.spec.name] = self._snapshot(loss)
         if r.steps_done == self.cfg.steps:
             self.after_last_step(r, loss)
 
@@ -378,16 +381,53 @@ class _Bench:
             r.ledger_before = _ledger_summary(r.prepared.engine)
 
     def after_last_step(self, r: _Runner, loss: torch.Tensor) -> None:
-        """Correctness against ``none`` (grads still hold this step's values), then engine stats."""
-        grads = [p.grad for p in self.model.parameters()]
-        ref = self.references.get(r.spec.reference)
-        if r.spec.name != r.spec.reference and ref is not None:
-            r.result.correctness = _compare(ref, loss, grads, r.spec.reference)
-        r.result.loss = float(loss)
+        """Engine stats over the measured steps, then correctness against the reference strategy.
+
+        On CPU every step is deterministic, so the measured steps are compared directly (the
+        reference is its first measured step; its last step checks that it repeats). On a GPU
+        some default kernels (flash-attention backward) accumulate with atomics, so correctness
+        comes from one extra step per strategy with ``torch.use_deterministic_algorithms`` on.
+        """
         engine = r.prepared.engine if r.prepared is not None else None
         after = _ledger_summary(engine)
         if after is not None and r.ledger_before is not None:
             r.result.engine = _engine_stats(engine, r.ledger_before, after, r.steps_done)
+        r.result.loss = float(loss)
+        is_reference = r.spec.name in self.reference_names
+        if self.deterministic_check:
+            try:
+                loss = self._deterministic_step(r)
+                if is_reference and r.spec.name not in self.references:
+                    self.references[r.spec.name] = self._snapshot(loss)
+                    loss = self._deterministic_step(r)  # a second one: does the reference repeat?
+            except Exception as e:  # OOM or a kernel without a deterministic mode: no verdict
+                r.result.correctness = None
+                self.progress.note(f"{r.spec.name}: correctness step failed: {type(e).__name__}: {e}")
+                return
+        grads = [p.grad for p in self.model.parameters()]
+        against = r.spec.name if is_reference else r.spec.reference
+        ref = self.references.get(against)
+        if ref is not None:
+            r.result.correctness = _compare(ref, loss, grads, against)
+
+    def _snapshot(self, loss: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return (loss.detach().to("cpu", copy=True),
+                [p.grad.detach().to("cpu", copy=True) for p in self.model.parameters()])
+
+    def _deterministic_step(self, r: _Runner) -> torch.Tensor:
+        assert r.prepared is not None
+        _zero_grads(self.model)
+        was_on = torch.are_deterministic_algorithms_enabled()
+        was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # warn_only: ops without a deterministic mode just warn
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            try:
+                loss = r.prepared.step()
+                _sync(self.device)
+            finally:
+                torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
+        return loss
 
     def finish(self, r: _Runner) -> None:
         """Memory numbers, then release the strategy's engine and caches."""
@@ -473,7 +513,8 @@ def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None) -> Be
             bench.begin_measuring(r)
         for i in range(cfg.steps):
             # Rotate who goes first each round, so no strategy always follows the same neighbour.
-            k = i % len(together) if together else 0
+            # The last round keeps the given order: references (`none` first) finish before the rest.
+            k = i % len(together) if together and i < cfg.steps - 1 else 0
             for r in together[k:] + together[:k]:
                 bench.step(r, measure=True)
         for r in together:
