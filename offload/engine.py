@@ -281,6 +281,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             path without a GPU).
         max_inflight_bytes: bound on bytes of in-flight D2H copies (sources alive).
         prefetch_bytes: how many bytes of upcoming handles backward loads ahead.
+            None (default) = twice the largest single copy made so far: enough
+            to keep the next copies in flight while compute uses the current
+            one, without reloading the whole step at the first unpack (which
+            would give the memory back). 0 turns prefetch off.
         host_budget_bytes: cap on host pool bytes; None = no fixed cap.
         on_host_budget: what happens to a tensor that does not fit: "keep" it on
             the device, copy it to unpooled "pageable" memory, or "raise" OffloadError.
@@ -305,7 +309,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         *,
         device: torch.device | str | None = None,
         max_inflight_bytes: int = 1024 * _MiB,
-        prefetch_bytes: int = 512 * _MiB,
+        prefetch_bytes: int | None = None,
         host_budget_bytes: int | None = None,
         on_host_budget: str = "keep",
         virtual_memory_safe_pct: float | None = 90.0,
@@ -319,7 +323,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                    "it bounds how many tensors may have a device-to-host copy in flight")
         _check_int("min_offload_size", min_offload_size, 0, "a size in bytes")
         _check_int("max_inflight_bytes", max_inflight_bytes, 1, "a size in bytes")
-        _check_int("prefetch_bytes", prefetch_bytes, 0, "a size in bytes; 0 turns prefetch off")
+        _check_int("prefetch_bytes", prefetch_bytes, 0,
+                   "a size in bytes; 0 turns prefetch off, None sizes it from the copies", allow_none=True)
         _check_int("host_budget_bytes", host_budget_bytes, 0, "a size in bytes", allow_none=True)
         _check_int("max_records", max_records, 0, "a count of records")
         if pin_allocator not in PIN_ALLOCATORS:
@@ -356,6 +361,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.min_offload_size = min_offload_size
         self.max_inflight_bytes = max_inflight_bytes
         self.prefetch_bytes = prefetch_bytes
+        self._max_copy_bytes = 0
         self.host_budget_bytes = host_budget_bytes
         self.on_host_budget = on_host_budget
         self.virtual_memory_safe_pct = virtual_memory_safe_pct
@@ -574,6 +580,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if buf is None:
                 rec.reason = policy.HOST_BUDGET
                 return None
+            if nbytes > self._max_copy_bytes:
+                self._max_copy_bytes = nbytes
             hc = _HostCopy(buf, self.pool, lo_b, nbytes)
             hc.release = self._backend.release_after
             hc.key = key
@@ -726,7 +734,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             # Keep the bytes on the device until every sibling view has been
             # unpacked once, instead of reloading the storage per view.
             hc.held = (storage, copy) if hc.used < hc.users else None
-        if self.prefetch_bytes:
+        if self.prefetch_bytes != 0:
             self._prefetch_before(h.index)
         return out
 
@@ -753,12 +761,20 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         else:
             self._backend.wait(copy)
 
+    @property
+    def prefetch_budget(self) -> int:
+        """Bytes backward may load ahead of need (``prefetch_bytes`` resolved)."""
+        if self.prefetch_bytes is not None:
+            return self.prefetch_bytes
+        return 2 * self._max_copy_bytes
+
     def _prefetch_before(self, index: int) -> None:
         """Load the handles packed just before ``index`` (backward order) within the budget."""
         with self._lock:
             i = index - 1
+            budget = self.prefetch_budget
             lookahead = 0
-            while i >= 0 and lookahead < 64 and self._prefetched_bytes < self.prefetch_bytes:
+            while i >= 0 and lookahead < 64 and self._prefetched_bytes < budget:
                 h = self._order[i]()
                 i -= 1
                 if h is None:
@@ -769,7 +785,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                     continue
                 if hc.held is not None or hc.used >= hc.users:
                     continue  # on the device already, or consumed in this pass
-                if self._prefetched_bytes + hc.nbytes > self.prefetch_bytes:
+                if self._prefetched_bytes + hc.nbytes > budget:
                     break
                 hc.prefetched = self._load(hc, h.rec)
                 self._prefetched_bytes += hc.nbytes
