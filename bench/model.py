@@ -148,6 +148,8 @@ class ToyLlama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.checkpoint_blocks = False
         """When True, each block runs under non-reentrant activation checkpointing."""
+        self.checkpoint_context_fn = None
+        """Optional ``context_fn`` for those checkpoints (e.g. a selective-checkpoint policy)."""
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
@@ -156,8 +158,9 @@ class ToyLlama(nn.Module):
         h = self.tok_embeddings(tokens)  # (B, T, C)
         for layer in self.layers:
             if self.checkpoint_blocks:
+                kw = {"context_fn": self.checkpoint_context_fn} if self.checkpoint_context_fn else {}
                 h = torch.utils.checkpoint.checkpoint(
-                    layer, h, self.rope_cos, self.rope_sin, use_reentrant=False
+                    layer, h, self.rope_cos, self.rope_sin, use_reentrant=False, **kw
                 )
             else:
                 h = layer(h, self.rope_cos, self.rope_sin)

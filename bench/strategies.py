@@ -161,23 +161,18 @@ def _sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolic
     return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _forward_selective(model: ToyLlama, tokens: torch.Tensor) -> torch.Tensor:
-    # ToyLlama.forward with the block checkpoint given a selective-checkpoint context_fn.
-    # (bench/model.py's checkpoint_blocks has no context_fn hook, so the loop is restated here.)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
-    h = model.tok_embeddings(tokens)  # (B, T, C)
-    for layer in model.layers:
-        h = checkpoint(layer, h, model.rope_cos, model.rope_sin, use_reentrant=False, context_fn=context_fn)
-    return model.output(model.norm(h))  # (B, T, V)
-
-
 @_strategy("sac", "baseline", "Selective checkpointing: save matmul/attention outputs, recompute the rest.")
 def sac(env: BenchEnv) -> Prepared:
     model = env.model
 
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
+
     def step() -> torch.Tensor:
-        model.checkpoint_blocks = False
-        return env.loss_backward(_forward_selective(model, env.tokens))
+        model.checkpoint_blocks, model.checkpoint_context_fn = True, context_fn
+        try:
+            return env.loss_backward(model(env.tokens))
+        finally:
+            model.checkpoint_blocks, model.checkpoint_context_fn = False, None
 
     return Prepared(step=step)
 
