@@ -704,6 +704,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         entry = h.stash
         if entry is not None and entry.src is not None:
             # The source is still alive (its copy may be in flight): use it as is.
+            h.rec.note = "reused_source"
             return entry.src
         hc = h.hc
         storage, copy = None, None
