@@ -48,7 +48,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -61,6 +61,9 @@ from .ledger import KEPT, OFFLOADED, Ledger, PackRecord
 from .modules import current_module_name, current_modules, track_modules
 from .pool import PIN_ALLOCATORS, HostBuffer, HostPool
 from .streams import Copy, make_backend
+
+if TYPE_CHECKING:
+    from .regions import RegionHandle
 
 __all__ = ["OffloadActivations", "PackEvent", "add_pack_observer", "active_engine"]
 

@@ -135,12 +135,10 @@ class StreamBackend:
         _, copy = self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()))
         return out, copy
 
-    def wait(self, copy: Copy) -> float:
-        """Make the live compute stream wait for ``copy``; returns host-visible stall seconds."""
-        if copy.done is None:
-            return 0.0
-        self.current_stream().wait_event(copy.done)
-        return 0.0
+    def wait(self, copy: Copy) -> None:
+        """Make the live compute stream wait for ``copy`` (Rule 4)."""
+        if copy.done is not None:
+            self.current_stream().wait_event(copy.done)
 
     def release_after(self, copy: Copy, producer_stream) -> None:
         """Order the producer stream after ``copy`` before the source block can be reused.

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
