@@ -156,15 +156,14 @@ class _HostCopy:
     back to the pool when the last handle is dropped.
     """
 
-    __slots__ = ("buf", "pool", "lo", "nbytes", "d2h", "prefetched", "held", "users", "used",
-                 "key", "version", "base_ref", "release", "__weakref__")
+    __slots__ = ("buf", "pool", "lo", "nbytes", "prefetched", "held", "users", "used",
+                 "version", "base_ref", "release", "__weakref__")
 
     def __init__(self, buf: HostBuffer, pool: HostPool, lo: int, nbytes: int) -> None:
         self.buf = buf
         self.pool = pool
         self.lo = lo
         self.nbytes = nbytes
-        self.d2h: Copy | None = None
         self.prefetched: tuple[torch.Tensor, Copy] | None = None
         # Reloaded device bytes, held while other handles sharing this copy
         # have not been unpacked yet in this backward pass.
@@ -174,7 +173,6 @@ class _HostCopy:
         # backend.release_after, to order a never-consumed prefetch's
         # allocation stream after its copy when this dies (Rule 4).
         self.release: Callable[[Copy, Any], None] | None = None
-        self.key: tuple[str, int] | None = None
         self.version = 0
         self.base_ref: weakref.ref | None = None
 
@@ -212,6 +210,16 @@ class _Offloaded:
 def _base_of(t: torch.Tensor) -> torch.Tensor:
     b = t._base
     return t if b is None else b
+
+
+def _alive_on(ref: weakref.ref | None, key: tuple[str, int]) -> torch.Tensor | None:
+    """The weakly held base if it is alive and still on storage ``key``, else None.
+
+    An address alone is not an identity: a freed source's address is reused
+    mid-forward, so a storage key only matches while its first saver's base lives.
+    """
+    b = ref() if ref is not None else None
+    return b if b is not None and b.untyped_storage().data_ptr() == key[1] else None
 
 
 # -- argument checks -----------------------------------------------------------
@@ -522,15 +530,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return handle
 
     def _first_save_of_storage(self, t: torch.Tensor, key: tuple[str, int]) -> bool:
-        """True the first time this step that ``t``'s storage is saved.
-
-        An address alone is not an identity: a freed source's address is
-        reused mid-forward. The first saver's base is held weakly, and the key
-        only matches while that base is alive and still on this storage.
-        """
-        ref = self._seen.get(key)
-        b = ref() if ref is not None else None
-        if b is not None and b.untyped_storage().data_ptr() == key[1]:
+        """True the first time this step that ``t``'s storage is saved."""
+        if _alive_on(self._seen.get(key), key) is not None:
             return False
         self._seen[key] = weakref.ref(_base_of(t))
         return True
@@ -545,16 +546,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         for fn in list(glob.values()):
             fn(ev)
 
-    def _shared_copy(self, t: torch.Tensor, key: tuple[str, int], base: torch.Tensor) -> _HostCopy | None:
+    def _shared_copy(self, t: torch.Tensor, key: tuple[str, int]) -> _HostCopy | None:
         """The host copy already holding ``t``'s bytes this step, if any (Rule 7)."""
         ref = self._dedupe.get(key)
         hc = ref() if ref is not None else None
         if hc is None:
             return None
-        # Same storage only while the first saver's base is alive (else the
-        # pointer may have been reused) and unmodified since its copy.
-        b = hc.base_ref() if hc.base_ref is not None else None
-        if b is None or b.untyped_storage().data_ptr() != key[1] or b._version != hc.version:
+        # Same storage only while the first saver's base is alive on it and
+        # unmodified since its copy.
+        b = _alive_on(hc.base_ref, key)
+        if b is None or b._version != hc.version:
             return None
         es = t.element_size()
         lo, hi = policy.span_elems(t)
@@ -565,7 +566,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _offload(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int]) -> _Offloaded | None:
         base = _base_of(t)
         es = t.element_size()
-        hc = self._shared_copy(t, key, base) if self.dedupe else None
+        hc = self._shared_copy(t, key) if self.dedupe else None
         entry = None
         if hc is not None:
             rec.reason = policy.DUPLICATE_STORAGE
@@ -587,12 +588,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 self._max_copy_bytes = nbytes
             hc = _HostCopy(buf, self.pool, lo_b, nbytes)
             hc.release = self._backend.release_after
-            hc.key = key
             hc.version = t._version
             hc.base_ref = weakref.ref(base)
             src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, lo_b, (nbytes,), (1,))
             copy = self._backend.d2h(src, buf.tensor)
-            hc.d2h = copy
             rec.decision = OFFLOADED
             rec.reason = ""
             rec.copy_bytes = nbytes
