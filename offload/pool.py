@@ -86,9 +86,9 @@ class HostPool:
                 f"HostPool: pin_allocator={pin_allocator!r} is not one of {PIN_ALLOCATORS}."
             )
         self.pin = pin
+        """Try to page-lock new buffers (only meaningful with an accelerator)."""
         self.pin_allocator = pin_allocator
         """"caching" or "exact" (see ``PIN_ALLOCATORS``)."""
-        """Try to page-lock new buffers (only meaningful with an accelerator)."""
         self.capacity_bytes = capacity_bytes
         """Cap on reserved bytes; None means no cap."""
         self._device_type = device_type
@@ -124,18 +124,26 @@ class HostPool:
     def _release(self, buf: HostBuffer) -> None:
         buf.tensor = None  # a registered buffer unregisters itself when collected
 
-    def _evict_for(self, nbytes: int) -> bool:
-        """Free cached buffers of other sizes until ``nbytes`` more fit under the cap."""
-        cap = self.capacity_bytes
-        while self._reserved + nbytes > cap and self._free:
+    def _release_free_until(self, limit: int) -> tuple[int, int]:
+        """Release free buffers, least recently returned size first, until at most
+        ``limit`` bytes are reserved (or none is free). Returns (count, bytes)."""
+        count = released = 0
+        while self._reserved > limit and self._free:
             size, bufs = next(iter(self._free.items()))
             buf = bufs.pop()
             if not bufs:
                 del self._free[size]
             self._reserved -= buf.nbytes
-            self._evictions += 1
+            count += 1
+            released += buf.nbytes
             self._release(buf)
-        return self._reserved + nbytes <= cap
+        return count, released
+
+    def _evict_for(self, nbytes: int) -> bool:
+        """Free cached buffers of other sizes until ``nbytes`` more fit under the cap."""
+        count, _ = self._release_free_until(self.capacity_bytes - nbytes)
+        self._evictions += count
+        return self._reserved + nbytes <= self.capacity_bytes
 
     def take(self, nbytes: int) -> HostBuffer | None:
         """A buffer of exactly ``nbytes``, or None if the cap leaves no room."""
@@ -182,16 +190,7 @@ class HostPool:
         Returns the bytes released.
         """
         with self._lock:
-            target = max(self._window_peak_in_use, self._in_use)
-            released = 0
-            while self._reserved > target and self._free:
-                size, bufs = next(iter(self._free.items()))
-                buf = bufs.pop()
-                if not bufs:
-                    del self._free[size]
-                self._reserved -= buf.nbytes
-                released += buf.nbytes
-                self._release(buf)
+            _, released = self._release_free_until(max(self._window_peak_in_use, self._in_use))
             self._trimmed += released
             self._window_peak_in_use = self._in_use
             return released
@@ -199,11 +198,7 @@ class HostPool:
     def clear(self) -> None:
         """Release every free buffer (buffers in use stay valid)."""
         with self._lock:
-            for bufs in self._free.values():
-                for buf in bufs:
-                    self._reserved -= buf.nbytes
-                    self._release(buf)
-            self._free.clear()
+            self._release_free_until(-1)
 
     # -- accounting -------------------------------------------------------
 
