@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import Counter, deque
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -240,7 +240,6 @@ class Ledger:
         if pool is None and self._pool_stats is not None:
             pool = self._pool_stats()
         out["pool"] = dict(pool or {})
-        out["kept_count_by_reason"] = dict(Counter(t.kept_count_by_reason))
         return out
 
     def to_dict(self) -> dict[str, Any]:

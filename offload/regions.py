@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .engine import _Kept
+
 if TYPE_CHECKING:
     from .engine import OffloadActivations
 
@@ -28,27 +30,6 @@ __all__ = [
 ]
 
 
-class _VersionChecked:
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
-        self.version = t._version
-
-
-def _noop_pack(t: torch.Tensor) -> _VersionChecked:
-    return _VersionChecked(t)
-
-
-def _noop_unpack(p: _VersionChecked) -> torch.Tensor:
-    t = p.tensor
-    if t._version != p.version:
-        from .engine import _inplace_error
-
-        raise _inplace_error(t.shape, t.dtype, t._version, p.version)
-    return t
-
-
 class NoOpManager(torch.autograd.graph.saved_tensors_hooks):
     """Leave every tensor saved inside the block where it is (torchtune-compatible).
 
@@ -60,7 +41,7 @@ class NoOpManager(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self) -> None:
-        super().__init__(_noop_pack, _noop_unpack)
+        super().__init__(_Kept, _Kept.unpack)
 
 
 class RegionHandle:
