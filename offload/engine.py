@@ -390,9 +390,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         """The host buffer pool (``pool.stats()`` for its counters)."""
         self.ledger = Ledger(max_records=max_records, pool_stats=self.pool.stats)
         """Every decision and per-step totals (``ledger.summary()``)."""
-        self._backend = make_backend(self.device, use_streams) if self.enabled else None
-        if self._backend is not None and hasattr(self._backend, "timing"):
-            self._backend.timing = timing
+        self._backend = make_backend(self.device, use_streams, timing=timing) if self.enabled else None
         self._observers: OrderedDict[int, Callable[[PackEvent], None]] = OrderedDict()
         self._seq = itertools.count()
         self._lock = threading.RLock()

@@ -112,6 +112,7 @@ class StreamBackend:
         return self._mod.Event(enable_timing=self.timing)
 
     def _issue(self, fn) -> Copy:
+        """Run ``fn`` (one copy) on the side stream, ordered after the live compute stream."""
         side = self._side_stream()
         compute = self.current_stream()
         side.wait_stream(compute)
@@ -120,20 +121,18 @@ class StreamBackend:
             if self.timing:
                 start = self._event()
                 start.record(side)
-            result = fn()
+            fn()
             done = self._event()
             done.record(side)
-        return result, Copy(done, None, start, compute)
+        return Copy(done, None, start, compute)
 
     def d2h(self, src: torch.Tensor, dst: torch.Tensor) -> Copy:
-        _, copy = self._issue(lambda: dst.copy_(src, non_blocking=True))
-        return copy
+        return self._issue(lambda: dst.copy_(src, non_blocking=True))
 
     def h2d(self, src: torch.Tensor) -> tuple[torch.Tensor, Copy]:
         # Allocate on the compute stream (outside the side-stream context): Rule 4.
         out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-        _, copy = self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()))
-        return out, copy
+        return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()))
 
     def wait(self, copy: Copy) -> None:
         """Make the live compute stream wait for ``copy`` (Rule 4)."""
@@ -152,11 +151,11 @@ class StreamBackend:
             producer_stream.wait_event(copy.done)
 
 
-def make_backend(device: torch.device, use_streams: bool) -> SyncBackend | StreamBackend:
+def make_backend(device: torch.device, use_streams: bool, *, timing: bool = True) -> SyncBackend | StreamBackend:
     """Streams for an accelerator when asked for; synchronous copies otherwise."""
     mod = getattr(torch, device.type, None)
     if use_streams and device.type != "cpu" and all(
         hasattr(mod, n) for n in ("Stream", "Event", "stream", "current_stream")
     ):
-        return StreamBackend(device)
+        return StreamBackend(device, timing=timing)
     return SyncBackend(device)
