@@ -212,16 +212,6 @@ def _base_of(t: torch.Tensor) -> torch.Tensor:
     return t if b is None else b
 
 
-def _alive_on(ref: weakref.ref | None, key: tuple[str, int]) -> torch.Tensor | None:
-    """The weakly held base if it is alive and still on storage ``key``, else None.
-
-    An address alone is not an identity: a freed source's address is reused
-    mid-forward, so a storage key only matches while its first saver's base lives.
-    """
-    b = ref() if ref is not None else None
-    return b if b is not None and b.untyped_storage().data_ptr() == key[1] else None
-
-
 # -- argument checks -----------------------------------------------------------
 
 
@@ -402,7 +392,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._stash_bytes = 0
         self._order: list[weakref.ref] = []
         self._dedupe: dict[tuple[str, int], weakref.ref] = {}
-        self._seen: dict[tuple[str, int], weakref.ref] = {}
+        self._seen = policy.StorageSet()
         # Weak: a failed backward never reaches _end_of_backward, and these
         # must not keep host copies (or reloaded device bytes) alive after the
         # graph is freed.
@@ -523,16 +513,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if handle is None:
             handle = _Kept(t)
         counts_unique = rec.reason not in (policy.PARAMETER, policy.BUFFER, policy.UNSUPPORTED_TYPE)
-        self.ledger.add(rec, counts_unique and self._first_save_of_storage(t, key))
+        self.ledger.add(rec, counts_unique and self._seen.first_save(t) > 0)
         self._notify(t, rec)
         return handle
-
-    def _first_save_of_storage(self, t: torch.Tensor, key: tuple[str, int]) -> bool:
-        """True the first time this step that ``t``'s storage is saved."""
-        if _alive_on(self._seen.get(key), key) is not None:
-            return False
-        self._seen[key] = weakref.ref(_base_of(t))
-        return True
 
     def _notify(self, t: torch.Tensor, rec: PackRecord) -> None:
         glob = _global_observers()
@@ -552,7 +535,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return None
         # Same storage only while the first saver's base is alive on it and
         # unmodified since its copy.
-        b = _alive_on(hc.base_ref, key)
+        b = policy.live_base(hc.base_ref, key)
         if b is None or b._version != hc.version:
             return None
         es = t.element_size()

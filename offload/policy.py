@@ -7,7 +7,9 @@ profilers and users' dashboards key on them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,6 +29,9 @@ __all__ = [
     "classify",
     "storage_key",
     "storage_ptr",
+    "storage_identity",
+    "live_base",
+    "StorageSet",
     "span_elems",
 ]
 
@@ -91,6 +96,66 @@ def storage_ptr(t: torch.Tensor) -> int | None:
     except (RuntimeError, NotImplementedError, TypeError):
         local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2 sharded parameters)
         return storage_ptr(local) if isinstance(local, torch.Tensor) else None
+
+
+def _weak(t: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+    try:
+        return weakref.ref(t)
+    except TypeError:  # some subclasses refuse weakrefs: treat the storage as alive for the step
+        return lambda: t
+
+
+def live_base(ref: Callable[[], torch.Tensor | None] | None, key: tuple[Any, int]) -> torch.Tensor | None:
+    """The weakly held base if it is alive and still on storage ``key``, else None.
+
+    An address alone is not an identity: a freed source's address is reused
+    mid-forward, so a storage key only matches while its first saver's base
+    lives (and has not been re-pointed at another storage).
+    """
+    b = ref() if ref is not None else None
+    if b is None:
+        return None
+    if key[0] != "id" and storage_ptr(b) != key[1]:
+        return None
+    return b
+
+
+def storage_identity(t: torch.Tensor) -> tuple[tuple[Any, int], int]:
+    """(key, bytes) of the storage behind ``t``.
+
+    Tensors without a plain storage (subclasses), and empty storages (which
+    all share address 0), are keyed by the tensor itself, so each such save
+    counts once.
+    """
+    nbytes = t.numel() * t.element_size()
+    try:
+        st = t.untyped_storage()
+        ptr, size = st.data_ptr(), st.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return ("id", id(t)), nbytes
+    if ptr == 0:
+        return ("id", id(t)), size
+    return (str(t.device), ptr), size
+
+
+class StorageSet:
+    """The storages saved so far in one step, by live identity (shared by the
+    engine's ledger and the profilers' trackers, so their unique bytes agree)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[Any, int], Callable[[], torch.Tensor | None]] = {}
+
+    def first_save(self, t: torch.Tensor) -> int:
+        """Bytes of ``t``'s storage if this is its first save this step, else 0."""
+        key, size = storage_identity(t)
+        if live_base(self._seen.get(key), key) is not None:
+            return 0
+        base = t._base if t._base is not None else t
+        self._seen[key] = _weak(base)
+        return size
+
+    def clear(self) -> None:
+        self._seen.clear()
 
 
 def _owned_storages(modules: Iterable[nn.Module]) -> tuple[set[int], set[int]]:

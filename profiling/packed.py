@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from offload.policy import StorageSet
+
 from . import _engine
 from ._torch_private import queue_end_of_backward
 from .errors import ProfilingError
@@ -110,33 +112,13 @@ class _Step:
     index: int
     totals: _Counts = field(default_factory=_Counts)
     modules: dict[str, _Counts] = field(default_factory=dict)
-    storages: dict = field(default_factory=dict)
+    storages: StorageSet = field(default_factory=StorageSet)
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"step": self.index}
         d.update(self.totals.as_dict())
         d["modules"] = {k: v.as_dict() for k, v in self.modules.items()}
         return d
-
-
-def _storage_identity(t: torch.Tensor, nbytes: int) -> tuple[Any, int]:
-    """(key, bytes) of the storage behind ``t``; subclasses without one count as themselves."""
-    try:
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        size = st.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        return ("id", id(t)), nbytes
-    if ptr == 0:  # empty / meta storages all share address 0: count each save once
-        return ("id", id(t)), size
-    return (str(t.device), ptr), size
-
-
-def _weak(t: torch.Tensor) -> Callable[[], Any]:
-    try:
-        return weakref.ref(t)
-    except TypeError:  # some subclasses refuse weakrefs: treat the storage as alive for the step
-        return lambda: t
 
 
 class _Saved:
@@ -311,23 +293,16 @@ class PackedBytesTracker:
         static = _engine.is_static_tensor(t)
         unique = 0
         if not static:
-            key, size = _storage_identity(t, nbytes)
-            # An address names a storage only while that storage lives: an
-            # engine frees offloaded sources mid-forward, and the allocator may
-            # hand the same address to a later activation. The base tensor's
-            # weakref tells the two apart.
-            ref = self._cur.storages.get(key)
-            if ref is None or ref() is None:
-                base = t._base if t._base is not None else t
-                self._cur.storages[key] = _weak(base)
-                unique = size
+            # By live identity, not address: an engine frees offloaded sources
+            # mid-forward and the allocator may reuse their addresses.
+            unique = self._cur.storages.first_save(t)
         step = self._cur
         for c in (step.totals, self._totals, _module_counts(step.modules, module),
                   _module_counts(self._modules, module)):
             c.bump(nbytes, static, unique, via_engine)
 
     def _close_step(self) -> None:
-        self._cur.storages = {}
+        self._cur.storages = StorageSet()
         self._closed.append(self._cur)
         self._n_closed += 1
         self._cur = _Step(self._n_closed)
