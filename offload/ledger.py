@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
 __all__ = ["PackRecord", "StepTotals", "Ledger"]
@@ -105,17 +105,21 @@ class StepTotals:
             self.unique_bytes += rec.storage_nbytes
 
     def merge(self, other: "StepTotals") -> None:
-        for name in (
-            "packed_count", "packed_bytes", "offloaded_count", "offloaded_bytes", "kept_count",
-            "kept_bytes", "unique_bytes", "d2h_bytes", "d2h_seconds", "h2d_bytes", "h2d_seconds",
-            "stall_seconds",
-        ):
+        """Add ``other``'s counters into this one (the peak is a max, snapshots are not merged)."""
+        for name in _ADDITIVE:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.peak_inflight_bytes = max(self.peak_inflight_bytes, other.peak_inflight_bytes)
         for src, dst in ((other.kept_by_reason, self.kept_by_reason),
                          (other.kept_count_by_reason, self.kept_count_by_reason)):
             for k, v in src.items():
                 dst[k] = dst.get(k, 0) + v
+
+
+_ADDITIVE = tuple(
+    f.name for f in fields(StepTotals) if f.type in ("int", "float") and f.name != "step"
+    and f.name != "peak_inflight_bytes"
+)
+"""StepTotals counters that add up across steps."""
 
 
 class Ledger:
