@@ -10,7 +10,15 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["neg_view", "graph_task_id", "queue_end_of_backward", "register_host_memory", "unregister_host_memory"]
+__all__ = [
+    "neg_view",
+    "graph_task_id",
+    "queue_end_of_backward",
+    "register_host_memory",
+    "unregister_host_memory",
+    "version_tracker",
+    "profiler_enabled",
+]
 
 
 def graph_task_id() -> int:
@@ -65,3 +73,35 @@ def neg_view(t: torch.Tensor) -> torch.Tensor:
     the bit again on the reloaded view, and only ``torch._neg_view`` does that.
     """
     return torch._neg_view(t)
+
+
+def version_tracker(t: torch.Tensor) -> torch.Tensor | None:
+    """An empty tensor that shares ``t``'s version counter but not its storage.
+
+    Why private: autograd keeps no version counter for tensors saved through
+    hooks, and the engine must raise autograd's in-place error even when every
+    Python reference to the saved tensor is gone (a temporary). A detached
+    alias shares the version counter; ``set_()`` then drops its storage (so
+    the source memory can still be freed), and because ``set_`` itself bumps
+    the shared counter, ``_unsafe_set_version_counter`` puts the value back.
+    Returns None when the tensor does not allow it (the caller falls back to
+    a weak reference to the tensor).
+    """
+    try:
+        version = t._version
+        tracker = t.detach()
+        tracker.set_()
+        torch._C._autograd._unsafe_set_version_counter((tracker,), (version,))
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError):
+        return None
+    return tracker
+
+
+def profiler_enabled() -> bool:
+    """True while a torch (autograd/kineto) profiler is recording on this process.
+
+    Why private: ``record_function`` costs a dispatcher call even with no
+    profiler running; the engine's hooks run once per saved tensor, so they
+    open their trace ranges only when this cheap flag says someone listens.
+    """
+    return torch._C._autograd._profiler_enabled()

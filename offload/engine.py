@@ -26,16 +26,51 @@ Rule 4. Nothing the side stream writes is read by compute without an event
 Rule 5. Unpack returns a tensor with the original size, stride, storage
         offset (relative to the bytes kept), dtype and device: the byte span
         of the storage is copied, not a compacted clone.
-Rule 6. Hooks bypass autograd's in-place check, so the version counter is
-        recorded at pack and checked at unpack, raising autograd's error.
-Rule 7. Parameters, buffers and views of them are never offloaded; a
-        storage saved twice in a step is offloaded once and shared.
+Rule 6. Hooks bypass autograd's in-place check, so the engine does it: every
+        handle follows its tensor's version counter through an empty tensor
+        that shares the counter but not the storage (so the check works after
+        the saved tensor's Python object is gone, and catches a write that
+        lands while the copy is in flight), and raises autograd's error.
+        Handles that share one reloaded storage get views of one reloaded
+        base, so an in-place write in backward through one of them is seen by
+        the others' checks, as autograd sees it.
+Rule 7. Parameters, buffers and views of them are never offloaded. A storage
+        saved twice in a step is offloaded once and shared, but only while
+        the copy provably holds the current bytes: the first saver is alive
+        on that storage at an unchanged version, and (synchronous copies) the
+        bytes still compare equal, which also catches writes through aliases
+        with their own version counter (``.data``, DLPack, numpy).
 Rule 8. Excluded regions still pass through pack and are recorded as kept
         with reason ``excluded_region``; NoOpManager (identity hooks) is
-        invisible to accounting by design.
+        invisible to accounting by design. With an output head excluded with
+        ``keep_after=True`` (what ``get_act_offloading_ctx_manager`` does),
+        everything saved after the head's forward in the same model call (the
+        loss inside the model, the user's loss after it) stays too
+        (``after_head``): backward needs it first, so no prefetch can hide
+        its reload.
 Rule 9. Host memory is budgeted (pool cap ``host_budget_bytes`` and system
         RAM ceiling ``virtual_memory_safe_pct``) and enforced by
         ``on_host_budget`` = keep | pageable | raise, never only a warning.
+Rule 10. Nothing the engine creates forms a reference cycle. Kept handles and
+        in-flight sources hold a detached alias (a saved output's ``grad_fn``
+        would otherwise hold the handle that holds the output: a cycle through
+        C++ that the garbage collector cannot free); the hooks hold the engine
+        weakly and handles hold it strongly, so a graph freed without backward
+        (evaluation with grad on, skipped steps, ``autograd.grad`` over a
+        subset) returns its host copies at once, and an engine that nobody
+        uses is freed by reference counting.
+Rule 11. Tensors saved while a backward pass runs (the forward recomputed by
+        reentrant checkpointing inside a context that wraps the whole step,
+        double backward) stay on the device with reason ``in_backward``: they
+        are consumed at once. One outermost ``backward()`` is one ledger step:
+        nested backward passes do not close it.
+Rule 12. One engine may be used from several threads. Forward-side state (the
+        exclusion depth, the tail after the head, the pack order that
+        prefetch follows) is per thread; backward-side state is per autograd
+        graph task, whose end is observed even when the pass fails (the
+        end-of-backward callback is released with the graph task). Shared
+        state (stash, pool, ledger) is locked. Ledger steps of passes that run
+        concurrently on different threads are merged.
 """
 
 from __future__ import annotations
@@ -46,7 +81,7 @@ import warnings
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +104,8 @@ __all__ = ["OffloadActivations", "PackEvent", "add_pack_observer", "active_engin
 
 _ON_HOST_BUDGET = ("keep", "pageable", "raise")
 _MiB = 1 << 20
+IN_BACKWARD = getattr(policy, "IN_BACKWARD", "in_backward")
+AFTER_HEAD = getattr(policy, "AFTER_HEAD", "after_head")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +157,13 @@ def add_pack_observer(fn: Callable[[PackEvent], None]) -> RemovableHandle:
     return h
 
 
+def _span(name: str) -> Any:
+    """A ``record_function`` range when a profiler is recording, else a no-op (cheap)."""
+    if _torch_private.profiler_enabled():
+        return torch.autograd.profiler.record_function(name)
+    return nullcontext()
+
+
 # -- handles -----------------------------------------------------------------
 
 
@@ -133,16 +177,51 @@ def _inplace_error(shape: torch.Size, dtype: torch.dtype, now: int, expected: in
     )
 
 
+class _Version:
+    """Follows one saved tensor's version counter without keeping its storage (Rule 6)."""
+
+    __slots__ = ("tracker", "ref", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.version = t._version
+        self.tracker = _torch_private.version_tracker(t)
+        # Fallback for tensors that refuse it: a weak reference (checks only
+        # while the object lives, the old behaviour).
+        self.ref = policy._weak(t) if self.tracker is None else None
+
+    def check(self, shape: torch.Size, dtype: torch.dtype) -> None:
+        t = self.tracker if self.tracker is not None else self.ref()
+        if t is not None and t._version != self.version:
+            raise _inplace_error(shape, dtype, t._version, self.version)
+
+
+def _saved_alias(t: torch.Tensor) -> torch.Tensor:
+    # Rule 10: a detached alias shares storage and version counter but not the
+    # autograd history, so holding it cannot close a cycle through grad_fn.
+    return t.detach() if t.requires_grad else t
+
+
 class _Kept:
     """A tensor left where it is; only its version is checked at unpack (Rule 6)."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "engine", "__weakref__")
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
+    def __init__(self, t: torch.Tensor, engine: "OffloadActivations | None" = None) -> None:
+        self.tensor = _saved_alias(t)
         self.version = t._version
+        self.engine = engine
+        if engine is not None:
+            engine._live_handles += 1
+
+    def __del__(self) -> None:
+        eng = self.engine
+        if eng is not None:
+            eng._live_handles -= 1
 
     def unpack(self) -> torch.Tensor:
+        eng = self.engine
+        if eng is not None:
+            eng._begin_backward_pass()
         t = self.tensor
         if t._version != self.version:
             raise _inplace_error(t.shape, t.dtype, t._version, self.version)
@@ -157,7 +236,7 @@ class _HostCopy:
     """
 
     __slots__ = ("buf", "pool", "lo", "nbytes", "prefetched", "held", "users", "used",
-                 "version", "base_ref", "release", "__weakref__")
+                 "version", "base_ref", "release", "synchronous", "__weakref__")
 
     def __init__(self, buf: HostBuffer, pool: HostPool, lo: int, nbytes: int) -> None:
         self.buf = buf
@@ -165,16 +244,18 @@ class _HostCopy:
         self.lo = lo
         self.nbytes = nbytes
         self.prefetched: tuple[torch.Tensor, Copy] | None = None
-        # Reloaded device bytes, held while other handles sharing this copy
-        # have not been unpacked yet in this backward pass.
-        self.held: tuple[torch.UntypedStorage, Copy] | None = None
+        # Reloaded device bytes (a flat uint8 base, its copy and the base's
+        # version), held while other handles sharing this copy have not been
+        # unpacked yet in this backward pass; they get views of the same base.
+        self.held: tuple[torch.Tensor, Copy, int] | None = None
         self.users = 0
         self.used = 0
         # backend.release_after, to order a never-consumed prefetch's
         # allocation stream after its copy when this dies (Rule 4).
         self.release: Callable[[Copy, Any], None] | None = None
         self.version = 0
-        self.base_ref: weakref.ref | None = None
+        self.base_ref: Callable[[], torch.Tensor | None] | None = None
+        self.synchronous = False
 
     def __del__(self) -> None:
         try:
@@ -198,13 +279,89 @@ class _StashEntry:
 
 
 class _Offloaded:
-    """Handle returned by pack for an offloaded tensor."""
+    """Handle returned by pack for an offloaded tensor (holds its engine: Rule 10)."""
 
-    __slots__ = ("hc", "shape", "stride", "offset", "dtype", "device", "version", "base_ref",
-                 "rec", "index", "stash", "conj", "neg", "__weakref__")
+    __slots__ = ("hc", "shape", "stride", "offset", "dtype", "device", "version",
+                 "rec", "index", "order", "stash", "conj", "neg", "engine", "__weakref__")
 
-    def unpack(self, engine: "OffloadActivations") -> torch.Tensor:
-        return engine._reload(self)
+    def __del__(self) -> None:
+        eng = self.engine
+        if eng is not None:
+            eng._live_handles -= 1
+
+    def unpack(self) -> torch.Tensor:
+        return self.engine._reload(self)
+
+
+def _unpack_handle(handle: Any) -> torch.Tensor:
+    """The engine's unpack hook: handles know their engine (the hook holds none)."""
+    if isinstance(handle, (_Kept, _Offloaded)):
+        return handle.unpack()
+    _internal_assert(False, f"unpack got a {type(handle).__name__}")
+    raise AssertionError  # unreachable
+
+
+def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
+    """The engine's pack hook, holding the engine weakly (Rule 10)."""
+    ref = weakref.ref(engine)
+
+    def pack(t: torch.Tensor) -> Any:
+        eng = ref()
+        _internal_assert(eng is not None, "pack hook ran for an engine that was freed")
+        return eng._pack(t)
+
+    return pack
+
+
+class _Pass:
+    """One autograd graph task's view of the engine (Rule 12).
+
+    Queued as the graph task's end-of-backward callback: called when the pass
+    finishes; released (``__del__``) with the graph task when it fails, so a
+    failed backward cleans up as soon as autograd drops it.
+    """
+
+    __slots__ = ("engine", "gid", "touched", "prefetched", "prefetched_bytes", "ended", "__weakref__")
+
+    def __init__(self, engine: "OffloadActivations", gid: int) -> None:
+        self.engine = engine
+        self.gid = gid
+        # Weak: these must not keep host copies (or reloaded device bytes)
+        # alive after the graph is freed.
+        self.touched: list[weakref.ref] = []
+        self.prefetched: list[weakref.ref] = []
+        self.prefetched_bytes = 0
+        self.ended = False
+
+    def __call__(self) -> None:
+        self.engine._end_pass(self)
+
+    def __del__(self) -> None:
+        if not self.ended:
+            try:
+                self.engine._end_pass(self)
+            except Exception:  # interpreter shutdown
+                pass
+
+
+class _ThreadState:
+    """One thread's forward-side state of one engine (Rule 12)."""
+
+    __slots__ = ("excluded_depth", "region_stack", "order", "after_head", "enter_depth",
+                 "modules_cms", "saved")
+
+    def __init__(self) -> None:
+        self.excluded_depth = 0
+        """Excluded regions open on this thread."""
+        self.region_stack: list[nn.Module] = []
+        """Excluded modules whose forward is running (innermost last)."""
+        self.order: list[weakref.ref] = []
+        """Offloaded handles in pack order: backward prefetches backwards along it."""
+        self.after_head = False
+        """The output head's forward finished in the current model call (Rule 8)."""
+        self.enter_depth = 0
+        self.modules_cms: list[Any] = []
+        self.saved: tuple[int, int] = (0, 0)
 
 
 def _base_of(t: torch.Tensor) -> torch.Tensor:
@@ -385,23 +542,20 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._seq = itertools.count()
         self._lock = threading.RLock()
         self._static_ptrs: set[int] = set()
-        self._excluded_depth = 0
         self._regions: list[Any] = []
-        self._exit_stack: list[Any] = []
         self._stash: deque[_StashEntry] = deque()
         self._stash_bytes = 0
-        self._order: list[weakref.ref] = []
         self._dedupe: dict[tuple[str, int], weakref.ref] = {}
         self._seen = policy.StorageSet()
-        # Weak: a failed backward never reaches _end_of_backward, and these
-        # must not keep host copies (or reloaded device bytes) alive after the
-        # graph is freed.
-        self._prefetched: list[weakref.ref] = []
-        self._touched: list[weakref.ref] = []
-        self._prefetched_bytes = 0
-        self._last_graph_task = -1
+        # Per-thread forward state and per-graph-task backward state (Rule 12).
+        self._tls = threading.local()
+        self._orders: list[list[weakref.ref]] = []
+        self._order_compact_at = 1024
+        self._passes: "weakref.WeakValueDictionary[int, _Pass]" = weakref.WeakValueDictionary()
+        self._live_handles = 0
         self._process = psutil.Process()
-        super().__init__(self._pack, self._unpack)
+        # Rule 10: the pack hook holds the engine weakly; handles hold it.
+        super().__init__(_weak_pack(self), _unpack_handle)
 
     # -- context ---------------------------------------------------------------
 
@@ -410,62 +564,120 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         """"stream", "sync", or "none" (pass-through)."""
         return self._backend.name if self._backend is not None else "none"
 
+    def _thread(self) -> _ThreadState:
+        """This thread's forward-side state (Rule 12)."""
+        st = getattr(self._tls, "state", None)
+        if st is None:
+            st = self._tls.state = _ThreadState()
+            with self._lock:
+                self._orders.append(st.order)
+        return st
+
+    @property
+    def _excluded_depth(self) -> int:
+        """How many excluded regions are open on this thread (Rule 12)."""
+        return self._thread().excluded_depth
+
+    @_excluded_depth.setter
+    def _excluded_depth(self, value: int) -> None:
+        self._thread().excluded_depth = value
+
     def __enter__(self) -> "OffloadActivations":
+        st = self._thread()
         modules_cm = track_modules()
         modules_cm.__enter__()
-        self._exit_stack.append(modules_cm)
-        model = self._model_ref() if self._model_ref is not None else None
-        if model is not None:
-            self._static_ptrs = {
-                policy.storage_ptr(t) for t in itertools.chain(model.parameters(), model.buffers())
-            }
-        if self._last_graph_task != -1 and _torch_private.graph_task_id() == -1:
-            # A backward pass began but never finished (it raised): autograd
-            # skips end-of-backward callbacks then, so clean up here.
-            self._end_of_backward()
-        self._poll_stash()
-        _engines().append(self)
-        super().__enter__()
+        pushed = False
+        try:
+            if st.enter_depth == 0:
+                # Rule 9 of the regions (see regions.py): state a KeyboardInterrupt
+                # may have left half-done is restored when the outermost exit runs.
+                st.saved = (st.excluded_depth, len(st.region_stack))
+                st.after_head = False
+                self._close_finished_step()
+            model = self._model_ref() if self._model_ref is not None else None
+            if model is not None:
+                self._static_ptrs = {
+                    policy.storage_ptr(t) for t in itertools.chain(model.parameters(), model.buffers())
+                }
+            self._poll_stash()
+            _engines().append(self)
+            pushed = True
+            super().__enter__()
+        except BaseException:
+            # A failed enter (e.g. under torch.autograd.graph.disable_saved_tensors_hooks)
+            # leaves nothing behind: not on the engine stack, module tracking off.
+            if pushed:
+                self._pop_engine()
+            modules_cm.__exit__(None, None, None)
+            raise
+        st.modules_cms.append(modules_cm)
+        st.enter_depth += 1
         return self
 
+    def _pop_engine(self) -> None:
+        st = _engines()
+        if st and st[-1] is self:
+            st.pop()
+        elif self in st:
+            st.remove(self)
+
     def __exit__(self, *exc: Any) -> None:
+        st = self._thread()
         try:
             super().__exit__(*exc)
         finally:
-            st = _engines()
-            if st and st[-1] is self:
-                st.pop()
-            elif self in st:
-                st.remove(self)
-            if self._exit_stack:
-                self._exit_stack.pop().__exit__(*exc)
+            self._pop_engine()
+            if st.enter_depth > 0:
+                st.enter_depth -= 1
+            if st.modules_cms:
+                st.modules_cms.pop().__exit__(*exc)
+            if st.enter_depth == 0:
+                # Undo region state an interrupted forward left behind (an
+                # always-called forward hook does not run on KeyboardInterrupt).
+                depth, n = st.saved
+                st.excluded_depth = depth
+                del st.region_stack[n:]
+                st.after_head = False
             if exc and exc[0] is not None:
                 # The forward died: its graph (and our handles) will be freed
                 # with the traceback. Release sources now rather than at the
                 # next backward that may never come.
                 self._drain_stash()
 
+    def _close_finished_step(self) -> None:
+        """Close the open ledger step if its graphs are all gone without a backward.
+
+        Forward-only steps with grad enabled (evaluation, reference log-probs)
+        never reach an end of backward; without this their step would never
+        close, and the pool would never trim (Rule 1, item: bounded bookkeeping).
+        """
+        if self._live_handles == 0 and not self._passes and getattr(self.ledger, "_open_used", True):
+            self.close_step()
+
     # -- regions ---------------------------------------------------------------
 
-    def exclude(self, module: nn.Module) -> "RegionHandle":
+    def exclude(self, module: nn.Module, *, keep_after: bool = False) -> "RegionHandle":
         """Keep every tensor saved inside ``module``'s forward on the device.
 
         The tensors still pass through the engine and are recorded as kept
-        with reason ``excluded_region`` (Rule 8). Returns a handle whose
-        ``remove()`` undoes the exclusion.
+        with reason ``excluded_region`` (Rule 8). With ``keep_after=True`` (for
+        the output head) everything saved after the module's forward, until
+        the model's next call, stays too (reason ``after_head``). Returns a
+        handle whose ``remove()`` undoes the exclusion.
         """
         from .regions import exclude_module
 
-        return exclude_module(self, module)
+        return exclude_module(self, module, keep_after=keep_after)
 
     @contextmanager
     def excluded(self) -> Iterator[None]:
         """Keep every tensor saved inside this block on the device (recorded, Rule 8)."""
-        self._excluded_depth += 1
+        st = self._thread()
+        st.excluded_depth += 1
         try:
             yield
         finally:
-            self._excluded_depth -= 1
+            st.excluded_depth -= 1
 
     def add_observer(self, fn: Callable[[PackEvent], None]) -> RemovableHandle:
         """Call ``fn(event)`` for every pack of this engine."""
@@ -474,6 +686,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return h
 
     # -- pack --------------------------------------------------------------------
+
+    def _region_reason(self, reason: str) -> str:
+        """Where the tensor was saved, for a tensor the policy would move or found too small."""
+        if _torch_private.graph_task_id() >= 0:
+            return IN_BACKWARD  # Rule 11
+        if self._thread().after_head:
+            return AFTER_HEAD  # Rule 8
+        return reason
 
     def _pack(self, t: torch.Tensor) -> Any:
         seq = next(self._seq)
@@ -488,6 +708,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 static_ptrs=self._static_ptrs,
                 stack_modules=current_modules(),
             )
+            if not reason or reason == policy.TOO_SMALL:
+                reason = self._region_reason(reason)
         nbytes = t.numel() * t.element_size()
         try:
             key = policy.storage_key(t)
@@ -511,7 +733,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if not reason:
             handle = self._offload(t, rec, key)
         if handle is None:
-            handle = _Kept(t)
+            handle = _Kept(t, self)
         counts_unique = rec.reason not in (policy.PARAMETER, policy.BUFFER, policy.UNSUPPORTED_TYPE)
         self.ledger.add(rec, counts_unique and self._seen.first_save(t) > 0)
         self._notify(t, rec)
@@ -528,7 +750,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             fn(ev)
 
     def _shared_copy(self, t: torch.Tensor, key: tuple[str, int]) -> _HostCopy | None:
-        """The host copy already holding ``t``'s bytes this step, if any (Rule 7)."""
+        """The host copy already holding ``t``'s current bytes this step, if any (Rule 7)."""
         ref = self._dedupe.get(key)
         hc = ref() if ref is not None else None
         if hc is None:
@@ -540,8 +762,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return None
         es = t.element_size()
         lo, hi = policy.span_elems(t)
-        if lo * es < hc.lo or hi * es > hc.lo + hc.nbytes or (lo * es - hc.lo) % es:
+        lo_b, hi_b = lo * es, hi * es
+        if lo_b < hc.lo or hi_b > hc.lo + hc.nbytes or (lo_b - hc.lo) % es:
             return None
+        if hc.synchronous and t.device.type == "cpu" and hi_b > lo_b:
+            # Writes through an alias with its own version counter (.data,
+            # numpy, DLPack) are invisible to the version test: compare the
+            # bytes (the copy is complete; this is cheaper than a new copy).
+            now = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), lo_b, (hi_b - lo_b,), (1,))
+            if not torch.equal(now, hc.buf.tensor[lo_b - hc.lo:hi_b - hc.lo]):
+                return None
         return hc
 
     def _offload(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int]) -> _Offloaded | None:
@@ -570,24 +800,28 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             hc = _HostCopy(buf, self.pool, lo_b, nbytes)
             hc.release = self._backend.release_after
             hc.version = t._version
-            hc.base_ref = weakref.ref(base)
+            hc.base_ref = policy._weak(base)
+            hc.synchronous = self._backend.name == "sync"
             src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, lo_b, (nbytes,), (1,))
-            copy = self._backend.d2h(src, buf.tensor)
+            with _span("offload::d2h"):
+                copy = self._backend.d2h(src, buf.tensor)
             rec.decision = OFFLOADED
             rec.reason = ""
             rec.copy_bytes = nbytes
             rec.pinned = buf.pinned
             rec.note = note
             self.ledger.add_copy_time(rec, "d2h", copy)
-            if self._backend.name == "sync":
+            if hc.synchronous:
                 self.ledger.add_stall(copy.seconds or 0.0)
                 self.ledger.note_inflight(nbytes)
             else:
-                entry = _StashEntry(t, copy, nbytes)
+                entry = _StashEntry(_saved_alias(t), copy, nbytes)
                 self._stash_push(entry)
             if self.dedupe:
                 self._dedupe[key] = weakref.ref(hc)
         h = _Offloaded()
+        h.engine = self
+        self._live_handles += 1
         h.hc = hc
         hc.users += 1
         h.shape = t.shape
@@ -598,14 +832,29 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # Lazy conj/neg bits live on the view, not in the bytes (Rule 5).
         h.conj = t.is_conj()
         h.neg = t.is_neg()
-        h.version = t._version
-        h.base_ref = weakref.ref(base)
+        h.version = _Version(t)
         h.rec = rec
         h.stash = entry if rec.decision == OFFLOADED else None
+        order = self._thread().order
         with self._lock:
-            h.index = len(self._order)
-            self._order.append(weakref.ref(h))
+            if len(order) >= self._order_compact_at:
+                self._compact(order)
+                self._order_compact_at = max(1024, 2 * len(order))
+            h.index = len(order)
+            h.order = order
+            order.append(weakref.ref(h))
         return h
+
+    @staticmethod
+    def _compact(order: list[weakref.ref]) -> None:
+        """Drop dead handles from a pack-order list and renumber the live ones (lock held)."""
+        live = []
+        for r in order:
+            h = r()
+            if h is not None:
+                h.index = len(live)
+                live.append(r)
+        order[:] = live
 
     def _host_buffer(self, nbytes: int, rec: PackRecord) -> tuple[HostBuffer | None, str]:
         """A host buffer for ``nbytes`` under the budget, applying ``on_host_budget`` (Rule 9)."""
@@ -666,44 +915,57 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     # -- unpack -----------------------------------------------------------------
 
-    def _unpack(self, handle: Any) -> torch.Tensor:
-        self._begin_backward_pass()
-        if isinstance(handle, _Kept):
-            return handle.unpack()
-        _internal_assert(isinstance(handle, _Offloaded), f"unpack got a {type(handle).__name__}")
-        return handle.unpack(self)
-
-    def _begin_backward_pass(self) -> None:
+    def _begin_backward_pass(self) -> _Pass | None:
+        """This graph task's pass state, created (and its end queued) at its first unpack."""
         gid = _torch_private.graph_task_id()
-        if gid != self._last_graph_task:
-            self._last_graph_task = gid
-            if gid >= 0:
-                _torch_private.queue_end_of_backward(self._end_of_backward)
+        if gid < 0:
+            return None  # unpacked outside backward (e.g. grad_fn._saved_*): nothing to track
+        p = self._passes.get(gid)
+        if p is None:
+            with self._lock:
+                p = self._passes.get(gid)
+                if p is None:
+                    p = _Pass(self, gid)
+                    self._passes[gid] = p
+                    _torch_private.queue_end_of_backward(p)
+        return p
 
     def _reload(self, h: _Offloaded) -> torch.Tensor:
-        b = h.base_ref()
-        if b is not None and b._version != h.version:
-            raise _inplace_error(h.shape, h.dtype, b._version, h.version)
+        p = self._begin_backward_pass()
+        h.version.check(h.shape, h.dtype)
         entry = h.stash
         if entry is not None and entry.src is not None:
             # The source is still alive (its copy may be in flight): use it as is.
             h.rec.note = "reused_source"
             return entry.src
         hc = h.hc
-        storage, copy = None, None
-        if hc.held is not None:
-            storage, copy = hc.held
-        elif hc.prefetched is not None:
-            dev, copy = hc.prefetched
-            hc.prefetched = None
-            with self._lock:
-                self._prefetched_bytes -= hc.nbytes
-            storage = dev.untyped_storage()
+        with self._lock:
+            held, pre = hc.held, hc.prefetched
+            if held is None and pre is not None:
+                hc.prefetched = None
+                q = self._passes.get(pre[2])
+                if q is not None:
+                    q.prefetched_bytes -= hc.nbytes
+        if held is not None:
+            base, copy, version = held
+            if base._version != version:
+                # A sibling's reloaded tensor was modified in place during this
+                # backward: autograd raises here too (Rule 6).
+                raise _inplace_error(h.shape, h.dtype, base._version, version)
+        elif pre is not None:
+            base, copy = pre[0], pre[1]
         else:
-            dev, copy = self._load(hc, h.rec)
-            storage = dev.untyped_storage()
-        self._wait(copy)
-        out = torch.empty(0, dtype=h.dtype, device=h.device).set_(storage, h.offset, h.shape, h.stride)
+            base, copy = self._load(hc, h.rec)
+        with _span("offload::wait"):
+            self._wait(copy)
+        es = h.dtype.itemsize
+        if hc.users > 1 and hc.nbytes % es == 0:
+            # Views of one base share its version counter, so an in-place
+            # write through one reloaded tensor is seen by the others (Rule 6).
+            out = base.view(h.dtype).as_strided(h.shape, h.stride, h.offset)
+        else:
+            out = torch.empty(0, dtype=h.dtype, device=h.device).set_(
+                base.untyped_storage(), h.offset, h.shape, h.stride)
         if h.conj:
             out = out.conj()
         if h.neg:
@@ -711,19 +973,24 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         consumer = self._backend.current_stream()
         if consumer is not None and copy.stream is not None and consumer != copy.stream:
             out.record_stream(consumer)  # Rule 4: consumed on another stream than allocated
-        with self._lock:
-            if hc.used == 0:
-                self._touched.append(weakref.ref(hc))
-            hc.used += 1
-            # Keep the bytes on the device until every sibling view has been
-            # unpacked once, instead of reloading the storage per view.
-            hc.held = (storage, copy) if hc.used < hc.users else None
-        if self.prefetch_bytes != 0:
-            self._prefetch_before(h.index)
+        if p is not None:
+            with self._lock:
+                if hc.used == 0:
+                    p.touched.append(weakref.ref(hc))
+                hc.used += 1
+                # Keep the bytes on the device until every sibling view has been
+                # unpacked once, instead of reloading the storage per view.
+                if hc.used < hc.users:
+                    hc.held = held if held is not None else (base, copy, base._version)
+                else:
+                    hc.held = None
+            if self.prefetch_bytes != 0:
+                self._prefetch_after(h, p)
         return out
 
     def _load(self, hc: _HostCopy, rec: PackRecord | None) -> tuple[torch.Tensor, Copy]:
-        dev, copy = self._backend.h2d(hc.buf.tensor)
+        with _span("offload::h2d"):
+            dev, copy = self._backend.h2d(hc.buf.tensor)
         self.ledger.add_copy_time(rec, "h2d", copy, hc.nbytes)
         if self._backend.name == "sync":
             self.ledger.add_stall(copy.seconds or 0.0)
@@ -738,7 +1005,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             stream = self._backend.current_stream()
             start = self._backend._event()
             start.record(stream)
-            self._backend.wait(copy)
+            with _span("offload::stall"):
+                self._backend.wait(copy)
             end = self._backend._event()
             end.record(stream)
             self.ledger.add_copy_time(None, "stall", Copy(end, None, start, stream))
@@ -752,56 +1020,66 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return self.prefetch_bytes
         return 2 * self._max_copy_bytes
 
-    def _prefetch_before(self, index: int) -> None:
-        """Load the handles packed just before ``index`` (backward order) within the budget."""
-        with self._lock:
-            i = index - 1
+    def _prefetch_after(self, h: _Offloaded, p: _Pass) -> None:
+        """Load the handles packed just before ``h`` (backward order) within the budget."""
+        with _span("offload::prefetch"), self._lock:
+            order = h.order
+            i = min(h.index, len(order)) - 1  # read under the lock: compaction renumbers
             budget = self.prefetch_budget
             lookahead = 0
-            while i >= 0 and lookahead < 64 and self._prefetched_bytes < budget:
-                h = self._order[i]()
+            while i >= 0 and lookahead < 64 and p.prefetched_bytes < budget:
+                x = order[i]()
                 i -= 1
-                if h is None:
+                if x is None:
                     continue
                 lookahead += 1
-                hc = h.hc
-                if hc.prefetched is not None or (h.stash is not None and h.stash.src is not None):
+                hc = x.hc
+                if hc.prefetched is not None or (x.stash is not None and x.stash.src is not None):
                     continue
                 if hc.held is not None or hc.used >= hc.users:
                     continue  # on the device already, or consumed in this pass
-                if self._prefetched_bytes + hc.nbytes > budget:
+                if p.prefetched_bytes + hc.nbytes > budget:
                     break
-                hc.prefetched = self._load(hc, h.rec)
-                self._prefetched_bytes += hc.nbytes
-                self._prefetched.append(weakref.ref(hc))
+                dev, copy = self._load(hc, x.rec)
+                hc.prefetched = (dev, copy, p.gid)
+                p.prefetched_bytes += hc.nbytes
+                p.prefetched.append(weakref.ref(hc))
 
-    def _end_of_backward(self) -> None:
-        """Close the ledger step, release sources and unused prefetches (Rule 1, 2)."""
+    def _end_pass(self, p: _Pass) -> None:
+        """A graph task ended (or failed): release what it held; close the step after the last one."""
         with self._lock:
-            self._drain_stash()
-            for ref in self._prefetched:
+            if p.ended:
+                return
+            p.ended = True
+            if self._passes.get(p.gid) is p:
+                del self._passes[p.gid]
+            for ref in p.prefetched:
                 hc = ref()
-                if hc is not None and hc.prefetched is not None:
+                if hc is not None and hc.prefetched is not None and hc.prefetched[2] == p.gid:
                     # Never consumed: the block goes back to its allocation
                     # stream's pool, so order that stream after the H2D write
                     # before dropping it (Rule 4).
-                    _, copy = hc.prefetched
+                    copy = hc.prefetched[1]
                     self._backend.release_after(copy, copy.stream)
                     hc.prefetched = None
-            self._prefetched.clear()
-            self._prefetched_bytes = 0
-            for ref in self._touched:
+            p.prefetched.clear()
+            for ref in p.touched:
                 hc = ref()
                 if hc is not None:
                     hc.held = None  # consumed (waited on) by compute: safe to drop
                     hc.used = 0
-            self._touched.clear()
-            self._order = [r for r in self._order if r() is not None]
-            for i, r in enumerate(self._order):
-                r().index = i
-            self._dedupe = {k: r for k, r in self._dedupe.items() if r() is not None}
-            self._last_graph_task = -1
+            p.touched.clear()
+            if self._passes:
+                return  # a nested or concurrent pass is still running (Rule 11)
+            self._drain_stash()
+            for order in self._orders:
+                self._compact(order)
         self.close_step()
+
+    # Kept for callers of the previous name (profilers, tests).
+    def _end_of_backward(self) -> None:
+        for p in list(self._passes.values()):
+            self._end_pass(p)
 
     def close_step(self) -> None:
         """Close the ledger's open step now (done automatically at the end of each backward)."""

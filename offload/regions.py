@@ -71,8 +71,15 @@ class RegionHandle:
         self.remove()
 
 
-def exclude_module(engine: "OffloadActivations", module: nn.Module) -> RegionHandle:
-    """Keep tensors saved inside ``module``'s forward on the device, recorded (Rule 8)."""
+def exclude_module(engine: "OffloadActivations", module: nn.Module, *, keep_after: bool = False,
+                   root: nn.Module | None = None) -> RegionHandle:
+    """Keep tensors saved inside ``module``'s forward on the device, recorded (Rule 8).
+
+    ``keep_after=True`` (the output head) also keeps what is saved after the
+    module's forward until the next call of ``root`` (default: the engine's
+    ``model``) or the next outermost entry of the engine: the loss computed
+    inside or after the model is what backward needs first.
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"OffloadActivations.exclude: module must be an nn.Module, got {type(module).__name__}. "
@@ -81,35 +88,70 @@ def exclude_module(engine: "OffloadActivations", module: nn.Module) -> RegionHan
 
     # Under a whole-model torch.compile, the engine's hooks only see the saved
     # tensors after the compiled region ran, so a counter bumped while tracing
-    # would exclude nothing. Disabling dynamo on these two hooks makes the
+    # would exclude nothing. Disabling dynamo on these hooks makes the
     # compiler break the graph around the excluded module: its saved tensors
     # are then packed while the region is still marked (two graph breaks,
     # around the output head by default, in exchange for correct accounting).
     # The hooks hold the engine weakly and are removed when it dies: a context
     # rebuilt every step must not pin old engines (and their host pools).
+    # The region counts only on a thread where the engine is entered, and the
+    # post hook undoes only what its own pre hook did; the engine restores the
+    # thread's region state at its outermost exit, so a KeyboardInterrupt
+    # between the two hooks (always_call hooks do not run on it) cannot leave
+    # every later step excluded.
     eng_ref = weakref.ref(engine)
 
     @torch._dynamo.disable
     def pre(mod: nn.Module, args: Any) -> None:
         eng = eng_ref()
-        if eng is not None:
-            eng._excluded_depth += 1
-            handle.fired += 1
+        if eng is None or eng not in _active_engines():
+            return
+        st = eng._thread()
+        st.excluded_depth += 1
+        st.region_stack.append(mod)
+        handle.fired += 1
 
     @torch._dynamo.disable
     def post(mod: nn.Module, args: Any, out: Any) -> None:
         eng = eng_ref()
-        if eng is not None:
-            eng._excluded_depth -= 1
+        if eng is None:
+            return
+        st = eng._thread()
+        for i in range(len(st.region_stack) - 1, -1, -1):
+            if st.region_stack[i] is mod:
+                del st.region_stack[i]
+                st.excluded_depth -= 1
+                if keep_after:
+                    st.after_head = True
+                return
 
-    # always_call: the depth is restored even when the module's forward raises.
-    handle = RegionHandle([
+    hooks = [
         module.register_forward_pre_hook(pre),
+        # always_call: the depth is restored even when the module's forward raises.
         module.register_forward_hook(post, always_call=True),
-    ], name=type(module).__name__)
+    ]
+    if keep_after:
+        if root is None and engine._model_ref is not None:
+            root = engine._model_ref()
+        if root is not None and root is not module:
+
+            @torch._dynamo.disable
+            def new_call(mod: nn.Module, args: Any) -> None:
+                eng = eng_ref()
+                if eng is not None:
+                    eng._thread().after_head = False
+
+            hooks.append(root.register_forward_pre_hook(new_call))
+    handle = RegionHandle(hooks, name=type(module).__name__)
     engine._regions.append(handle)
     weakref.finalize(engine, handle.remove)
     return handle
+
+
+def _active_engines() -> list[Any]:
+    from .engine import _engines
+
+    return _engines()
 
 
 def warn_unused_regions(engine: "OffloadActivations") -> None:
@@ -201,5 +243,5 @@ def get_act_offloading_ctx_manager(
             stacklevel=2,
         )
     else:
-        ctx.exclude(head)
+        ctx.exclude(head, keep_after=True)
     return ctx

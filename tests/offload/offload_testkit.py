@@ -188,7 +188,12 @@ class Recorder:
         self.events.append((id(event.tensor), tuple(event.tensor.shape), event.record))
 
     def records_for(self, t: torch.Tensor) -> list[Any]:
-        return [r for i, _, r in self.events if i == id(t)]
+        # id() alone is reused once a saved temporary dies: match the storage too.
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            ptr = None  # no plain storage (sparse, subclasses): id only
+        return [r for i, _, r in self.events if i == id(t) and (ptr is None or r.storage_key == ptr)]
 
     def by_reason(self, reason: str) -> list[Any]:
         return [r for _, _, r in self.events if r.reason == reason]

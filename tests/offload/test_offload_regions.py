@@ -287,7 +287,7 @@ def test_ctx_manager_forwards_kwargs():
     s = eng.ledger.summary()
     assert eng.device == torch.device("cpu")
     assert s["offloaded_count"] == 0 and s["packed_count"] > 0
-    assert set(s["kept_by_reason"]) <= {"too_small", "parameter", "excluded_region"}, s["kept_by_reason"]
+    assert set(s["kept_by_reason"]) <= {"too_small", "parameter", "excluded_region", "after_head"}, s["kept_by_reason"]
     assert s["kept_by_reason"].get("too_small", 0) > 0
     with pytest.raises(TypeError):
         get_act_offloading_ctx_manager(model, True, device="cpu", not_a_setting=1)
