@@ -295,10 +295,11 @@ class _Offloaded:
 
 def _unpack_handle(handle: Any) -> torch.Tensor:
     """The engine's unpack hook: handles know their engine (the hook holds none)."""
-    if isinstance(handle, (_Kept, _Offloaded)):
-        return handle.unpack()
-    _internal_assert(False, f"unpack got a {type(handle).__name__}")
-    raise AssertionError  # unreachable
+    _internal_assert(isinstance(handle, (_Kept, _Offloaded)), f"unpack got a {type(handle).__name__}")
+    if _torch_private.profiler_enabled():
+        with torch.autograd.profiler.record_function("offload::unpack"):
+            return handle.unpack()
+    return handle.unpack()
 
 
 def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
@@ -308,6 +309,9 @@ def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
     def pack(t: torch.Tensor) -> Any:
         eng = ref()
         _internal_assert(eng is not None, "pack hook ran for an engine that was freed")
+        if _torch_private.profiler_enabled():
+            with torch.autograd.profiler.record_function("offload::pack"):
+                return eng._pack(t)
         return eng._pack(t)
 
     return pack
@@ -956,8 +960,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             base, copy = pre[0], pre[1]
         else:
             base, copy = self._load(hc, h.rec)
-        with _span("offload::wait"):
-            self._wait(copy)
+        self._wait(copy)
         es = h.dtype.itemsize
         if hc.users > 1 and hc.nbytes % es == 0:
             # Views of one base share its version counter, so an in-place
