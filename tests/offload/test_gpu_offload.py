@@ -525,3 +525,84 @@ def test_gpu_peak_memory_drops_by_about_the_offloaded_bytes():
         f"saved {saved / 2**20:.0f} MiB is far below the {offloaded / 2**20:.0f} MiB offloaded"
     )
     assert saved <= 1.1 * copied + (64 << 20), "saved more than was copied off the device: measurement is off"
+
+
+# --------------------------------------------------------------------------- hardening on CUDA (issue 12)
+
+
+def test_gpu_inplace_write_racing_the_d2h_copy_raises():
+    """Rule 6: an in-place write queued right after the pack of a temporary races its D2H copy on the
+    side stream; whichever wins, the engine raises autograd's in-place error at unpack (the tensor's
+    Python object is gone by then, so only the version-counter tracker can see the write)."""
+    a = torch.randn(8 << 20, device="cuda", requires_grad=True)
+
+    def step():
+        x = a.exp()  # exp saves its result
+        x.masked_fill_(a > 0, 0.5)
+        return (x * x).sum()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        step().backward()
+    ctx = gpu_ctx()
+    with ctx:
+        loss = step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    del loss
+    settle(ctx)
+
+
+class _ZeroInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x.mul_(0)
+        return g * 3
+
+
+def test_gpu_shared_reload_inplace_in_backward_raises():
+    """Rule 6: two handles of one storage (q, k of one projection) are reloaded as views of one base;
+    a backward that writes one in place makes the other's unpack raise, as plain autograd does."""
+    a = torch.randn(64, 2048, device="cuda", requires_grad=True)
+    w = torch.randn(1024, device="cuda", requires_grad=True)
+
+    def step():
+        base = a * 1.5
+        q, k = base[:, :1024], base[:, 1024:]
+        return (q * w).sum() + _ZeroInBackward.apply(k).sum()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        step().backward()
+    ctx = gpu_ctx(use_streams=True)
+    with ctx:
+        loss = step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_gpu_forward_only_steps_return_pinned_buffers_and_device_memory():
+    """Rule 10: forward-only steps with grad on (evaluation, reference log-probs) free host copies and
+    device memory by reference counting alone, with the side stream and pinned pool in use."""
+    model = toy()
+    inputs = batch()
+    ctx = get_act_offloading_ctx_manager(model, True)
+    with ctx:
+        lm_loss(model, inputs)  # warm-up: pool and allocator caches
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    gc.disable()
+    try:
+        for _ in range(5):
+            with ctx:
+                loss = lm_loss(model, inputs)
+            del loss
+            torch.cuda.synchronize()
+            assert ctx.pool.in_use_bytes == 0, ctx.pool.stats()
+            assert torch.cuda.memory_allocated() == base
+    finally:
+        gc.enable()

@@ -493,3 +493,16 @@ def test_profiler_trace_shows_pack_and_copy_ranges():
     names = {e.name for e in prof.events()}
     for want in ("offload::pack", "offload::d2h", "offload::h2d", "offload::unpack", "offload::prefetch"):
         assert want in names, (want, sorted(n for n in names if n.startswith("offload")))
+
+
+def test_inplace_write_while_copy_in_flight_is_detected_on_the_stream_path():
+    """Emulated streams: a write landing while the D2H copy is in flight is caught at unpack."""
+    from test_stream_emulated import _emulated_engine
+
+    ctx, fake, seen = _emulated_engine()
+    a = torch.randn(64, requires_grad=True)
+    with ctx:
+        loss = _masked_fill_step(a)  # exp's result is written while its copy is "in flight"
+    assert seen["d2h"] and ctx.backend == "stream"
+    with pytest.raises(RuntimeError, match=INPLACE):
+        loss.backward()
