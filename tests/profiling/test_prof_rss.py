@@ -79,3 +79,17 @@ def test_names_match_engine_ledger(toy):
     loss.backward()
     recorded = {rec.module for rec in engine.ledger.records if rec.module}
     assert recorded and recorded <= set(r.summary())
+
+
+def test_pre_post_columns_agree_with_the_delta_columns():
+    """rss_post_forward - rss_pre_forward is the largest single-call growth (they were the last call's, often equal)."""
+    net = Net()
+    with RSSTracker(net) as r:
+        for _ in range(3):
+            net(torch.randn(2, 4))
+        net.grow.kept.clear()
+        net.small(torch.randn(2, 4))
+    for name, s in r.summary().items():
+        assert s["rss_post_forward"] - s["rss_pre_forward"] == s["max_delta_bytes"], name
+    g = r.summary()["Net.grow"]
+    assert g["rss_post_forward"] - g["rss_pre_forward"] >= 60 * MiB
