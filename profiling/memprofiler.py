@@ -507,7 +507,7 @@ class MemProfiler:
                 "activations offloaded (host)": [x["activations_offloaded_bytes"] for x in w],
             },
             path, x=[x["label"] for x in w], xlabel="collected call",
-            title=f"Device memory per collected call, rank {self.rank}",
+            title=f"Device memory per collected call, rank {self.rank} (hatched: moved to host)",
         )
 
     def plot_modules(self, path: str | Path | None = None, top: int = 20) -> Path:

@@ -425,7 +425,7 @@ class PackedBytesTracker:
                 "activations offloaded (host)": [_offloaded_logical(s) for s in steps],
             },
             path, x=[s["step"] for s in steps], unit=unit,
-            title="Device memory per step: what stays and what the engine moved to the host",
+            title="Device memory per step (hatched: moved to host)",
         )
 
     def plot_modules(self, path: str | Path, unit: str = "MiB", top: int = 20) -> Path:

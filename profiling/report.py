@@ -156,11 +156,14 @@ def plot_step_memory(
     title: str = "Device memory per step",
     xlabel: str = "step",
     unit: str = "auto",
+    host_layers: Sequence[str] = ("activations offloaded (host)",),
 ) -> Path:
     """One stacked bar per step: each ``layers`` entry is a layer (bytes), bottom first.
 
-    Bars start at zero (no truncated axis) and each carries its total, so a
-    step's composition and the effect of offloading read at a glance.
+    Bars start at zero (no truncated axis). ``host_layers`` are drawn hatched
+    on top: bytes that would be on the device without offloading but sit on
+    the host; each bar is labelled with its device total (and the total with
+    them), so a step's composition and what offloading saved read at a glance.
     """
     plt = _pyplot()
     names = list(layers)
@@ -170,22 +173,28 @@ def plot_step_memory(
     u = _bar_unit(max(totals, default=0.0), unit)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * n + 3), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.6 * n + 4), 4.5))
     try:
         bottom = [0.0] * n
+        device = [0.0] * n
         for i, name in enumerate(names):
             vals = [float(layers[name][j] or 0) / _UNITS[u] for j in range(n)]
+            host = name in host_layers
             ax.bar(range(n), vals, bottom=bottom, label=name, color=_STACK_COLORS[i % len(_STACK_COLORS)],
-                   edgecolor="white", linewidth=0.5)
+                   edgecolor="white", linewidth=0.5, hatch="//" if host else None, alpha=0.55 if host else 1.0)
             bottom = [b + v for b, v in zip(bottom, vals)]
+            if not host:
+                device = [d + v for d, v in zip(device, vals)]
         for j, t in enumerate(totals):
-            ax.annotate(format_bytes(t), (j, t / _UNITS[u]), ha="center", va="bottom", fontsize=7)
+            on_dev = device[j] * _UNITS[u]
+            label = format_bytes(t) if on_dev == t else f"device {format_bytes(on_dev)}\n(of {format_bytes(t)})"
+            ax.annotate(label, (j, t / _UNITS[u]), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(n))
         ax.set_xticklabels(xs, rotation=30 if n > 8 else 0, ha="right" if n > 8 else "center", fontsize=8)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(u)
-        ax.set_ylim(0, max(bottom, default=1.0) * 1.15 or 1.0)
-        ax.set_title(title, fontsize=10)
+        ax.set_ylim(0, max(bottom, default=1.0) * 1.2 or 1.0)
+        fig.suptitle(title, fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
@@ -235,6 +244,7 @@ def plot_module_bytes(
             ax.barh(range(len(rows)), v, left=left, label=label, color=colors[i % len(colors)],
                     edgecolor="white", linewidth=0.5)
             left = [a + b for a, b in zip(left, v)]
+        ax.set_xlim(0, max(left, default=1.0) * 1.05 or 1.0)
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([r[0] for r in rows], fontsize=7)
         ax.set_xlabel(u)
