@@ -50,6 +50,10 @@ def get_local_rank() -> int:
     return _env_int(_LOCAL_RANK_VARS, 0)
 
 
+def get_local_world_size() -> int:
+    return _env_int(("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"), 1)
+
+
 def get_world_size() -> int:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
