@@ -233,7 +233,8 @@ def plot_module_bytes(
     try:
         left = [0.0] * len(rows)
         segments = [("offloaded", [r[1] for r in rows])] + [
-            (f"kept: {k}", [r[2].get(k, 0) for r in rows]) for k in reasons
+            ("kept: outside any engine" if k == "no_engine" else f"kept: {k}", [r[2].get(k, 0) for r in rows])
+            for k in reasons
         ]
         colors = ["#55a868", "#c44e52", "#dd8452", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974",
                   "#64b5cd", "#4c72b0"]
