@@ -1,9 +1,31 @@
-"""Which module's forward is running right now, shared by the engine and the profilers.
+"""Which module's forward is running right now, and its stable name; shared by the engine and the profilers.
 
 One pair of process-wide forward hooks (registered while any ``track_modules``
 scope is open, in any thread) maintains a per-thread stack of running modules.
-Names are qualified from the outermost module seen, e.g.
-``ToyLlama.layers.0.attn``, so the engine's ledger and the trackers agree.
+The hooks only push and pop the module object; its name is resolved lazily,
+when someone asks (``current_module_name()``, i.e. per pack, not per module
+call), and cached per module.
+
+# NOTE [ Module names ]
+A module's name is its fully qualified name in its *root model*, prefixed by
+the root's class name, the way torch's ``ModTracker`` / ``MemTracker`` (and so
+``ModuleMemoryStats`` and the auto-AC ILP input) name modules:
+``ToyLlama`` for the root, ``ToyLlama.layers.0.attn`` below it.
+
+- The root is the outermost model passed to ``register_model`` (the trackers
+  and profilers register the model they are given; the engine registers its
+  ``model=``). A submodule of a registered model keeps its full name whichever
+  module the user calls, so ``model.layers[0](x)`` still packs under
+  ``ToyLlama.layers.0``.
+- A module of no registered model is named from the outermost module seen
+  running around it (that module becomes an implicit root), as before.
+- Wrapper components are dropped, so names do not change when a model is
+  wrapped: ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module`` (FSDP1 and
+  ``checkpoint_wrapper``), ``_orig_mod`` (``torch.compile``), and the ``module``
+  of a root ``DistributedDataParallel``. FSDP2's ``fully_shard`` swaps a
+  module's class to ``FSDP<Class>``; the root's label drops that ``FSDP``
+  prefix. PEFT's ``base_model.model`` path is a real part of the model and is
+  kept.
 """
 
 from __future__ import annotations
@@ -20,67 +42,145 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
-__all__ = ["track_modules", "current_module_name", "current_modules"]
+__all__ = ["track_modules", "current_module_name", "current_modules", "register_model", "module_name"]
 
 _lock = threading.Lock()
 _global_users = 0
 _global_handles: list = []
 _tls = threading.local()
-# root module -> {module: qualified name}; weak so models can be freed.
-_names: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakKeyDictionary[nn.Module, str]]" = (
-    weakref.WeakKeyDictionary()
-)
+
+_WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+"""Attribute names of wrappers that hold the real module; dropped from names."""
+
+_roots: list[weakref.ref] = []
+"""Registered root models (weakly held), outermost only."""
+_implicit_roots: list[weakref.ref] = []
+"""Outermost running modules of no registered model (named as before a registry existed)."""
+_tables: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
+"""Root -> {id(submodule): name}; rebuilt when a lookup misses (the model may have changed)."""
+_cache: dict[int, tuple[weakref.ref, str]] = {}
+"""id(module) -> (weak module, name); the hot-path lookup, cleared when roots change."""
 
 
-def _thread_state() -> tuple[list[tuple[nn.Module, str]], list[int]]:
+def _thread_stack() -> list[nn.Module]:
     st = getattr(_tls, "stack", None)
     if st is None:
         st = _tls.stack = []
-        _tls.depth = [0]
-    return st, _tls.depth
+        _tls.depth = 0
+    return st
 
 
-def _name_of(module: nn.Module, stack: list[tuple[nn.Module, str]]) -> str:
-    if stack:
-        root = stack[0][0]
-        table = _names.get(root)
-        if table is not None:
-            name = table.get(module)
-            if name is not None:
-                return name
-        return f"{stack[-1][1]}.{type(module).__name__}"
-    table = _names.get(module)
-    if table is None:
-        table = weakref.WeakKeyDictionary()
-        prefix = type(module).__name__
-        for qual, sub in module.named_modules(remove_duplicate=False):
-            table.setdefault(sub, f"{prefix}.{qual}" if qual else prefix)
-        _names[module] = table
-    return table[module]
+def _root_label(root: nn.Module) -> str:
+    name = type(root).__name__
+    if name.startswith("FSDP") and any(c.__name__ == "FSDPModule" for c in type(root).__mro__):
+        name = name[4:]  # fully_shard's dynamic FSDP<Class>
+    return name
+
+
+def _build_table(root: nn.Module) -> dict[int, str]:
+    label = _root_label(root)
+    ddp = type(root).__name__ == "DistributedDataParallel"
+    table: dict[int, str] = {}
+    for qual, sub in root.named_modules(remove_duplicate=False):
+        parts = qual.split(".") if qual else []
+        if ddp and parts and parts[0] == "module":
+            parts = parts[1:]
+        parts = [p for p in parts if p not in _WRAPPER_COMPONENTS]
+        # setdefault: a shared module keeps its first (shortest-path) name
+        table.setdefault(id(sub), ".".join([label, *parts]))
+    _tables[root] = table
+    return table
+
+
+def _live(refs: list[weakref.ref]) -> list[nn.Module]:
+    out = [r() for r in refs]
+    refs[:] = [r for r, m in zip(refs, out) if m is not None]
+    return [m for m in out if m is not None]
+
+
+def _contains(root: nn.Module, module: nn.Module) -> bool:
+    table = _tables.get(root)
+    if table is None or id(module) not in table:
+        table = _build_table(root)
+    return id(module) in table
+
+
+def register_model(model: nn.Module) -> None:
+    """Name ``model``'s modules from ``model`` (see NOTE [ Module names ]); cheap to call again.
+
+    Held weakly. Registering a submodule of a registered model changes
+    nothing; registering a model that contains registered ones makes it their
+    root.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"register_model: expected an nn.Module, got {type(model).__name__}")
+    with _lock:
+        roots = _live(_roots)
+        if any(r is model for r in roots):
+            return
+        if any(_contains(r, model) for r in roots):
+            return
+        _build_table(model)
+        _roots[:] = [weakref.ref(r) for r in roots if not _contains(model, r)]
+        _roots.append(weakref.ref(model))
+        _cache.clear()
+
+
+def _resolve(module: nn.Module, outermost: nn.Module | None) -> str:
+    for root in _live(_roots):
+        table = _tables.get(root) or _build_table(root)
+        name = table.get(id(module))
+        if name is None:  # modules may have been added since: look again once
+            name = _build_table(root).get(id(module))
+        if name is not None:
+            return name
+    implicit = _live(_implicit_roots)
+    root = outermost if outermost is not None else module
+    for r in implicit:
+        if _contains(r, root):
+            root = r
+            break
+    else:  # a new implicit root; it swallows the implicit roots it contains
+        table = _build_table(root)
+        _implicit_roots[:] = [weakref.ref(r) for r in implicit if id(r) not in table]
+        _implicit_roots.append(weakref.ref(root))
+        _cache.clear()
+    return (_tables.get(root) or _build_table(root)).get(id(module), _root_label(module))
+
+
+def module_name(module: nn.Module, outermost: nn.Module | None = None) -> str:
+    """The stable name of ``module`` (NOTE [ Module names ]); ``outermost`` is the implicit root to use
+    when it belongs to no registered model (default: the module itself)."""
+    hit = _cache.get(id(module))
+    if hit is not None and hit[0]() is module:
+        return hit[1]
+    with _lock:
+        name = _resolve(module, outermost)
+        key = id(module)
+        _cache[key] = (weakref.ref(module, lambda _r, k=key: _cache.pop(k, None)), name)
+    return name
 
 
 def _pre_hook(module: nn.Module, args) -> None:
     # Under torch.compile tracing this is a constant no-op, so the hooks add
     # no graph breaks; saved tensors of a compiled region are packed after it
     # runs, in eager, and are attributed to the module that called it.
-    if torch.compiler.is_compiling():
+    if _tls.__dict__.get("depth", 0) <= 0 or torch.compiler.is_compiling():
         return
-    stack, depth = _thread_state()
-    if depth[0] <= 0:
-        return
-    stack.append((module, _name_of(module, stack)))
+    _tls.stack.append(module)
 
 
 def _post_hook(module: nn.Module, args, output) -> None:
-    if torch.compiler.is_compiling():
+    if _tls.__dict__.get("depth", 0) <= 0 or torch.compiler.is_compiling():
         return
-    stack, depth = _thread_state()
-    if depth[0] <= 0:
+    stack = _tls.stack
+    if stack and stack[-1] is module:
+        stack.pop()
         return
     # always_call=True: runs on exceptions too. Pop back to this module even if
     # an inner module raised before its own post hook could run.
     for i in range(len(stack) - 1, -1, -1):
-        if stack[i][0] is module:
+        if stack[i] is module:
             del stack[i:]
             return
 
@@ -94,13 +194,13 @@ def track_modules() -> Iterator[None]:
             _global_handles.append(register_module_forward_pre_hook(_pre_hook))
             _global_handles.append(register_module_forward_hook(_post_hook, always_call=True))
         _global_users += 1
-    stack, depth = _thread_state()
-    depth[0] += 1
+    stack = _thread_stack()
+    _tls.depth += 1
     try:
         yield
     finally:
-        depth[0] -= 1
-        if depth[0] == 0:
+        _tls.depth -= 1
+        if _tls.depth == 0:
             stack.clear()
         with _lock:
             _global_users -= 1
@@ -111,12 +211,22 @@ def track_modules() -> Iterator[None]:
 
 
 def current_module_name() -> str:
-    """Qualified name of the innermost running module on this thread, "" if none."""
+    """Stable name of the innermost running module on this thread (NOTE [ Module names ]), "" if none."""
     stack = getattr(_tls, "stack", None)
-    return stack[-1][1] if stack else ""
+    if not stack:
+        return ""
+    module = stack[-1]
+    outer = stack[0]
+    hit = _cache.get(id(outer))
+    if hit is None or hit[0]() is not outer:  # a new outermost module may be a new implicit root
+        module_name(outer, outer)
+    hit = _cache.get(id(module))
+    if hit is not None and hit[0]() is module:
+        return hit[1]
+    return module_name(module, outer)
 
 
 def current_modules() -> list[nn.Module]:
     """The running modules on this thread, outermost first."""
     stack = getattr(_tls, "stack", None)
-    return [m for m, _ in stack] if stack else []
+    return list(stack) if stack else []

@@ -19,10 +19,18 @@ from .memprofiler import MemProfiler, memprofilable
 from .trace import TraceProfiler
 
 # Per-module memory statistics (MemTracker) and CUDA-only estimators.
-from .module_stats import ModuleMemoryStats, estimate_module_runtimes, estimate_sac
+from .module_stats import ModuleMemoryStats, estimate_module_runtimes, estimate_sac, module_info_for_ilp
 
 # Readable output.
-from .report import format_bytes, format_table, plot_series, write_json, write_yaml
+from .report import (
+    format_bytes,
+    format_table,
+    plot_module_bytes,
+    plot_series,
+    plot_step_memory,
+    write_json,
+    write_yaml,
+)
 
 # Errors.
 from .errors import ProfilingError
@@ -46,12 +54,15 @@ __all__ = [
     "TraceProfiler",
     # per-module stats
     "ModuleMemoryStats",
+    "module_info_for_ilp",
     "estimate_module_runtimes",
     "estimate_sac",
     # output
     "format_bytes",
     "format_table",
     "plot_series",
+    "plot_step_memory",
+    "plot_module_bytes",
     "write_json",
     "write_yaml",
     # errors

@@ -28,3 +28,27 @@ def cuda_record_memory_history(max_entries: int | None) -> None:
 def cuda_dump_snapshot(path: str) -> None:
     """Write the allocator snapshot pickle read by ``torch.cuda._memory_viz`` / pytorch.org/memory_viz."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+class _NoHandle:
+    """A stand-in hook handle whose ``remove()`` does nothing."""
+
+    def remove(self) -> None:
+        pass
+
+
+def memtracker_skip_frozen_params(mem_tracker: object, model: object) -> None:
+    """Keep ``MemTracker`` from hooking parameters that cannot have a gradient.
+
+    Why private: ``MemTracker._track_module_params_and_buffers`` registers a
+    gradient hook on every parameter it meets unless one is recorded in
+    ``_param_to_grad_hook_handles``; for a frozen parameter (LoRA/QLoRA base
+    weights, ``requires_grad=False``) ``register_hook`` raises and the step
+    dies. Recording no-op handles for them makes MemTracker skip them (they
+    never receive a gradient); MemTracker clears the table on exit, so call
+    this after each ``__enter__``.
+    """
+    handles = mem_tracker._param_to_grad_hook_handles  # type: ignore[attr-defined]
+    for p in model.parameters():  # type: ignore[attr-defined]
+        if not p.requires_grad and handles.get(p, None) is None:
+            handles[p] = (_NoHandle(), _NoHandle())

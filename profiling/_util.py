@@ -16,23 +16,49 @@ def host_rss(proc: psutil.Process | None = None) -> int:
     return (proc or psutil.Process()).memory_info().rss
 
 
+_RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "JSM_NAMESPACE_RANK", "LOCAL_RANK",
+              "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+"""Where launchers put the rank: global ones first (torchrun, SLURM, Open MPI, MPICH/Intel MPI, LSF),
+then local ones, which at least keep the ranks of one node apart."""
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                    "JSM_NAMESPACE_LOCAL_RANK")
+_WORLD_SIZE_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JSM_NAMESPACE_SIZE")
+
+
+def _env_int(names: tuple[str, ...], default: int) -> int:
+    for n in names:
+        v = os.environ.get(n, "").strip()
+        if v:
+            try:
+                return int(v)
+            except ValueError:
+                continue
+    return default
+
+
 def get_rank() -> int:
-    """Global rank: the process group's if one is initialised, else ``$RANK``, else 0."""
+    """Global rank: the process group's if one is initialised, else the first launcher variable set
+    (``RANK``, ``SLURM_PROCID``, ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, ``JSM_NAMESPACE_RANK``, then
+    the local ``LOCAL_RANK`` and the like), else 0."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
+    return _env_int(_RANK_VARS, 0)
 
 
 def get_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+    return _env_int(_LOCAL_RANK_VARS, 0)
+
+
+def get_local_world_size() -> int:
+    return _env_int(("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"), 1)
 
 
 def get_world_size() -> int:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return _env_int(_WORLD_SIZE_VARS, 1)
 
 
 def _identity(x: Any) -> Any:
@@ -40,6 +66,17 @@ def _identity(x: Any) -> Any:
 
 
 IDENTITY_NAMES = ("identity", "identity_lambda")
+
+_FTS_HOOKS = "fts_examples.profiling.npp_hooks."
+FTS_ALIASES: dict[str, str] = {
+    _FTS_HOOKS + "_hook_npp_pre_forward": "profiling.hooks.npp_rss_pre_forward",
+    _FTS_HOOKS + "_hook_npp_post_forward": "profiling.hooks.npp_rss_post_forward",
+    _FTS_HOOKS + "_reset_memory_hooks_state": "profiling.hooks.reset_memory_hooks_state",
+    _FTS_HOOKS + "_npp_hook": "identity",
+}
+"""finetuning-scheduler's default hook paths -> this package's equivalents, so FTS YAML configs load
+without FTS installed. Its npp pack hook becomes identity: the profiler's own byte counter already
+counts npp (without shadowing an offload engine), so chaining FTS's global counter would add nothing."""
 
 
 def resolve_callable(spec: str | Callable, where: str) -> Callable:
@@ -55,6 +92,7 @@ def resolve_callable(spec: str | Callable, where: str) -> Callable:
             f"{where}: expected a callable or a 'package.module.function' string, "
             f"got {type(spec).__name__} {spec!r}"
         )
+    spec = FTS_ALIASES.get(spec, spec)
     if spec in IDENTITY_NAMES:
         return _identity
     mod_name, _, attr = spec.rpartition(".")

@@ -29,14 +29,27 @@ Differences from the seed, each fixing a known problem:
 - the YAML holds plain data (``yaml.safe_load`` reads it);
 - allocator history is a bounded ring started at the first collected call and
   stopped when its functions are done; CUDA peaks are reset per call;
-- artifacts are written when every window has closed (and by ``close()``), and
-  FSDP reports as soon as their call ends.
+- artifacts are rewritten at the end of every collected call (``dump_when_done``),
+  by ``close()``, and at interpreter exit, so a function that never reaches
+  ``max_iter`` (a ``validation_step`` never called, a short loop) loses nothing;
+  FSDP reports are written as soon as their call ends;
+- module hooks are on only while a collected call runs (the seed kept them
+  until every ``retain_hooks_for_funcs`` function was done, i.e. forever when
+  one never ran); ``retain_hooks_for_funcs`` is still accepted and validated;
+- ``offload.*`` keys are the attached engine's ledger counters *for the
+  collected call* (end entries); its totals since creation are under
+  ``offload_cumulative.*``;
+- module names are fully qualified from the profiled model
+  (NOTE [ Module names ] in ``offload.modules``).
 """
 
 from __future__ import annotations
 
+import atexit
 import io
+import logging
 import pickle
+import weakref
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -49,14 +62,33 @@ import psutil
 import torch
 from torch import nn
 
+from offload.modules import module_name, register_model
+
 from . import _engine
 from ._torch_private import cuda_dump_snapshot, cuda_record_memory_history
 from ._util import flatten, get_rank, resolve_callable, to_plain
 from .config import MemProfilerCfg
 from .errors import ProfilingError
-from .hooks import HookContext
+from .hooks import HookContext, adapt_forward_hook
 from .packed import PackedBytesTracker
-from .report import format_table, plot_series, write_yaml
+from .report import format_table, plot_module_bytes, plot_step_memory, write_yaml
+
+_log = logging.getLogger("offload.profiling.memprofiler")
+
+_live_profilers: "weakref.WeakSet[MemProfiler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _dump_at_exit() -> None:
+    """Write what every live, enabled profiler collected and has not written yet (weakly held)."""
+    for prof in list(_live_profilers):
+        try:
+            prof.close()
+        except Exception:  # never let a profiler break interpreter shutdown
+            _log.exception("MemProfiler: writing artifacts at exit failed")
+
+# Ledger counters that are not additive: a window cannot have its own value for them.
+_NON_ADDITIVE = ("peak_", "pool.peak_", "pool.in_use_bytes", "pool.reserved_bytes", "pool.capacity_bytes", "steps")
 
 __all__ = ["MemProfiler", "memprofilable"]
 
@@ -73,7 +105,8 @@ class MemProfiler:
         optimizer: passed to the FSDP memory tracker so optimizer state is attributed.
         engine: an ``OffloadActivations`` whose ledger totals go into each snapshot; when omitted,
             the engine whose packs the profiler observed (or the active one) is used.
-        rank: overrides the detected rank (process group, else ``$RANK``, else 0).
+        rank: overrides the detected rank (process group, else ``$RANK``, ``$SLURM_PROCID`` and the
+            like, else ``$LOCAL_RANK``, else 0; see ``profiling._util.get_rank``).
     """
 
     def __init__(
@@ -106,22 +139,32 @@ class MemProfiler:
                 "track_fsdp_mem is set; pass MemProfiler(cfg, model) or disable them"
             )
         self.save_dir = self._init_save_dir(cfg.save_dir)
+        if model is not None:
+            register_model(model)
         self._proc = psutil.Process()
         self._snap_funcs = funcs.snapshot_funcs
         self._all_funcs = self._snap_funcs | funcs.fsdp
-        self._retain = cfg.retain_hooks_for_funcs if cfg.retain_hooks_for_funcs is not None else self._snap_funcs
         self._calls: dict[str, int] = {}
         self._done: set[str] = set()
         self._hooks = cfg.memory_hooks.resolve() if cfg.enable_memory_hooks else {}
+        for kind in ("pre_forward_hooks", "post_forward_hooks"):
+            if kind in self._hooks:
+                self._hooks[kind] = [adapt_forward_hook(h, kind) for h in self._hooks[kind]]
+        self._open_windows = 0
+        self._engine_base: dict[int, dict[str, Any]] = {}
+        self.windows: list[dict[str, Any]] = []
+        """Per collected call: label, params/grads bytes, activations kept/offloaded, per-module bytes."""
         self._hooks_on = cfg.enable_memory_hooks
         self._hook_stack: ExitStack | None = None
         self._frames: list[tuple[nn.Module, str, dict[str, Any]]] = []
         self._tracker: PackedBytesTracker | None = None
         self._ctx = HookContext(
             rss=lambda: self._proc.memory_info().rss,
+            mem_info=self._proc.memory_info,
             npp=lambda: self._tracker.logical_bytes if self._tracker is not None else 0,
             npp_unique=lambda: self._tracker.unique_bytes if self._tracker is not None else 0,
         )
+        self._ctx.model = model
         self._st_funcs = None
         if cfg.enable_saved_tensors_hooks and cfg.saved_tensors_funcs is not None:
             self._st_funcs = tuple(
@@ -132,6 +175,7 @@ class MemProfiler:
         self._fsdp_root = self._find_fsdp_root() if cfg.track_fsdp_mem else None
         self._fsdp_tracker = None
         self._dirty = False
+        _live_profilers.add(self)
 
     # ------------------------------------------------------------------ setup
     @property
@@ -209,8 +253,11 @@ class MemProfiler:
                 stack.close()
                 if snap:
                     self._snapshot(fn, idx, "end")
+                    self._end_window(fn, idx)
                 if idx == sched.max_iter:
                     self._finish(fn)
+                if self.cfg.dump_when_done and self._dirty:
+                    self.dump_memory_stats()
 
     def _new_tracker(self) -> PackedBytesTracker:
         pack = unpack = None
@@ -224,14 +271,19 @@ class MemProfiler:
                 )
             else:
                 pack, unpack = self._st_funcs
-        return PackedBytesTracker(pack_hook=pack, unpack_hook=unpack, auto_step=False)
+        return PackedBytesTracker(pack_hook=pack, unpack_hook=unpack, auto_step=False, model=self.model)
 
     def _begin_window(self, fn: str) -> None:
         self._tracker = self._new_tracker()
+        self._open_windows += 1
         if self._hooks_on and self._hook_stack is None:
             self._install_hooks()
         if self._hooks_on:
             self._run_reset_hooks()
+        engine = self._current_engine()
+        self._engine_base.clear()
+        if engine is not None:
+            self._engine_base[id(engine)] = flatten("", _engine.engine_totals(engine), {})
         cuda = torch.cuda.is_available()
         if cuda and self.cfg.reset_cuda_peak_stats and fn in self.cfg.collect_funcs.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -241,16 +293,33 @@ class MemProfiler:
             cuda_record_memory_history(self.cfg.cuda_allocator_history_max_entries)
             self._history_on = True
 
+    def _end_window(self, fn: str, idx: int) -> None:
+        self._open_windows -= 1
+        if self._open_windows <= 0:
+            self._open_windows = 0
+            self._remove_hooks()  # hooks are on only while a collected call runs
+        t = self._tracker
+        if t is not None and self.cfg.enable_saved_tensors_hooks:
+            s = t.summary()
+            params = grads = 0
+            if self.model is not None:
+                ps = list(self.model.parameters())
+                params = sum(p.numel() * p.element_size() for p in ps)
+                grads = sum(p.numel() * p.element_size() for p in ps if p.requires_grad)
+            self.windows.append({
+                "label": f"{fn}.{idx}",
+                "params_bytes": params,
+                "grads_bytes": grads,
+                "activations_kept_bytes": s["logical_bytes"] - s["offloaded_bytes"],
+                "activations_offloaded_bytes": s["offloaded_bytes"],
+                "modules": s["modules"],
+            })
+
     def _finish(self, fn: str) -> None:
         self._done.add(fn)
-        if self._hook_stack is not None and self._retain <= self._done:
-            self._remove_hooks()
-            self._hooks_on = False
         if self._history_on and self.cfg.collect_funcs.cuda_allocator_history <= self._done:
             cuda_record_memory_history(None)
             self._history_on = False
-        if self.cfg.dump_when_done and self._all_funcs <= self._done:
-            self.dump_memory_stats()
 
     @property
     def done(self) -> frozenset[str]:
@@ -262,13 +331,9 @@ class MemProfiler:
         stack = ExitStack()
         stack.enter_context(_engine.track_modules())
         root = self.model
-        fallback = {
-            id(m): f"{type(root).__name__}.{q}" if q else type(root).__name__
-            for q, m in root.named_modules(remove_duplicate=False)  # type: ignore[union-attr]
-        }
 
         def pre(module: nn.Module, args: Any) -> None:
-            name = _engine.current_module_name() or fallback.get(id(module), type(module).__name__)
+            name = module_name(module)  # the model is registered: the ledger's name for it
             frame: dict[str, Any] = {}
             self._frames.append((module, name, frame))
             self._call_hooks("pre_forward_hooks", module, name, frame, len(self._frames) - 1)
@@ -339,9 +404,19 @@ class MemProfiler:
             entry["packed.packed_bytes"] = t.packed_bytes
             entry["packed.logical_bytes"] = t.logical_bytes
             entry["packed.unique_bytes"] = t.unique_bytes
+            entry["packed.offloaded_bytes"] = t.summary()["offloaded_bytes"]
         engine = self._current_engine() if cfg.include_engine_totals else None
         if engine is not None:
-            flatten("offload", _engine.engine_totals(engine), entry)
+            totals = flatten("", _engine.engine_totals(engine), {})
+            flatten("offload_cumulative", totals, entry)
+            base = self._engine_base.get(id(engine))
+            if where == "end" and base is not None:
+                for k, v in totals.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith(_NON_ADDITIVE):
+                        entry[f"offload.{k}"] = v - base.get(k, 0)
+            elif where == "end":
+                _log.info("MemProfiler: engine first seen inside %s.%s; only offload_cumulative.* recorded "
+                          "(attach_engine() or MemProfiler(engine=...) gives per-call offload.* figures)", fn, idx)
         if cuda and (engine is not None or fn in funcs.cuda) and hasattr(torch.cuda, "host_memory_stats"):
             flatten("host", torch.cuda.host_memory_stats(), entry)
         if self._history_on and fn in funcs.cuda_allocator_history:
@@ -405,7 +480,7 @@ class MemProfiler:
         candidates = [
             "rss", "vms", "npp_diff", "npp_unique_diff", "rss_diff",
             "allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.peak",
-            "offload.packed_bytes", "offload.offloaded_bytes", "offload.kept_bytes",
+            "packed.offloaded_bytes", "offload.packed_bytes", "offload.offloaded_bytes", "offload.kept_bytes",
         ]
         cols = [c for c in candidates if any(c in e for e in self.memory_stats.values())]
         rows = [{"snapshot": k, **e} for k, e in self.memory_stats.items()]
@@ -415,15 +490,36 @@ class MemProfiler:
         )
 
     def plot(self, path: str | Path | None = None) -> Path:
-        """PNG of host RSS, npp and (when present) CUDA/offload bytes across the snapshots."""
-        keys = list(self.memory_stats)
-        series = {}
-        for metric in ("rss", "npp_post_forward", "allocated_bytes.all.current", "offload.offloaded_bytes"):
-            if keys and all(metric in self.memory_stats[k] for k in keys):
-                series[metric] = [self.memory_stats[k][metric] for k in keys]
+        """PNG: per collected call, stacked device memory (params, grads, activations kept, offloaded to host).
+
+        Activations are the call's saved-for-backward non-parameter bytes
+        (npp), split by the engine's decision; grads are one per trainable
+        parameter. See also ``plot_modules``.
+        """
         if path is None:
             path = self._out(f"rank_{self.rank}_memory_stats.png")
-        return plot_series(series, path, x=keys, xlabel="snapshot", title="MemProfiler snapshots")
+        w = self.windows
+        return plot_step_memory(
+            {
+                "params": [x["params_bytes"] for x in w],
+                "grads": [x["grads_bytes"] for x in w],
+                "activations kept": [x["activations_kept_bytes"] for x in w],
+                "activations offloaded (host)": [x["activations_offloaded_bytes"] for x in w],
+            },
+            path, x=[x["label"] for x in w], xlabel="collected call",
+            title=f"Device memory per collected call, rank {self.rank} (hatched: moved to host)",
+        )
+
+    def plot_modules(self, path: str | Path | None = None, top: int = 20) -> Path:
+        """PNG: the last collected call's saved bytes per module, offloaded vs kept by reason."""
+        if path is None:
+            path = self._out(f"rank_{self.rank}_module_bytes.png")
+        mods = self.windows[-1]["modules"] if self.windows else {}
+        label = self.windows[-1]["label"] if self.windows else ""
+        return plot_module_bytes(
+            mods, path, top=top,
+            title=f"Saved-for-backward bytes per module ({label}): offloaded vs kept by reason",
+        )
 
     def _out(self, name: str) -> Path:
         if self.save_dir is None:
@@ -448,8 +544,9 @@ class MemProfiler:
             p = self._out(f"rank_{r}_memory_summary.txt")
             p.write_text(self.summary_table())
             written.append(p)
-        if cfg.dump_plot:
+        if cfg.dump_plot and self.windows:
             written.append(self.plot())
+            written.append(self.plot_modules())
         written.extend(self._out(f"fsdp_mem_rank_{r}_{fn}_{i}.log") for fn, i in self.fsdp_reports)
         self._dirty = False
         return written
@@ -465,6 +562,7 @@ class MemProfiler:
             self._history_on = False
         written = self.dump_memory_stats() if self._dirty else []
         self._closed = True
+        _live_profilers.discard(self)
         return written
 
     def __enter__(self) -> MemProfiler:

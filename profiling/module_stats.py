@@ -9,10 +9,26 @@ those, a peak-memory baseline ``max_i(P_root + G_total_i + A_grad_i + A_total_i)
 
 MemTracker accounts tensor storages through a dispatch mode, so it works on
 CPU. Times are measured (forward/backward hooks and a clock; CUDA is
-synchronised on each hook when ``sync_cuda``). PyTorch's RuntimeEstimator and
-SACEstimator need CUDA: on a CPU build they fail inside module hooks in a way
-that aborts the whole process, so ``estimate_module_runtimes`` and
-``estimate_sac`` refuse to run without CUDA before touching them.
+synchronised on each hook when ``sync_cuda``). Times taken inside the ``with``
+block include MemTracker's own per-operator overhead (``runtime_source`` says
+"measured_under_memtracker"); ``measure_times(step)`` re-times the modules
+without it. PyTorch's RuntimeEstimator and SACEstimator need CUDA: on a CPU
+build they fail inside module hooks in a way that aborts the whole process,
+so ``estimate_module_runtimes`` and ``estimate_sac`` refuse to run without
+CUDA before touching them.
+
+Module names are the project's (NOTE [ Module names ] in ``offload.modules``):
+``ToyLlama.layers.0`` as torch's ModTracker spells it, also under wrappers, so
+rows join the trackers' and the engine ledger's. Frozen parameters (LoRA,
+QLoRA base weights) are supported: they count as parameters, not gradients.
+Bytes are reported on the model's device, with every device's activation
+bytes in ``act_total_by_device`` (on a GPU, host copies of offloaded
+activations show there under "cpu").
+
+``ilp_module_info()`` / ``module_info_for_ilp(model, step)`` emit the
+``ModuleInfo`` dict of ``torch.distributed._tools.ilp_utils`` so torch's own
+``parse_module_info`` / ``get_peak_memory_runtime_baseline`` (and its
+auto-AC ILP) can read this profile.
 
 Caveat for offloading on a CPU-only host: the engine's "host" copies live on
 the same device, so MemTracker counts them as activations; it cannot show an
@@ -22,6 +38,7 @@ offload saving there. Use the engine's ledger for that.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,17 +46,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from offload.modules import module_name, register_model
+
+from ._torch_private import memtracker_skip_frozen_params
 from .errors import ProfilingError
 from .report import format_bytes, format_table, write_json
 
-__all__ = ["ModuleMemoryStats", "estimate_module_runtimes", "estimate_sac"]
+__all__ = ["ModuleMemoryStats", "module_info_for_ilp", "estimate_module_runtimes", "estimate_sac"]
 
 def _require_cuda(what: str) -> None:
     if not torch.cuda.is_available():
         raise ProfilingError(
             f"{what} needs CUDA: PyTorch's estimators use CUDA events and device properties, and on a "
-            "CPU build they abort the process from inside module hooks. Use ModuleMemoryStats' measured "
-            "times instead (runtime_source='measured')."
+            "CPU build they abort the process from inside module hooks. On CPU use ModuleMemoryStats, whose "
+            "fw_ms/bw_ms are measured (ModuleMemoryStats.measure_times(step) times them without MemTracker)."
         )
 
 
@@ -62,13 +82,17 @@ class ModuleMemoryStats:
 
         self.model = model
         self.optimizer = optimizer
+        register_model(model)
+        self._in_model = {id(m) for m in model.modules()}
         self.sync_cuda = sync_cuda and torch.cuda.is_available()
         self.mem_tracker = MemTracker()
         self.mem_tracker.track_external(*(x for x in (model, optimizer) if x is not None))
         self._timer = ModTracker()
         self._timer.register_user_hooks(self._pre_fw, self._post_fw, self._pre_bw, self._post_bw)
-        self.runtime_source = "measured"
-        """Where ``fw_ms``/``bw_ms`` come from: "measured" or "estimated" (see ``use_runtimes``)."""
+        self.runtime_source = "measured_under_memtracker"
+        """Where ``fw_ms``/``bw_ms`` come from: "measured_under_memtracker" (inside the ``with``
+        block: includes MemTracker's overhead), "measured" (``measure_times``, without it) or
+        "estimated" (``use_runtimes``)."""
         self._estimated: dict[str, dict[str, float]] | None = None
         self.reset()
 
@@ -81,8 +105,10 @@ class ModuleMemoryStats:
                                             "bw_pre_order": [], "bw_post_order": []}
 
     def __enter__(self) -> ModuleMemoryStats:
+        self._in_model = {id(m) for m in self.model.modules()}
         self.mem_tracker.__enter__()
         try:
+            memtracker_skip_frozen_params(self.mem_tracker, self.model)
             self._timer.__enter__()
         except BaseException:
             self.mem_tracker.__exit__(None, None, None)
@@ -102,7 +128,9 @@ class ModuleMemoryStats:
         return time.perf_counter()
 
     def _fqn(self, mod: nn.Module | None) -> str | None:
-        return self._timer.get_known_fqn(mod) if mod is not None else None
+        if mod is None or id(mod) not in self._in_model:
+            return None  # e.g. a loss module outside the model: not in its tree
+        return module_name(mod)
 
     def _begin(self, mod: nn.Module | None, bw: bool) -> None:
         fqn = self._fqn(mod)
@@ -139,6 +167,27 @@ class ModuleMemoryStats:
     def _post_bw(self, mod: nn.Module | None, grad_input: Any) -> None:
         self._end(mod, True)
 
+    def measure_times(self, step: Callable[[], Any], steps: int = 1) -> None:
+        """Re-time every module over ``steps`` calls of ``step()`` without MemTracker (averaged per step).
+
+        Times taken inside the ``with`` block include MemTracker's dispatch
+        overhead on every operator; these do not (only the module hooks and,
+        with ``sync_cuda``, a synchronisation per hook remain).
+        """
+        if steps < 1:
+            raise ValueError(f"ModuleMemoryStats.measure_times: steps={steps} must be >= 1")
+        self._times = {}
+        self._open = {}
+        self._in_model = {id(m) for m in self.model.modules()}
+        with self._timer:
+            for _ in range(steps):
+                step()
+        for t in self._times.values():
+            t["fw_ms"] /= steps
+            t["bw_ms"] /= steps
+        self._estimated = None
+        self.runtime_source = "measured"
+
     def use_runtimes(self, runtimes: dict[str, dict[str, float]]) -> None:
         """Replace measured times with estimates from ``estimate_module_runtimes`` (same fqns)."""
         self._estimated = runtimes
@@ -146,9 +195,11 @@ class ModuleMemoryStats:
 
     # ----------------------------------------------------------------- results
     def _device(self) -> torch.device:
+        """The device holding most of the model's parameter bytes (CPU without parameters)."""
+        by: dict[torch.device, int] = {}
         for p in self.model.parameters():
-            return p.device
-        return torch.device("cpu")
+            by[p.device] = by.get(p.device, 0) + p.numel() * p.element_size()
+        return max(by, key=by.__getitem__) if by else torch.device("cpu")
 
     def modules(self) -> list[dict[str, Any]]:
         """One dict per module that ran, in forward pre-order (bytes and milliseconds)."""
@@ -163,18 +214,26 @@ class ModuleMemoryStats:
                 return 0
             return int(shots[-1].get(dev, {}).get(ref, 0))
 
+        def by_device(stats: Any, state: Any, ref: Any) -> dict[str, int]:
+            shots = stats.snapshots.get(state)
+            if not shots:
+                return {}
+            return {str(d): int(v.get(ref, 0)) for d, v in shots[-1].items() if v.get(ref, 0)}
+
         rows: dict[str, dict[str, Any]] = {}
         for mod in self.model.modules():
             st = self.mem_tracker.memory_tracking.get(mod)
             if st is None:
                 continue
+            name = module_name(mod)
             act_pre = snap(st, _ModState.PRE_FW, _MemRefType.ACT)
             act_post = snap(st, _ModState.POST_FW, _MemRefType.ACT)
-            t = times.get(st.mod_fqn, {})
-            rows[st.mod_fqn] = {
-                "fqn": st.mod_fqn,
+            t = times.get(name, {})
+            rows[name] = {
+                "fqn": name,
                 "param_bytes": int(st.parameter_mem),
-                "grad_bytes": int(st.parameter_mem),  # one gradient per parameter, same size
+                # one gradient per trainable parameter: frozen (LoRA base) weights get none
+                "grad_bytes": sum(p.numel() * p.element_size() for p in mod.parameters() if p.requires_grad),
                 "buffer_bytes": int(st.buffer_mem),
                 "input_bytes": int(st.input_mem),
                 "output_bytes": int(st.output_mem),
@@ -183,21 +242,72 @@ class ModuleMemoryStats:
                 "act_grad_bytes": snap(st, _ModState.PEAK_BW, _MemRefType.TEMP)
                 - snap(st, _ModState.PRE_BW, _MemRefType.TEMP),
                 "act_total_bytes": act_post,
+                "act_total_by_device": by_device(st, _ModState.POST_FW, _MemRefType.ACT),
                 "grad_total_bytes": snap(st, _ModState.PRE_BW, _MemRefType.GRAD),
                 "peak_bytes": int(st.local_peak.get(dev, 0)),
+                "peak_by_device": {str(d): int(v) for d, v in st.local_peak.items()},
                 "fw_ms": float(t.get("fw_ms", 0.0)),
                 "bw_ms": float(t.get("bw_ms", 0.0)),
                 "is_leaf": not any(True for _ in mod.children()),
-                "depth": st.mod_fqn.count("."),
+                "depth": name.count("."),
             }
         pre = self.order["fw_pre_order"]
         rank = {fqn: i for i, fqn in enumerate(pre)}
         return sorted(rows.values(), key=lambda r: rank.get(r["fqn"], len(pre)))
 
-    def peak(self) -> dict[str, int]:
-        """MemTracker's peak snapshot on the model's device: ``{category: bytes, "Total": bytes}``."""
-        snap = self.mem_tracker.get_tracker_snapshot("peak").get(self._device(), {})
+    def peak(self, device: torch.device | str | None = None) -> dict[str, int]:
+        """MemTracker's peak snapshot on ``device`` (default: the model's): ``{category: bytes, "Total": bytes}``."""
+        dev = torch.device(device) if device is not None else self._device()
+        snap = self.mem_tracker.get_tracker_snapshot("peak").get(dev, {})
         return {getattr(k, "name", str(k)): int(v) for k, v in snap.items()}
+
+    def peak_by_device(self) -> dict[str, dict[str, int]]:
+        """MemTracker's peak snapshot on every device it saw (host copies of offloaded activations: "cpu")."""
+        return {str(d): {getattr(k, "name", str(k)): int(v) for k, v in snap.items()}
+                for d, snap in self.mem_tracker.get_tracker_snapshot("peak").items()}
+
+    def ilp_module_info(self) -> dict[str, Any]:
+        """This profile as torch's ``ilp_utils.ModuleInfo``: ``{"mod_order": ..., "mod_stats": [...]}``.
+
+        Feed it to ``torch.distributed._tools.ilp_utils.parse_module_info`` and
+        ``get_peak_memory_runtime_baseline`` (or the auto-AC ILP). Bytes are on
+        the model's device, times in ms (``runtime_source`` says how they were
+        obtained). The selective-AC trade-off fields are empty (SACEstimator
+        needs CUDA), and every module is marked ``is_leaf`` as torch's
+        ``aggregate_stats`` marks modules without SAC statistics, so the ILP
+        treats none as an AC candidate unless those fields are filled.
+        """
+        rows = self.modules()
+        names = {r["fqn"] for r in rows}
+        order = {k: [f for f in v if f in names] for k, v in self.order.items()}
+        ran = set(order["fw_pre_order"])
+        stats = []
+        for r in rows:
+            if r["fqn"] not in ran:
+                continue
+            stats.append({
+                "fqn": r["fqn"],
+                "param_per_module": r["param_bytes"],
+                "grad_per_module": r["grad_bytes"],
+                "grad_total": r["grad_total_bytes"],
+                "act_fw_per_module": r["act_fw_bytes"],
+                "act_bw_per_module": r["act_bw_bytes"],
+                "act_grad_per_module": r["act_grad_bytes"],
+                "act_total": r["act_total_bytes"],
+                "input_per_module": r["input_bytes"],
+                "output_per_module": r["output_bytes"],
+                "fw_runtime_per_module": r["fw_ms"],
+                "bw_runtime_per_module": r["bw_ms"],
+                "is_leaf": True,
+                "sac_runtime": 0.0,
+                "sac_memory": 0,
+                "n_segments": 0,
+                "slopes": [],
+                "intercepts": [],
+                "breakpoints": [],
+                "tradeoff_curve": OrderedDict(),
+            })
+        return {"mod_order": order, "mod_stats": stats}
 
     def peak_baseline(self) -> tuple[int, float]:
         """(peak bytes, forward + backward ms of the root) with no AC and no FSDP."""
@@ -218,6 +328,7 @@ class ModuleMemoryStats:
             "baseline_peak_bytes": peak,
             "baseline_runtime_ms": ms,
             "runtime_source": self.runtime_source,
+            "peak_by_device": self.peak_by_device(),
         }
 
     def table(self, depth: int | None = None, unit: str = "auto") -> str:
@@ -232,6 +343,35 @@ class ModuleMemoryStats:
 
     def to_json(self, path: str | Path) -> Path:
         return write_json(self.summary(), path)
+
+
+def module_info_for_ilp(
+    model: nn.Module,
+    step: Callable[[], Any],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    warmup_steps: int = 1,
+    timing_steps: int = 1,
+) -> dict[str, Any]:
+    """Profile ``step()`` and return torch's auto-AC ``ModuleInfo`` dict (works on CPU).
+
+    ``step()`` runs one training step of ``model`` (forward, backward and,
+    if given, ``optimizer.step()``). It is called ``warmup_steps`` times
+    first (so optimizer state exists), once under MemTracker for memory, then
+    ``timing_steps`` times without it for the times (see
+    ``ModuleMemoryStats.ilp_module_info`` for what the dict holds).
+
+    >>> info = module_info_for_ilp(model, lambda: train_step(batch), optimizer=opt)
+    >>> from torch.distributed._tools.ilp_utils import parse_module_info, get_peak_memory_runtime_baseline
+    >>> peak_bytes, runtime_ms = get_peak_memory_runtime_baseline(parse_module_info(info))
+    """
+    for _ in range(warmup_steps):
+        step()
+    stats = ModuleMemoryStats(model, optimizer)
+    with stats:
+        step()
+    stats.measure_times(step, timing_steps)
+    return stats.ilp_module_info()
 
 
 def estimate_module_runtimes(

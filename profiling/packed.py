@@ -8,9 +8,15 @@ Three numbers per pack, because each answers a different question:
   size ``numel * element_size`` of each saved tensor that is neither a
   Parameter nor a view of one (``weight.t()`` is excluded; see
   ``offload.is_static_tensor``). A tensor saved twice counts twice.
-- ``unique``: the bytes of the distinct storages behind the logical saves in a
-  step. Views of one storage and repeated saves count once, at the storage's
-  full size, because that is what the saves keep alive.
+- ``unique``: the distinct bytes behind the logical saves in a step: per
+  storage, the union of the byte ranges the saved views span. Repeated saves
+  and overlapping views count once; a slice ``data[:4]`` counts the bytes it
+  spans, not its whole storage (``profiling._spans``).
+
+Under an engine each pack also carries the engine's decision, so every figure
+is split into ``offloaded_bytes`` and ``kept_by_reason`` (the engine's
+``offload.REASONS``; packs seen through the tracker's own hooks, with no
+engine, are kept as ``no_engine``).
 
 # NOTE [ Tracker and engine ]
 Only the innermost ``saved_tensors_hooks`` runs (pytorch/pytorch#70932), so a
@@ -51,17 +57,23 @@ from typing import Any
 
 import torch
 
-from offload.policy import StorageSet
+from offload.modules import register_model
+from torch import nn
 
 from . import _engine
+from ._spans import SpanSet
 from ._torch_private import queue_end_of_backward
 from .errors import ProfilingError
-from .report import format_table, plot_series, write_json
+from .report import format_table, plot_module_bytes, plot_step_memory, write_json
 
 __all__ = ["PackedBytesTracker"]
 
 _tls = threading.local()
 """Per thread: ``owner``, the tracker whose saved_tensors_hooks are innermost (Rule 6)."""
+
+NO_ENGINE = "no_engine"
+"""``kept_by_reason`` key of packs seen through the tracker's own hooks (no engine decided)."""
+
 
 @dataclass(slots=True)
 class _Counts:
@@ -75,14 +87,22 @@ class _Counts:
     static_count: int = 0
     via_engine_bytes: int = 0
     via_engine_count: int = 0
+    offloaded_bytes: int = 0
+    offloaded_count: int = 0
+    kept_by_reason: dict[str, int] = field(default_factory=dict)
 
-    def bump(self, nbytes: int, static: bool, unique: int, via_engine: bool) -> None:
-        """Count one pack (``unique`` > 0 when it is the first save of its storage this step)."""
+    def bump(self, nbytes: int, static: bool, unique: int, via_engine: bool, reason: str | None) -> None:
+        """Count one pack (``unique``: bytes it adds to the step's saved spans; ``reason`` None if offloaded)."""
         self.packed_bytes += nbytes
         self.packed_count += 1
         if via_engine:
             self.via_engine_bytes += nbytes
             self.via_engine_count += 1
+        if reason is None:
+            self.offloaded_bytes += nbytes
+            self.offloaded_count += 1
+        else:
+            self.kept_by_reason[reason] = self.kept_by_reason.get(reason, 0) + nbytes
         if static:
             self.static_bytes += nbytes
             self.static_count += 1
@@ -93,11 +113,14 @@ class _Counts:
             self.unique_bytes += unique
             self.unique_count += 1
 
-    def as_dict(self) -> dict[str, int]:
-        return {f: getattr(self, f) for f in _COUNT_FIELDS}
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {f: getattr(self, f) for f in _COUNT_FIELDS}
+        d["kept_bytes"] = self.packed_bytes - self.offloaded_bytes
+        d["kept_by_reason"] = dict(self.kept_by_reason)
+        return d
 
 
-_COUNT_FIELDS = tuple(f.name for f in fields(_Counts))
+_COUNT_FIELDS = tuple(f.name for f in fields(_Counts) if f.name != "kept_by_reason")
 
 
 def _module_counts(table: dict[str, _Counts], module: str) -> _Counts:
@@ -112,11 +135,16 @@ class _Step:
     index: int
     totals: _Counts = field(default_factory=_Counts)
     modules: dict[str, _Counts] = field(default_factory=dict)
-    storages: StorageSet = field(default_factory=StorageSet)
+    spans: SpanSet = field(default_factory=SpanSet)
+    params_bytes: int | None = None
+    grads_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"step": self.index}
         d.update(self.totals.as_dict())
+        if self.params_bytes is not None:
+            d["params_bytes"] = self.params_bytes
+            d["grads_bytes"] = self.grads_bytes
         d["modules"] = {k: v.as_dict() for k, v in self.modules.items()}
         return d
 
@@ -146,6 +174,9 @@ class PackedBytesTracker:
             hooks, i.e. when no engine is active (Rule 2).
         auto_step: start a new step after each backward pass (Rule 5).
         max_steps_kept: per-step breakdowns kept (oldest dropped); totals never lose counts.
+        model: optional; registered for module names (NOTE [ Module names ] in
+            ``offload.modules``) and used for the parameter and gradient bytes of
+            ``plot()``'s per-step device-memory bars.
     """
 
     def __init__(
@@ -155,6 +186,7 @@ class PackedBytesTracker:
         unpack_hook: Callable[[Any], torch.Tensor] | None = None,
         auto_step: bool = True,
         max_steps_kept: int = 1000,
+        model: nn.Module | None = None,
     ) -> None:
         if (pack_hook is None) != (unpack_hook is None):
             raise ValueError(
@@ -176,6 +208,9 @@ class PackedBytesTracker:
         self._cb_pending = False
         self._listeners: list[PackedBytesTracker] = [self]
         self._max_steps_kept = max_steps_kept
+        self.model = model
+        if model is not None:
+            register_model(model)
         self.reset()
 
     # ----------------------------------------------------------------- lifecycle
@@ -204,7 +239,8 @@ class PackedBytesTracker:
         except BaseException:
             stack.close()
             raise
-        self._seen_epoch = self._bw_epoch
+        # Not resetting _seen_epoch here: a backward that ended since the last
+        # pack (inside the previous `with` block or after it) ends that step.
         self._stack = stack
         return self
 
@@ -235,7 +271,7 @@ class PackedBytesTracker:
     def _pack(self, t: torch.Tensor) -> _Saved:
         module = _engine.current_module_name()
         for tracker in self._listeners:  # this tracker, and any that share its hooks (Rule 6)
-            tracker._record(t, module, via_engine=False)
+            tracker._record(t, module, via_engine=False, reason=NO_ENGINE)
         if self._user_pack is not None:
             return _Saved(None, 0, self._user_pack(t))
         return _Saved(t, t._version, None)
@@ -270,7 +306,9 @@ class PackedBytesTracker:
             self._engines[engine] = None
             self._engine_steps_seen[engine] = _engine.engine_closed_steps(engine)
         self._last_engine = weakref.ref(engine)
-        self._record(event.tensor, event.record.module, via_engine=True)
+        rec = event.record
+        self._record(event.tensor, rec.module, via_engine=True,
+                     reason=None if rec.decision == "offloaded" else (rec.reason or rec.decision))
 
     # --------------------------------------------------------------- counting
     def _maybe_roll(self) -> None:
@@ -287,7 +325,7 @@ class PackedBytesTracker:
         if changed and self._cur.totals.packed_count:
             self._close_step()
 
-    def _record(self, t: torch.Tensor, module: str, *, via_engine: bool) -> None:
+    def _record(self, t: torch.Tensor, module: str, *, via_engine: bool, reason: str | None) -> None:
         self._maybe_roll()
         nbytes = t.numel() * t.element_size()
         static = _engine.is_static_tensor(t)
@@ -295,15 +333,20 @@ class PackedBytesTracker:
         if not static:
             # By live identity, not address: an engine frees offloaded sources
             # mid-forward and the allocator may reuse their addresses.
-            unique = self._cur.storages.first_save(t)
+            unique = self._cur.spans.add(t)
         step = self._cur
         for c in (step.totals, self._totals, _module_counts(step.modules, module),
                   _module_counts(self._modules, module)):
-            c.bump(nbytes, static, unique, via_engine)
+            c.bump(nbytes, static, unique, via_engine, reason)
 
     def _close_step(self) -> None:
-        self._cur.storages = StorageSet()
-        self._closed.append(self._cur)
+        cur = self._cur
+        cur.spans = SpanSet()
+        if self.model is not None:
+            ps = [p for p in self.model.parameters()]
+            cur.params_bytes = sum(p.numel() * p.element_size() for p in ps)
+            cur.grads_bytes = sum(p.numel() * p.element_size() for p in ps if p.requires_grad)
+        self._closed.append(cur)
         self._n_closed += 1
         self._cur = _Step(self._n_closed)
 
@@ -357,20 +400,49 @@ class PackedBytesTracker:
             for name, c in sorted(self._modules.items(), key=lambda kv: -kv[1].logical_bytes)
         ]
         rows.append({"module": "TOTAL", **self._totals.as_dict()})
-        cols = ["module", "logical_count", "logical_bytes", "unique_bytes", "static_bytes", "via_engine_bytes"]
+        cols = ["module", "logical_count", "logical_bytes", "unique_bytes", "static_bytes", "offloaded_bytes", "kept_bytes"]
         return format_table(
             rows,
             cols,
-            title="Saved-for-backward bytes per module (logical = npp, unique = distinct storages)",
+            title="Saved-for-backward bytes per module (logical = npp, unique = distinct spanned bytes)",
             byte_columns=[c for c in cols if c.endswith("_bytes")],
             unit=unit,
         )
 
     def plot(self, path: str | Path, unit: str = "MiB") -> Path:
-        """PNG of packed / logical / unique bytes per step."""
+        """PNG: per step, stacked device memory (params, grads, activations kept, and offloaded to host).
+
+        Params and grads need ``model=`` (grads: one per trainable parameter,
+        the bytes backward allocates); activations are the step's non-parameter
+        saved bytes kept on the device vs offloaded by an engine.
+        """
         steps = self.steps()
-        series = {k: [s[k] for s in steps] for k in ("packed_bytes", "logical_bytes", "unique_bytes")}
-        return plot_series(series, path, x=[s["step"] for s in steps], title="Saved-for-backward bytes per step", unit=unit)
+        return plot_step_memory(
+            {
+                "params": [s.get("params_bytes") or self._model_bytes()[0] for s in steps],
+                "grads": [s.get("grads_bytes") or self._model_bytes()[1] for s in steps],
+                "activations kept": [s["logical_bytes"] - _offloaded_logical(s) for s in steps],
+                "activations offloaded (host)": [_offloaded_logical(s) for s in steps],
+            },
+            path, x=[s["step"] for s in steps], unit=unit,
+            title="Device memory per step (hatched: moved to host)",
+        )
+
+    def plot_modules(self, path: str | Path, unit: str = "MiB", top: int = 20) -> Path:
+        """PNG: per module, saved bytes offloaded vs kept on the device by reason (largest ``top``)."""
+        return plot_module_bytes({k: v.as_dict() for k, v in self._modules.items()}, path, unit=unit, top=top)
+
+    def _model_bytes(self) -> tuple[int, int]:
+        if self.model is None:
+            return 0, 0
+        ps = list(self.model.parameters())
+        return (sum(p.numel() * p.element_size() for p in ps),
+                sum(p.numel() * p.element_size() for p in ps if p.requires_grad))
 
     def to_json(self, path: str | Path) -> Path:
         return write_json(self.summary(), path)
+
+
+def _offloaded_logical(step: dict[str, Any]) -> int:
+    """Offloaded bytes of a step's figures (parameters are never offloaded, so all are activations)."""
+    return int(step.get("offloaded_bytes", 0))

@@ -19,13 +19,15 @@ import psutil
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from offload.modules import module_name, register_model
+
 from . import _engine
 from .errors import ProfilingError
 from .report import format_table, write_json
 
 __all__ = ["RSSTracker"]
 
-_FIELDS = ("calls", "rss_pre_forward", "rss_post_forward", "delta_bytes", "max_delta_bytes", "min_delta_bytes")
+_FIELDS = ("calls", "delta_bytes", "max_delta_bytes", "rss_pre_forward", "rss_post_forward", "min_delta_bytes")
 
 
 class RSSTracker:
@@ -36,9 +38,14 @@ class RSSTracker:
     >>> r.summary()["ToyLlama.layers.0"]["delta_bytes"]
 
     For each module (named as the offload engine's ledger names it, e.g.
-    ``ToyLlama.layers.0.attn``): ``calls``; the RSS before and after its most
-    recent forward; ``delta_bytes`` summed over calls since the last reset;
-    and the largest and smallest single-call delta.
+    ``ToyLlama.layers.0.attn``, see NOTE [ Module names ] in ``offload.modules``):
+    ``calls``; ``delta_bytes``, the RSS growth inside its forwards summed over
+    calls since the last reset; the largest and smallest single-call growth;
+    and ``rss_pre_forward`` / ``rss_post_forward``, the RSS around the call
+    that grew it most, so ``rss_post_forward - rss_pre_forward ==
+    max_delta_bytes`` always holds. (They used to be the latest call's bounds,
+    which for most calls are equal while the summed delta is not: RSS moves
+    in pages, in a few calls.)
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -50,10 +57,7 @@ class RSSTracker:
         self._proc = psutil.Process()
         self._stack: ExitStack | None = None
         self._calls: list[tuple[nn.Module, str, int]] = []
-        self._fallback_names = {
-            id(m): (f"{type(model).__name__}.{q}" if q else type(model).__name__)
-            for q, m in model.named_modules(remove_duplicate=False)
-        }
+        register_model(model)
         self.reset()
 
     def __enter__(self) -> RSSTracker:
@@ -90,9 +94,7 @@ class RSSTracker:
 
     # ------------------------------------------------------------------ hooks
     def _pre(self, module: nn.Module, args: Any) -> None:
-        # The engine's global pre hook has already pushed this module, so the
-        # running-module name is this module's (same naming as the ledger).
-        name = _engine.current_module_name() or self._fallback_names.get(id(module), type(module).__name__)
+        name = module_name(module)  # the model is registered: the ledger's name for it
         rss = self._proc.memory_info().rss
         self._peak = max(self._peak, rss)
         self._calls.append((module, name, rss))
@@ -119,10 +121,10 @@ class RSSTracker:
                 "min_delta_bytes": delta,
             }
         s["calls"] += 1
-        s["rss_pre_forward"] = pre
-        s["rss_post_forward"] = post
         s["delta_bytes"] += delta
-        s["max_delta_bytes"] = max(s["max_delta_bytes"], delta)
+        if delta > s["max_delta_bytes"]:
+            s["max_delta_bytes"] = delta
+            s["rss_pre_forward"], s["rss_post_forward"] = pre, post
         s["min_delta_bytes"] = min(s["min_delta_bytes"], delta)
 
     # ---------------------------------------------------------------- results
@@ -139,7 +141,7 @@ class RSSTracker:
         return format_table(
             rows,
             ["module", *_FIELDS],
-            title="Host RSS around each module's forward",
+            title="Host RSS growth inside each module's forward (pre/post: around its largest-growth call)",
             byte_columns=[f for f in _FIELDS if f != "calls"],
             unit=unit,
         )

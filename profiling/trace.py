@@ -6,36 +6,74 @@
             tp.step()
     print(tp.summary())
 
-Trace files are named from templates with ``{rank}``, ``{local_rank}``,
-``{world_size}``, ``{run_name}`` and ``{step}`` (``{batch}`` is an alias):
-``step`` is the number of ``step()`` calls made when the trace was saved.
+Trace files are named from templates with Composer's variables that make
+sense in a plain loop: ``{run_name}``, ``{rank}``, ``{local_rank}``,
+``{world_size}``, ``{local_world_size}``, ``{node_rank}``, and the time
+variables ``{step}`` = ``{batch}`` (``step()`` calls so far), ``{epoch}``,
+``{batch_in_epoch}`` (``new_epoch()`` starts an epoch), ``{sample}``,
+``{sample_in_epoch}``, ``{token}``, ``{token_in_epoch}`` (counted from
+``step(samples=..., tokens=...)``). Templates are checked when the profiler
+is built, so a typo fails there, not at the first save with the trace lost.
+The default ``run_name`` is unique per run (``$TORCHELASTIC_RUN_ID`` under
+torchrun, so ranks agree; else a timestamp and a random suffix), so a second
+run does not find the first one's folder.
 ``use_gzip`` appends ``.gz`` (torch writes gzip for that suffix). A memory
 timeline (``memory_filename``: ``.html``, ``.json``, ``.json.gz`` or
 ``.raw.json.gz``) is exported with each trace; it works on CPU too.
 ``num_traces_to_keep`` really deletes the oldest trace files (Composer's
 never filled its list, so nothing was ever deleted). Summary tables (CPU time
-and CPU memory, plus CUDA when traced) are built at close and written to
-``summary_filename``; with several cycles they cover all of them.
+and CPU memory, plus CUDA when traced) are written to ``summary_filename`` at
+close; with several cycles they cover all of them. They are merged per
+operator at the end of each cycle, so memory stays bounded over any number
+of cycles (torch's ``acc_events=True`` keeps every event of every cycle).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
+import string
+import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd.profiler_util import EventList, FunctionEventAvg
 from torch.profiler import ProfilerActivity
 
-from ._util import get_local_rank, get_rank, get_world_size
+from ._util import get_local_rank, get_local_world_size, get_rank, get_world_size
 from .errors import ProfilingError
 
 __all__ = ["TraceProfiler"]
 
 _MEMORY_SUFFIXES = (".html", ".raw.json.gz", ".json.gz", ".json")
+
+_DIST_VARS = ("run_name", "rank", "local_rank", "world_size", "local_world_size", "node_rank")
+_TIME_VARS = ("step", "batch", "epoch", "batch_in_epoch", "sample", "sample_in_epoch", "token", "token_in_epoch")
+
+
+def _default_run_name() -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return f"run-{run_id}"
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def _check_template(template: str, setting: str, allowed: tuple[str, ...]) -> None:
+    """Fail now, naming the setting, if ``template`` uses a variable it cannot be given."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ValueError(f"TraceProfiler: {setting}={template!r} is not a valid format string ({e})") from e
+    for f in fields:
+        name = f.split(".")[0].split("[")[0]
+        if name not in allowed:
+            raise ValueError(
+                f"TraceProfiler: {setting}={template!r} uses {{{f}}}, which is not available; "
+                f"use one of {', '.join('{' + a + '}' for a in allowed)}"
+            )
 
 
 class TraceProfiler:
@@ -47,7 +85,7 @@ class TraceProfiler:
         memory_filename: memory-timeline file template, or None; needs ``profile_memory``,
             ``record_shapes`` and ``with_stack``.
         summary_filename: text file template for the summary tables, or None.
-        run_name: value of ``{run_name}``.
+        run_name: value of ``{run_name}``; None (default) is unique per run (see module doc).
         skip_first, wait, warmup, active, repeat: ``torch.profiler.schedule`` arguments (steps).
         overwrite: allow a non-empty folder (otherwise it must be empty or absent).
         use_gzip: gzip trace files.
@@ -64,7 +102,7 @@ class TraceProfiler:
         filename: str = "rank{rank}.{step}.pt.trace.json",
         memory_filename: str | None = None,
         summary_filename: str | None = "rank{rank}.summary.txt",
-        run_name: str = "run",
+        run_name: str | None = None,
         skip_first: int = 0,
         wait: int = 0,
         warmup: int = 1,
@@ -87,6 +125,13 @@ class TraceProfiler:
             raise ValueError(f"TraceProfiler: active={active} must be >= 1 (steps recorded per cycle)")
         if num_traces_to_keep < -1:
             raise ValueError(f"TraceProfiler: num_traces_to_keep={num_traces_to_keep}: use -1 (keep all) or >= 0")
+        _check_template(folder, "folder", _DIST_VARS)
+        for setting, tpl in (("filename", filename), ("memory_filename", memory_filename),
+                             ("summary_filename", summary_filename)):
+            if tpl is not None:
+                _check_template(tpl, setting, _DIST_VARS + _TIME_VARS)
+        if run_name is None:
+            run_name = _default_run_name()
         if use_gzip and not filename.endswith(".gz"):
             filename += ".gz"
         if memory_filename is not None:
@@ -101,12 +146,16 @@ class TraceProfiler:
                     f"TraceProfiler: memory_filename={memory_filename!r} needs {missing} set to True "
                     "(the memory timeline is built from allocation events with shapes and stacks)"
                 )
+        world, local = get_world_size(), get_local_world_size()
         self.fmt: dict[str, Any] = {
             "rank": get_rank(),
             "local_rank": get_local_rank(),
-            "world_size": get_world_size(),
+            "world_size": world,
+            "local_world_size": local,
+            "node_rank": get_rank() // max(1, local),
             "run_name": run_name,
         }
+        self.run_name = run_name
         self.folder = Path(folder.format(**self.fmt))
         self.filename = filename
         self.memory_filename = memory_filename
@@ -126,14 +175,16 @@ class TraceProfiler:
         self._kwargs: dict[str, Any] = dict(
             record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack, with_flops=with_flops
         )
-        if "acc_events" in inspect.signature(torch.profiler.profile).parameters:
-            self._kwargs["acc_events"] = True  # summaries cover every recorded cycle, not just the last
+        # No acc_events: it keeps every event of every cycle (unbounded); _merge_cycle keeps one
+        # averaged row per operator instead.
+        self._averages: dict[tuple[str, str], FunctionEventAvg] = {}
         self.saved_traces: list[tuple[int, list[Path]]] = []
         """(step, files) of the traces still on disk, oldest first."""
         self.summary_text: str | None = None
         self.summary_path: Path | None = None
         self._prof: torch.profiler.profile | None = None
         self._steps = 0
+        self._time = dict.fromkeys(_TIME_VARS, 0)
 
     # -------------------------------------------------------------- lifecycle
     def __enter__(self) -> TraceProfiler:
@@ -157,13 +208,29 @@ class TraceProfiler:
         )
         self._prof.__enter__()
 
-    def step(self) -> None:
-        """Mark the end of one training step."""
+    def step(self, *, samples: int = 0, tokens: int = 0) -> None:
+        """Mark the end of one training step (``samples``/``tokens`` it processed feed ``{sample}``/``{token}``)."""
         if self._prof is None:
             raise ProfilingError("TraceProfiler: step() called outside start()/stop() (or the `with` block)")
         self._steps += 1
+        t = self._time
+        t["step"] = t["batch"] = self._steps
+        t["batch_in_epoch"] += 1
+        t["sample"] += samples
+        t["sample_in_epoch"] += samples
+        t["token"] += tokens
+        t["token_in_epoch"] += tokens
         self._prof.add_metadata_json("global_rank", json.dumps(self.fmt["rank"]))
-        self._prof.step()
+        with warnings.catch_warnings():
+            # torch suggests acc_events=True when a cycle's events are cleared: we merge them instead.
+            warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+            self._prof.step()
+
+    def new_epoch(self) -> None:
+        """Start a new epoch: ``{epoch}`` + 1, and the ``*_in_epoch`` counters restart at 0."""
+        t = self._time
+        t["epoch"] += 1
+        t["batch_in_epoch"] = t["sample_in_epoch"] = t["token_in_epoch"] = 0
 
     def stop(self) -> None:
         """Stop profiling (saving an unfinished active window) and build the summary tables."""
@@ -171,18 +238,19 @@ class TraceProfiler:
         if prof is None:
             return
         prof.__exit__(None, None, None)
-        self.summary_text = self._build_summary(prof)
+        self.summary_text = self._build_summary()
         if self.summary_filename is not None and self.summary_text:
-            path = self.folder / self.summary_filename.format(step=self._steps, batch=self._steps, **self.fmt)
+            path = self._name(self.summary_filename)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(self.summary_text)
             self.summary_path = path
 
     # ---------------------------------------------------------------- output
     def _name(self, template: str) -> Path:
-        return self.folder / template.format(step=self._steps, batch=self._steps, **self.fmt)
+        return self.folder / template.format(**self._time, **self.fmt)
 
     def _on_trace_ready(self, prof: torch.profiler.profile) -> None:
+        self._merge_cycle(prof)
         files: list[Path] = []
         trace = self._name(self.filename)
         trace.parent.mkdir(parents=True, exist_ok=True)
@@ -208,13 +276,26 @@ class TraceProfiler:
                     except FileNotFoundError:
                         pass
 
-    def _build_summary(self, prof: torch.profiler.profile) -> str:
+    def _merge_cycle(self, prof: torch.profiler.profile) -> None:
+        """Fold this cycle's per-operator averages into the run's (bounded: one row per operator)."""
         try:
             events = prof.key_averages()
         except (AssertionError, RuntimeError):
+            return
+        for ev in events:
+            key = (ev.key, str(getattr(ev, "device_type", "")))
+            acc = self._averages.get(key)
+            if acc is None:
+                acc = self._averages[key] = FunctionEventAvg()
+            acc.add(ev)
+            # drop links to this cycle's events so they can be freed
+            acc.cpu_children = acc.cpu_parent = None
+            acc.stack = []
+
+    def _build_summary(self) -> str:
+        if not self._averages:
             return ""  # nothing was recorded (the schedule never reached an active step)
-        if not len(events):
-            return ""
+        events = EventList(list(self._averages.values()))
         sorts = ["cpu_time_total"]
         if self.profile_memory:
             sorts.append("self_cpu_memory_usage")
@@ -224,7 +305,7 @@ class TraceProfiler:
                 sorts.append("self_cuda_memory_usage")
         parts = []
         for key in sorts:
-            parts.append(f"== sorted by {key} (rank {self.fmt['rank']}) ==")
+            parts.append(f"== sorted by {key} (rank {self.fmt['rank']}, all recorded cycles) ==")
             parts.append(events.table(sort_by=key, row_limit=self.row_limit))
         return "\n".join(parts) + "\n"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -33,3 +34,15 @@ def test_profile_offload_head_example(tmp_path):
     assert "offload.kept_by_reason.excluded_region" not in ends["head_offloaded"]
     # the same forward either way: the saved bytes do not depend on where they go
     assert ends["head_excluded"]["npp_diff"] == ends["head_offloaded"]["npp_diff"]
+    # every profiler the README names left its artifacts (issue 9: the example uses them all)
+    for run in ("head_offloaded", "head_excluded"):
+        for name in ("rank_0_memory_stats.png", "rank_0_module_bytes.png", "tracker_steps.png",
+                     "tracker_modules.png", "packed.json", "rss.json"):
+            assert (tmp_path / run / name).stat().st_size > 0, (run, name)
+        packed = json.loads((tmp_path / run / "packed.json").read_text())
+        assert packed["steps"] == 3 and packed["offloaded_bytes"] > 0
+        assert any(k.startswith("ToyLlama.layers.0") for k in json.loads((tmp_path / run / "rss.json").read_text())["modules"])
+    assert (tmp_path / "trace" / "rank0.2.pt.trace.json").exists()
+    info = json.loads((tmp_path / "ilp_module_info.json").read_text())
+    assert info["mod_stats"][0]["fqn"] == "ToyLlama" and info["mod_stats"][0]["param_per_module"] > 0
+    assert "torch auto-AC baseline" in proc.stdout

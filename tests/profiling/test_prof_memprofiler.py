@@ -88,11 +88,11 @@ def test_values_come_from_children_when_root_does_not_run(tmp_path, mlp):
     _loop(prof, h.model, 2)
     end = prof.memory_stats["0.training_step.2.end"]
     assert end["npp_diff"] == MLP.LOGICAL
-    assert "MLP" in end["modules"]  # named from the model that ran, as the engine names it
+    assert "Harness.model" in end["modules"]  # its FQN in the profiled model, as the engine names it
 
 
-def test_retain_hooks_for_funcs_is_honoured(tmp_path, mlp):
-    """Hooks stay until every function in retain_hooks_for_funcs is done (the seed overwrote it)."""
+def test_hooks_only_during_collected_calls(tmp_path, mlp):
+    """Hooks are on only inside collected calls, even when a retained function never runs (issue 9, item 7)."""
     cfg = MemProfilerCfg(
         enabled=True, save_dir=tmp_path,
         collect_funcs=MemProfilerFuncs(cpu={"validation_step"}),
@@ -101,7 +101,7 @@ def test_retain_hooks_for_funcs_is_honoured(tmp_path, mlp):
     )
     prof = MemProfiler(cfg, mlp)
     _loop(prof, mlp, 1, "training_step")
-    assert prof.done == {"training_step"} and _hooks_on(mlp) > 0
+    assert prof.done == {"training_step"} and _hooks_on(mlp) == 0  # the seed kept them until validation_step
     _loop(prof, mlp, 1, "validation_step")
     assert prof.done == {"training_step", "validation_step"} and _hooks_on(mlp) == 0
     assert set(prof.memory_stats) == {
@@ -171,8 +171,13 @@ def test_engine_totals_in_snapshots(tmp_path, toy):
             loss.backward()
     end = yaml.safe_load((tmp_path / "rank_0_memory_stats.yaml").read_text())["0.training_step.2.end"]
     last = engine.ledger.step_totals[-1]
-    assert end["offload.offloaded_bytes"] == engine.ledger.summary()["offloaded_bytes"] > 0
-    assert end["offload.steps"] == 2
+    # offload.*: this call's own figures (issue 9, item 3); totals since creation under offload_cumulative.*
+    assert end["offload.offloaded_bytes"] == last.offloaded_bytes > 0
+    assert end["offload.packed_bytes"] == last.packed_bytes
+    assert end["offload.kept_by_reason.parameter"] == last.kept_by_reason["parameter"]
+    assert end["offload_cumulative.offloaded_bytes"] == engine.ledger.summary()["offloaded_bytes"]
+    assert end["offload_cumulative.steps"] == 2 and "offload.steps" not in end
+    assert end["packed.offloaded_bytes"] == last.offloaded_bytes
     assert end["packed.packed_bytes"] == last.packed_bytes
     assert end["packed.logical_bytes"] == last.packed_bytes - last.kept_by_reason.get("parameter", 0)
     assert end["npp_diff"] == end["packed.logical_bytes"] - logits.numel() * logits.element_size() > 0
@@ -241,11 +246,12 @@ def test_plot_and_close(tmp_path, mlp):
                          schedule=MemProfilerSchedule(warmup_iters=0, max_iter=3))
     prof = MemProfiler(cfg, mlp)
     _loop(prof, mlp, 2)
-    assert not (tmp_path / "rank_0_memory_stats.yaml").exists() and _hooks_on(mlp) > 0
+    assert not (tmp_path / "rank_0_memory_stats.yaml").exists() and _hooks_on(mlp) == 0
     written = prof.close()
     assert _hooks_on(mlp) == 0
-    png = tmp_path / "rank_0_memory_stats.png"
-    assert png in written and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("rank_0_memory_stats.png", "rank_0_module_bytes.png"):
+        png = tmp_path / name
+        assert png in written and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(yaml.safe_load((tmp_path / "rank_0_memory_stats.yaml").read_text())) == 4
 
 
@@ -320,3 +326,129 @@ def test_fsdp_root_must_be_fully_sharded(tmp_path, mlp):
     with pytest.raises(ValueError, match="no such submodule"):
         MemProfiler(MemProfilerCfg(enabled=True, save_dir=tmp_path, track_fsdp_mem=True,
                                    fsdp_mem_tracker_root_module="nope"), mlp)
+
+
+# ------------------------------------------------------- issue 9: windows, rank, FTS, plots
+def test_short_loop_still_writes(tmp_path, mlp):
+    """max_iter never reached: each collected call is written as it ends, hooks are off between calls."""
+    cfg = MemProfilerCfg(enabled=True, save_dir=tmp_path, schedule=MemProfilerSchedule(warmup_iters=0, max_iter=5))
+    prof = MemProfiler(cfg, mlp)
+    _loop(prof, mlp, 2)  # no close()
+    data = yaml.safe_load((tmp_path / "rank_0_memory_stats.yaml").read_text())
+    assert sorted(data) == sorted(f"0.training_step.{i}.{c}" for i in (1, 2) for c in ("start", "end"))
+    assert data["0.training_step.2.end"]["npp_diff"] == MLP.LOGICAL
+    assert _hooks_on(mlp) == 0 and prof.done == frozenset()
+
+
+def test_written_at_interpreter_exit(tmp_path):
+    """dump_when_done=False and no close(): the atexit handler writes what was collected."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    script = (
+        "import torch\n"
+        "from profiling import MemProfiler, MemProfilerCfg\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\n"
+        f"p = MemProfiler(MemProfilerCfg(enabled=True, save_dir={str(tmp_path)!r}, dump_when_done=False,\n"
+        "                 schedule={'warmup_iters': 0, 'max_iter': 3}), m)\n"
+        "with p.profile('training_step'):\n"
+        "    m(torch.randn(2, 4)).sum().backward()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = yaml.safe_load((tmp_path / "rank_0_memory_stats.yaml").read_text())
+    assert set(data) == {"0.training_step.1.start", "0.training_step.1.end"}
+
+
+@pytest.mark.parametrize("env,rank", [({"SLURM_PROCID": "5"}, 5), ({"LOCAL_RANK": "2"}, 2),
+                                      ({"OMPI_COMM_WORLD_RANK": "7", "LOCAL_RANK": "1"}, 7),
+                                      ({"RANK": "3", "SLURM_PROCID": "9"}, 3)])
+def test_rank_from_launcher_variables(tmp_path, mlp, monkeypatch, env, rank):
+    """Without a process group the rank comes from torchrun/SLURM/MPI variables, so ranks do not share files."""
+    for v in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "JSM_NAMESPACE_RANK", "LOCAL_RANK",
+              "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        monkeypatch.delenv(v, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    prof = MemProfiler(MemProfilerCfg(enabled=True, save_dir=tmp_path), mlp)
+    _loop(prof, mlp, 2)
+    assert (tmp_path / f"rank_{rank}_memory_stats.yaml").exists()
+
+
+FTS_YAML = """
+enabled: true
+retain_hooks_for_funcs: [training_step]
+collect_funcs:
+  default: [training_step]
+memory_hooks:
+  pre_forward_hooks: [fts_examples.profiling.npp_hooks._hook_npp_pre_forward]
+  post_forward_hooks: [fts_examples.profiling.npp_hooks._hook_npp_post_forward]
+  reset_state_hooks: [fts_examples.profiling.npp_hooks._reset_memory_hooks_state]
+saved_tensors_funcs: [fts_examples.profiling.npp_hooks._npp_hook, identity_lambda]
+"""
+
+
+def test_fts_yaml_config_loads_and_collects(tmp_path, mlp):
+    """An FTS YAML naming FTS's hook functions builds (FTS not installed) and yields the same npp values."""
+    cfg = MemProfilerCfg.from_dict({**yaml.safe_load(FTS_YAML), "save_dir": str(tmp_path)})
+    prof = MemProfiler(cfg, mlp)
+    _loop(prof, mlp, 2)
+    end = prof.memory_stats["0.training_step.2.end"]
+    assert end["npp_diff"] == MLP.LOGICAL and end["rss_post_forward"] > 0
+
+
+def _fts_pre(module, *args, **kwargs):  # written the FTS way: module attributes and mem_info_handle
+    module.my_rss_pre = module.mem_info_handle().rss
+
+
+def _fts_post(module, *args, **kwargs):
+    module.my_calls = (module.my_calls if hasattr(module, "my_calls") else 0) + 1
+    module.my_rss_post = module.mem_info_handle().rss
+
+
+def _fts_reset(model, reset_attrs):
+    for module in model.modules():
+        for attr in reset_attrs:
+            setattr(module, attr, 0)
+
+
+def test_fts_style_hooks_run_through_the_adapter(tmp_path, mlp):
+    """hook(module, *args) hooks work (they crashed on HookContext.mem_info_handle) and store nothing on modules."""
+    before = {n: set(vars(m)) for n, m in mlp.named_modules()}
+    cfg = MemProfilerCfg(
+        enabled=True, save_dir=tmp_path, save_hook_attrs=["my_rss_pre", "my_rss_post", "my_calls"],
+        memory_hooks=MemProfilerHooks(pre_forward_hooks=[_fts_pre], post_forward_hooks=[_fts_post],
+                                      reset_state_hooks=[_fts_reset]),
+    )
+    prof = MemProfiler(cfg, mlp)
+    _loop(prof, mlp, 2)
+    end = prof.memory_stats["0.training_step.2.end"]
+    assert end["my_calls"] == 1 and end["my_rss_post"] > 0 and end["my_rss_pre"] > 0
+    assert end["modules"]["MLP.1"]["my_calls"] == 1
+    assert {n: set(vars(m)) for n, m in mlp.named_modules()} == before
+
+
+def test_plot_data_per_collected_call(tmp_path, toy):
+    """The per-call stacked bars hold params, grads, activations kept and offloaded (= the engine's step)."""
+    model, tokens, _ = toy
+    engine = OffloadActivations(device="cpu")
+    cfg = MemProfilerCfg(enabled=True, save_dir=tmp_path, dump_plot=True,
+                         schedule=MemProfilerSchedule(warmup_iters=0, max_iter=2))
+    prof = MemProfiler(cfg, model, engine=engine)
+    for _ in range(2):
+        with prof.profile("training_step"):
+            with engine:
+                loss = model(tokens).float().mean()
+            loss.backward()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert [w["label"] for w in prof.windows] == ["training_step.1", "training_step.2"]
+    for w, st in zip(prof.windows, engine.ledger.step_totals):
+        assert w["params_bytes"] == w["grads_bytes"] == params
+        assert w["activations_offloaded_bytes"] == st.offloaded_bytes > 0
+        assert w["activations_kept_bytes"] == st.packed_bytes - st.kept_by_reason.get("parameter", 0) - st.offloaded_bytes
+        mods = w["modules"]
+        assert sum(m["offloaded_bytes"] for m in mods.values()) == st.offloaded_bytes
+    assert (tmp_path / "rank_0_memory_stats.png").exists() and (tmp_path / "rank_0_module_bytes.png").exists()

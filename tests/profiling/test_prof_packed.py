@@ -266,3 +266,48 @@ def test_user_hooks_inside_a_tracker_forward(mlp):
         mlp(x).sum().backward()
     assert len(seen) == 4 and inner.logical_bytes == MLP.LOGICAL
     assert outer.logical_bytes == 2 * MLP.LOGICAL
+
+
+def test_reentered_per_step_counts_steps(mlp):
+    """`for _ in range(3): with t: step()` gives 3 steps of one forward each (was 1 step of 3x)."""
+    t = PackedBytesTracker()
+    x = MLP.batch()
+    for _ in range(3):
+        with t:
+            mlp(x).sum().backward()
+    assert [s["logical_bytes"] for s in t.steps()] == [MLP.LOGICAL] * 3
+    assert t.summary()["steps"] == 3
+
+
+def test_unique_bytes_count_the_spanned_slice_not_the_storage():
+    """A saved batch slice counts the bytes it spans; overlapping slices count their union."""
+    data = torch.randn(1000, 640)  # 2.5 MB
+    w = torch.randn(640, 2, requires_grad=True)
+    with PackedBytesTracker() as t:
+        a = data[:4] @ w  # saves data[:4]: 4 * 640 * 4 = 10240 B
+        b = data[2:6] @ w  # overlaps rows 2..3: adds rows 4..5 only
+    (a.sum() + b.sum()).backward()
+    row = 640 * F32
+    s = t.summary()
+    assert s["unique_bytes"] == 6 * row  # w's grad needs only the slices (data needs no grad)
+    assert s["logical_bytes"] == 8 * row
+
+
+def test_per_module_offloaded_and_kept_by_reason(toy):
+    """Under an engine every module's bytes split into offloaded + kept by the engine's reasons."""
+    model, tokens, _ = toy
+    engine = OffloadActivations(device="cpu")
+    with PackedBytesTracker(model=model) as t, engine:
+        loss = model(tokens).float().mean()
+    loss.backward()
+    s = t.summary()
+    led = engine.ledger.summary()
+    assert s["offloaded_bytes"] == led["offloaded_bytes"] > 0
+    assert s["kept_by_reason"] == led["kept_by_reason"]
+    for m in s["modules"].values():
+        assert m["offloaded_bytes"] + sum(m["kept_by_reason"].values()) == m["packed_bytes"]
+    by_mod: dict[str, int] = {}
+    for r in engine.ledger.records:
+        if r.decision == "offloaded":
+            by_mod[r.module] = by_mod.get(r.module, 0) + r.nbytes
+    assert {k: v["offloaded_bytes"] for k, v in s["modules"].items() if v["offloaded_bytes"]} == by_mod

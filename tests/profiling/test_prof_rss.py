@@ -79,3 +79,28 @@ def test_names_match_engine_ledger(toy):
     loss.backward()
     recorded = {rec.module for rec in engine.ledger.records if rec.module}
     assert recorded and recorded <= set(r.summary())
+
+
+def test_pre_post_columns_agree_with_the_delta_columns():
+    """rss_post_forward - rss_pre_forward is the largest single-call growth; they were the latest call's
+    bounds, equal for a call that grew nothing while delta_bytes summed an earlier call's growth."""
+
+    class OnceGrower(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kept: list[torch.Tensor] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.kept:
+                self.kept.append(torch.ones(64 * MiB // 4))
+            return x
+
+    net = nn.Sequential(nn.Linear(4, 4), OnceGrower())
+    with RSSTracker(net) as r:
+        for _ in range(3):
+            net(torch.randn(2, 4))
+    for name, s in r.summary().items():
+        assert s["rss_post_forward"] - s["rss_pre_forward"] == s["max_delta_bytes"], name
+    g = r.summary()["Sequential.1"]
+    assert g["delta_bytes"] >= 60 * MiB
+    assert g["rss_post_forward"] - g["rss_pre_forward"] >= 60 * MiB
