@@ -16,7 +16,7 @@ from .ledger import Ledger, PackRecord, StepTotals
 from .pool import HostBuffer, HostPool
 
 # Policy and module scopes, shared with the profilers
-from .modules import current_module_name, current_modules, track_modules
+from .modules import current_module_name, current_modules, module_name, register_model, track_modules
 from .policy import REASONS, is_static_tensor
 
 __all__ = [
@@ -43,4 +43,6 @@ __all__ = [
     "track_modules",
     "current_module_name",
     "current_modules",
+    "register_model",
+    "module_name",
 ]

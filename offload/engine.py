@@ -93,7 +93,7 @@ from torch.utils.hooks import RemovableHandle
 from . import _torch_private, policy
 from .errors import OffloadError, _internal_assert
 from .ledger import KEPT, OFFLOADED, Ledger, PackRecord
-from .modules import current_module_name, current_modules, track_modules
+from .modules import current_module_name, current_modules, register_model, track_modules
 from .pool import PIN_ALLOCATORS, HostBuffer, HostPool
 from .streams import Copy, make_backend
 
@@ -600,6 +600,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 self._close_finished_step()
             model = self._model_ref() if self._model_ref is not None else None
             if model is not None:
+                register_model(model)  # ledger module names are fully qualified from it
                 self._static_ptrs = {
                     policy.storage_ptr(t) for t in itertools.chain(model.parameters(), model.buffers())
                 }
