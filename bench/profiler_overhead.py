@@ -81,10 +81,14 @@ class VariantResult:
 
     @property
     def p25_ms(self) -> float:
+        if len(self.seconds) < 2:
+            return self.median_ms
         return statistics.quantiles(self.seconds, n=4)[0] * 1e3
 
     @property
     def p75_ms(self) -> float:
+        if len(self.seconds) < 2:
+            return self.median_ms
         return statistics.quantiles(self.seconds, n=4)[2] * 1e3
 
 
