@@ -110,7 +110,7 @@ def test_micro_run_counts_every_arms_host_copies_alike(micro_run):
 
 
 def test_micro_run_targets_cover_design(micro_run):
-    """The report judges all five DESIGN.md targets; PCIe ones read n/a on CPU, the CPU ones get a verdict."""
+    """The report judges all five targets of bench/targets.py; PCIe ones read n/a on CPU, the CPU ones get a verdict."""
     _, data = micro_run
     verdicts = [t["verdict"] for t in data["targets"]]
     assert len(verdicts) == 5
