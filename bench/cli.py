@@ -1,6 +1,6 @@
 """``python -m bench``: every strategy on one workload, side by side, in one run.
 
-    python -m bench                                  # CPU: tiny preset, all strategies (~1 min on 2 cores)
+    python -m bench                                  # CPU: tiny preset, all strategies (~2 min on 2 idle cores)
     python -m bench --preset 8b --seq 8192           # GPU: 8B-shaped blocks, as many as fit
     python -m bench --strategies none,ac,offload_ac --steps 5
     python -m bench --list                           # presets and strategies
