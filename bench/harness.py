@@ -497,7 +497,9 @@ class _Bench:
         after = _ledger_summary(engine)
         if after is not None and r.ledger_before is not None:
             r.result.engine = _engine_stats(engine, r.ledger_before, after, r.steps_done)
-            host_now = _host_active_bytes() if self.device.type == "cuda" else None
+            # Only when this strategy runs alone: interleaved, other engines' pools would be in the delta.
+            alone = self.cfg.order == "sequential" or r.prepared.isolated
+            host_now = _host_active_bytes() if self.device.type == "cuda" and alone else None
             if host_now is not None and r.host_active_before is not None:
                 r.result.engine.host_bytes_measured = host_now - r.host_active_before
                 r.result.engine.host_bytes_source = (
