@@ -1,12 +1,14 @@
 """``python -m bench``: every strategy on one workload, side by side, in one run.
 
-    python -m bench                                  # CPU: tiny preset, all strategies (~1 min on 2 cores)
+    python -m bench                                  # CPU: tiny preset, all strategies (~2 min on 2 idle cores)
     python -m bench --preset 8b --seq 8192           # GPU: 8B-shaped blocks, as many as fit
     python -m bench --strategies none,ac,offload_ac --steps 5
     python -m bench --list                           # presets and strategies
 
-Writes ``<run_id>.json``, ``<run_id>.md`` and ``<run_id>.png`` under
-``bench/results/<device>/`` (or ``--out``) and prints the tables.
+Writes ``<run_id>.json``, ``<run_id>.md`` and ``<run_id>.png`` into a fresh run folder
+``./bench_runs/<UTC time>_bench_<run_id>/`` under the current directory (gitignored; never
+into the package), or into ``--out`` (``--out bench/results/cpu`` refreshes the files the
+README cites), and prints the tables.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.env import default_device, results_dir, run_metadata
+from bench.env import default_device, default_run_dir, run_metadata
 from bench.harness import BenchConfig, run_bench
 from bench.probe import measure_ceiling
 from bench.report import format_tables, write_all
@@ -49,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", default="", help="comma list of strategies to leave out (e.g. compile,compile_offload)")
     p.add_argument("--order", choices=("interleaved", "sequential"), default=None,
                    help="interleave strategies step by step (CPU default) or run them one after another (GPU)")
-    p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder (default: a new ./bench_runs/<time>_bench_<run_id>/; "
+                        "bench/results/<device> refreshes the files the README cites)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-probe", action="store_true", help="skip the copy-ceiling measurement")
     p.add_argument("--no-write", action="store_true", help="print only; write no files")
@@ -63,10 +67,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+GPU_PRESETS = ("1b", "3b", "8b")
+"""Presets sized for a GPU (bf16, s=4096, 16-32 blocks of h>=2048): hours per step on a CPU."""
+
+
+def _needs_gpu(what: str) -> str:
+    return (f"{what} needs a CUDA GPU, and torch.cuda.is_available() is False on this machine.\n"
+            "  On CPU run:   python -m bench                          (tiny preset, ~1-2 min on 2 cores)\n"
+            "           or:  python -m bench --seq 512 --layers 8      (a larger CPU run)\n"
+            "  On a machine with a CUDA GPU, this same command runs as given.")
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The run's configuration; ValueError (saying what to run instead) for GPU-only requests on CPU."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(_needs_gpu("--device cuda"))
     device = args.device or default_device()
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("python -m bench: --device cuda but torch.cuda.is_available() is False; use --device cpu")
+    if args.preset in GPU_PRESETS and device == "cpu":
+        raise ValueError(_needs_gpu(f"--preset {args.preset}"))
     on_gpu = device == "cuda"
     preset = args.preset or ("1b" if on_gpu else "tiny")
     wl: Workload = PRESETS[preset]
@@ -146,12 +164,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None) -> BenchResult:
     meta = run_metadata(cfg.device, argv if argv is not None else sys.argv[1:])
-    ceiling = None if args.no_probe else measure_ceiling(cfg.device)
+    if not args.no_probe and cfg.progress:
+        print("[bench] measuring the copy ceiling (bench.probe)", file=sys.stderr)
+    ceiling = None if args.no_probe else measure_ceiling(cfg.device, progress=cfg.progress)
     result = run_bench(cfg, meta, ceiling)
     result.targets = to_jsonable(evaluate_targets(result))
     print(format_tables(result))
     if not args.no_write:
-        out_dir = args.out if args.out is not None else results_dir(cfg.device)
+        out_dir = args.out if args.out is not None else default_run_dir("bench", str(result.workload["run_id"]))
         for path in write_all(result, out_dir, plot=not args.no_plot):
             print(f"wrote {path}")
     return result

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["default_device", "device_name", "device_slug", "results_dir", "run_metadata", "REPO_ROOT"]
+__all__ = ["default_device", "device_name", "device_slug", "results_dir", "default_run_dir", "run_metadata",
+           "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +39,32 @@ def device_slug(device: str | torch.device | None = None) -> str:
 
 
 def results_dir(device: str | torch.device | None = None) -> Path:
+    """``bench/results/<device-slug>`` in the checkout: where the files the README cites live.
+
+    Only written when asked for explicitly (``--out bench/results/cpu``); the default is
+    :func:`default_run_dir`, so a plain run never modifies tracked files.
+    """
     return REPO_ROOT / "bench" / "results" / device_slug(device)
+
+
+RUNS_DIRNAME = "bench_runs"
+"""Default output root, created in the current directory (``/bench_runs/`` is gitignored)."""
+
+
+def default_run_dir(tool: str, name: str, *, now: datetime.datetime | None = None) -> Path:
+    """A fresh run folder ``./bench_runs/<UTC time>_<tool>_<name>/`` under the current directory.
+
+    Outside the package (never into a checkout's tracked files or site-packages); one folder
+    per run, so runs never overwrite each other.
+    """
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    stem = f"{now.strftime('%Y%m%dT%H%M%SZ')}_{tool}_{name}"
+    path = Path.cwd() / RUNS_DIRNAME / stem
+    n = 1
+    while path.exists():  # two runs in the same second
+        n += 1
+        path = Path.cwd() / RUNS_DIRNAME / f"{stem}_{n}"
+    return path
 
 
 def _git_commit() -> str | None:

@@ -16,12 +16,28 @@ Memory:
   steps; activation bytes = peak allocated - allocated before the step.
 * CPU: one extra profiled step per strategy; activation bytes = the peak of the
   running sum of CPU allocations and frees during that fwd+bwd (torch.profiler
-  memory events). Host pool buffers reused from warm-up are not allocations,
-  so bytes the engine moved into its pool leave the "device", as on a GPU.
+  memory events). Host and device are one memory on CPU, so every arm's host
+  copies are counted alike: ``save_on_cpu``'s fresh copies, and the engine's
+  pool buffers (the pool is emptied before the profiled step, so its buffers
+  are allocated inside it instead of being reused from warm-up). The bytes each
+  arm's pack hook allocates (its host copies) are reported beside it, measured
+  the same way for every arm (allocations inside the pack hook).
+
+Host footprint (the pool target) is measured outside the pool's own counters:
+on CPU, the bytes the pack hook allocated in that profiled step; on a GPU, the
+growth of the pinned host allocator's active bytes (``torch.cuda.host_memory_stats``,
+rounded block sizes) over the strategy's run. Either is divided by the bytes the
+ledger says were offloaded (and so held at once) in one step.
+
+Time: wall clock per step, and process CPU time per step (``time.process_time``),
+which a descheduled process does not accumulate: on a shared CPU machine the
+steadier measure of what a strategy costs.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import gc
 import math
 import os
@@ -34,17 +50,21 @@ from typing import Any, Callable
 
 import psutil
 import torch
+from torch.profiler import record_function
 
 from bench.model import ToyLlama, make_batch
+from bench.progress import bar, note
 from bench.results import BenchResult, Correctness, EngineStats, StrategyResult
 from bench.strategies import STRATEGIES, BenchEnv, Prepared, Skip, StrategySpec
 from bench.workloads import Workload
 
-__all__ = ["BenchConfig", "run_bench", "fit_layers", "Progress", "cpu_activation_peak"]
+__all__ = ["BenchConfig", "run_bench", "fit_layers", "Progress", "CpuMemory", "cpu_memory_profile",
+           "cpu_activation_peak"]
 
 CPU_ACTIVATION_SOURCE = (
-    "cpu: peak net bytes allocated during one profiled fwd+bwd (torch.profiler memory events); "
-    "host-pool buffers reused from warm-up are not counted, so offloaded bytes leave the 'device'"
+    "cpu: peak net bytes allocated during one profiled fwd+bwd (torch.profiler memory events), host copies "
+    "included for every arm (host and device are one memory on CPU; the engine's pool is emptied first, "
+    "so its buffers count like save_on_cpu's copies)"
 )
 GPU_ACTIVATION_SOURCE = "cuda: max_memory_allocated during the step - memory_allocated before it"
 
@@ -87,37 +107,41 @@ class BenchConfig:
 
 
 class Progress:
-    """A one-line progress indicator on stderr (a bar on a terminal, a line per milestone otherwise)."""
+    """The run's progress bar (``tqdm`` on stderr): one tick per step, the total shrinks when a
+    strategy is skipped or fails, and the current phase is shown beside the bar."""
 
     def __init__(self, total: int, enabled: bool = True) -> None:
-        self.total = max(total, 1)
-        self.done = 0
         self.enabled = enabled
-        self.tty = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
-        self._last_pct = -1
+        self._bar = bar(max(total, 0), "bench", enabled=enabled)
+
+    @property
+    def total(self) -> int:
+        return int(self._bar.total or 0)
+
+    @property
+    def done(self) -> int:
+        return int(self._bar.n)
 
     def step(self, label: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        pct = int(100 * self.done / self.total)
-        elapsed = time.perf_counter() - self.t0
-        if self.tty:
-            bar = "#" * (pct // 5) + "." * (20 - pct // 5)
-            sys.stderr.write(f"\r[bench] [{bar}] {pct:3d}% {self.done}/{self.total} steps {elapsed:5.0f}s {label:<28}")
-            sys.stderr.flush()
-        elif pct // 10 != self._last_pct // 10:
-            sys.stderr.write(f"[bench] {pct:3d}% ({self.done}/{self.total} steps, {elapsed:.0f}s) {label}\n")
-        self._last_pct = pct
+        """One step of strategy ``label`` done."""
+        self._bar.set_postfix_str(label, refresh=False)
+        self._bar.update(1)
+
+    def phase(self, label: str) -> None:
+        """Show what runs now (a phase without steps: preparing, profiling, writing)."""
+        self._bar.set_postfix_str(label)
+
+    def drop(self, steps: int) -> None:
+        """``steps`` planned steps will not run (a strategy was skipped or failed)."""
+        if steps > 0:
+            self._bar.total = max(self.done, self.total - steps)
+            self._bar.refresh()
 
     def note(self, text: str) -> None:
-        if self.enabled:
-            sys.stderr.write(("\n" if self.tty else "") + f"[bench] {text}\n")
+        note(text, enabled=self.enabled)
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
+        self._bar.close()
 
 
 # ------------------------------------------------------------------ model
@@ -177,24 +201,75 @@ def fit_layers(workload: Workload, device: torch.device, budget_frac: float, see
 # ------------------------------------------------------------------ measurement helpers
 
 
-def cpu_activation_peak(step: Callable[[], Any]) -> int:
-    """Peak of the running sum of CPU allocations minus frees during ``step()`` (bytes)."""
+_PACK_TAG = "bench::pack_hook"
+
+
+@dataclass
+class CpuMemory:
+    """What one profiled CPU step allocated (torch.profiler memory events)."""
+
+    peak_bytes: int
+    """Peak of the running sum of allocations minus frees."""
+    pack_hook_bytes: int
+    """Bytes allocated while the saved-tensor pack hook ran (an arm's host copies)."""
+    net_bytes: int
+    """Allocations minus frees over the whole step (what the step left allocated)."""
+
+
+@contextlib.contextmanager
+def _tag_pack_hook(hooks: Any) -> Any:
+    """Run ``hooks``' pack hook (a ``saved_tensors_hooks`` instance) inside a profiler range."""
+    if hooks is None:
+        yield
+        return
+    original = hooks.pack_hook
+
+    def pack(tensor: torch.Tensor) -> Any:
+        with record_function(_PACK_TAG):
+            return original(tensor)
+
+    hooks.pack_hook = pack
+    try:
+        yield
+    finally:
+        hooks.pack_hook = original
+
+
+def cpu_memory_profile(step: Callable[[], Any], hooks: Any = None) -> CpuMemory:
+    """Profile ``step()``'s CPU allocations; with ``hooks``, also those made inside its pack hook."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _tag_pack_hook(hooks), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     # kineto_results carries every [memory] event with its signed size; the public
     # EventList drops some of them, which breaks the running sum.
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
+    events = list(prof.profiler.kineto_results.events())
+    mem = sorted(
+        (e.start_ns(), e.nbytes(), e.start_thread_id())
+        for e in events
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
     )
+    ranges = [(e.start_ns(), e.end_ns(), e.start_thread_id()) for e in events if e.name() == _PACK_TAG]
     current = peak = 0
-    for _, nbytes in events:
+    for _, nbytes, _ in mem:
         current += nbytes
         peak = max(peak, current)
-    return peak
+    in_hook = 0
+    if ranges:
+        ranges.sort()
+        starts = [r[0] for r in ranges]
+        for t, nbytes, tid in mem:
+            if nbytes <= 0:
+                continue
+            i = bisect.bisect_right(starts, t) - 1
+            if i >= 0 and t <= ranges[i][1] and tid == ranges[i][2]:
+                in_hook += nbytes
+    return CpuMemory(peak_bytes=peak, pack_hook_bytes=in_hook, net_bytes=current)
+
+
+def cpu_activation_peak(step: Callable[[], Any]) -> int:
+    """Peak of the running sum of CPU allocations minus frees during ``step()`` (bytes)."""
+    return cpu_memory_profile(step).peak_bytes
 
 
 def _ledger_summary(engine: Any) -> dict[str, Any] | None:
@@ -233,7 +308,25 @@ def _engine_stats(engine: Any, before: dict[str, Any], after: dict[str, Any], st
         pool_allocations_after_warmup=int(pool_a.get("allocations", 0) - pool_b.get("allocations", 0)),
         pool_pin_failures=int(pool_a.get("pin_failures", 0)),
         module_offloaded_bytes=_last_step_by_module(engine),
+        held_bytes_last_step=_held_bytes_last_step(engine),
     )
+
+
+def _held_bytes_last_step(engine: Any) -> int | None:
+    """Bytes the ledger says were copied to host in the engine's last step (all held at once at the end
+    of its forward: the forward runs inside the context, backward after it)."""
+    totals = getattr(engine.ledger, "step_totals", None)
+    if not totals:
+        return None
+    return int(totals[-1].d2h_bytes)
+
+
+def _host_active_bytes() -> int | None:
+    """Pinned host bytes held by PyTorch's caching host allocator (rounded block sizes), or None."""
+    try:
+        return int(torch.cuda.host_memory_stats().get("active_bytes.current", 0))
+    except Exception:  # older torch, or no CUDA
+        return None
 
 
 def _last_step_by_module(engine: Any, top: int = 48) -> dict[str, int]:
@@ -262,7 +355,10 @@ class _Runner:
     peak_reserved: int = 0
     static: int | None = None
     ledger_before: dict[str, Any] | None = None
+    host_active_before: int | None = None
     losses: list[float] = field(default_factory=list)
+    planned: int = 0
+    """Steps this strategy still owes the progress bar (dropped from its total if it stops)."""
 
     @property
     def active(self) -> bool:
@@ -299,6 +395,9 @@ class _Bench:
         return _Runner(spec=spec, result=result)
 
     def prepare(self, r: _Runner) -> None:
+        self.progress.phase(f"preparing {r.spec.name}")
+        if self.device.type == "cuda":
+            r.host_active_before = _host_active_bytes()
         try:
             r.prepared = r.spec.prepare(self.env)
         except Skip as e:
@@ -312,9 +411,12 @@ class _Bench:
         if tb:
             traceback.print_exc(file=sys.stderr)
         self.progress.note(f"{r.spec.name}: {status}: {reason}")
+        self.progress.drop(r.planned)
+        r.planned = 0
         self.release(r)
 
     def release(self, r: _Runner) -> None:
+        self.progress.phase(f"releasing {r.spec.name}")
         prepared, r.prepared = r.prepared, None
         if prepared is not None and prepared.close is not None:
             try:
@@ -349,20 +451,23 @@ class _Bench:
         # caused by a strategy's own allocations still count against it.
         gc.collect()
         try:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             loss = r.prepared.step()
             _sync(self.device)
             dt = time.perf_counter() - t0
+            dc = time.process_time() - c0
         except torch.OutOfMemoryError as e:
             self._fail(r, "oom", f"out of device memory: {str(e).splitlines()[0]}")
             return
         except Exception as e:
             self._fail(r, "error", f"step failed: {type(e).__name__}: {e}", tb=True)
             return
+        r.planned -= 1
         self.progress.step(r.spec.name)
         if not measure:
             return
         r.result.times.seconds.append(dt)
+        r.result.times.cpu_seconds.append(dc)
         r.losses.append(float(loss))
         r.steps_done += 1
         if cuda:
@@ -392,10 +497,19 @@ class _Bench:
         after = _ledger_summary(engine)
         if after is not None and r.ledger_before is not None:
             r.result.engine = _engine_stats(engine, r.ledger_before, after, r.steps_done)
+            # Only when this strategy runs alone: interleaved, other engines' pools would be in the delta.
+            alone = self.cfg.order == "sequential" or r.prepared.isolated
+            host_now = _host_active_bytes() if self.device.type == "cuda" and alone else None
+            if host_now is not None and r.host_active_before is not None:
+                r.result.engine.host_bytes_measured = host_now - r.host_active_before
+                r.result.engine.host_bytes_source = (
+                    "cuda pinned host allocator: growth of active_bytes over the strategy's run "
+                    "(torch.cuda.host_memory_stats, rounded block sizes)")
         r.result.loss = float(loss)
         is_reference = r.spec.name in self.reference_names
         if self.deterministic_check:
             try:
+                self.progress.phase(f"{r.spec.name}: deterministic correctness step")
                 loss = self._deterministic_step(r)
                 if is_reference and r.spec.name not in self.references:
                     self.references[r.spec.name] = self._snapshot(loss)
@@ -429,6 +543,25 @@ class _Bench:
                 torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
         return loss
 
+    def _cpu_memory_step(self, r: _Runner) -> None:
+        """One profiled step: activation peak with every arm's host copies counted alike, the bytes its
+        pack hook allocated, and (ours) the host footprint measured from those allocations."""
+        assert r.prepared is not None
+        res = r.result
+        pool = getattr(r.prepared.engine, "pool", None)
+        if pool is not None:
+            pool.clear()  # its buffers are then allocated in the profiled step, as save_on_cpu's copies are
+        _zero_grads(self.model)
+        mem = cpu_memory_profile(r.prepared.step, r.prepared.hooks)
+        res.activation_bytes = mem.peak_bytes
+        res.host_copy_bytes = mem.pack_hook_bytes if r.prepared.hooks is not None else 0
+        eng = res.engine
+        if eng is not None and r.prepared.engine is not None:
+            eng.held_bytes_last_step = _held_bytes_last_step(r.prepared.engine)
+            eng.host_bytes_measured = mem.pack_hook_bytes
+            eng.host_bytes_source = ("cpu: bytes allocated inside the pack hook during one profiled step "
+                                     "with the pool emptied first (torch.profiler memory events)")
+
     def finish(self, r: _Runner) -> None:
         """Memory numbers, then release the strategy's engine and caches."""
         res = r.result
@@ -441,11 +574,11 @@ class _Bench:
                     res.activation_bytes = r.peak_alloc - r.static
             else:
                 try:
-                    _zero_grads(self.model)
-                    res.activation_bytes = cpu_activation_peak(r.prepared.step)
-                    self.progress.step(r.spec.name + " (memory)")
+                    self._cpu_memory_step(r)
                 except Exception as e:
                     res.activation_source = f"n/a: profiled step failed: {type(e).__name__}: {e}"
+                r.planned -= 1
+                self.progress.step(r.spec.name + " (memory)")
             res.rss_bytes = self.process.memory_info().rss
         self.release(r)
 
@@ -479,14 +612,18 @@ def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None) -> Be
         names.remove("none")
         names.insert(0, "none")
     if workload.fit_layers and device.type == "cuda":
+        note(f"measuring how many {workload.name} blocks fit on the device (two short steps)", enabled=cfg.progress)
         n = fit_layers(workload, device, cfg.fit_budget_frac, cfg.seed)
         meta["fit_layers"] = {"requested": workload.n_layers, "fits": n, "budget_frac": cfg.fit_budget_frac}
         workload = workload.replace(n_layers=n)
 
     per_strategy = cfg.warmup + cfg.steps + (1 if device.type == "cpu" else 0)
     progress = Progress(per_strategy * len(names), enabled=cfg.progress)
+    progress.phase("building the model")
     bench = _Bench(cfg, workload, progress)
     runners = [bench.new_runner(n) for n in names]
+    for r in runners:
+        r.planned = per_strategy
 
     def run_alone(r: _Runner) -> None:
         if r.prepared is None and r.result.status == "ok":
@@ -521,6 +658,7 @@ def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None) -> Be
             bench.finish(r)
         for r in alone:
             run_alone(r)
+    progress.phase("done")
     progress.close()
 
     meta = dict(meta)

@@ -8,8 +8,9 @@ taken with CUDA events on the copying stream.
 On CPU there is no pinned memory and no link: the probe reports plain memcpy
 GB/s (``torch.Tensor.copy_`` between two host tensors) and says pinned is n/a.
 
-    python -m bench.probe                  # default sizes, writes bench/results/<device>/probe.json
+    python -m bench.probe                  # default sizes, writes ./bench_runs/<time>_probe_<device>/probe.json
     python -m bench.probe --max-mb 64      # quicker
+    python -m bench.probe --out bench/results/<device>    # where README citations live
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from bench.env import results_dir, run_metadata
+from bench.env import default_run_dir, device_slug, run_metadata
+from bench.progress import bar
 from bench.results import Ceiling, to_jsonable
 
 __all__ = ["ProbePoint", "ProbeResult", "run_probe", "measure_ceiling", "main"]
@@ -104,9 +107,10 @@ def _reps(size: int) -> int:
 # ------------------------------------------------------------------- CPU
 
 
-def _cpu_points(sizes: list[int]) -> list[ProbePoint]:
+def _cpu_points(sizes: list[int], progress: Any) -> list[ProbePoint]:
     points = []
     for size in sizes:
+        progress.set_postfix_str(f"memcpy {_size_label(size)}")
         src = torch.ones(size, dtype=torch.uint8)
         dst = torch.empty(size, dtype=torch.uint8)
         dst.copy_(src)  # fault the pages in
@@ -115,6 +119,7 @@ def _cpu_points(sizes: list[int]) -> list[ProbePoint]:
         for _ in range(reps):
             dst.copy_(src)
         points.append(ProbePoint("memcpy", "host", size, (time.perf_counter() - t0) / reps, reps))
+        progress.update(1)
     return points
 
 
@@ -145,7 +150,8 @@ def _matmul_seconds(a: torch.Tensor, b: torch.Tensor, n: int) -> float:
     return start.elapsed_time(end) / 1e3 / n
 
 
-def _gpu_points(device: torch.device, sizes: list[int], contention: bool, result: ProbeResult) -> None:
+def _gpu_points(device: torch.device, sizes: list[int], contention: bool, result: ProbeResult,
+                progress: Any) -> None:
     side = torch.cuda.Stream(device=device)
     a = b = None
     t_mm = None
@@ -161,6 +167,7 @@ def _gpu_points(device: torch.device, sizes: list[int], contention: bool, result
         dev.fill_(1)
         torch.cuda.synchronize(device)  # the side stream below does not wait on the compute stream
         for memory in ("pinned", "pageable"):
+            progress.set_postfix_str(f"{memory} {_size_label(size)}")
             host = torch.empty(size, dtype=torch.uint8, pin_memory=(memory == "pinned"))
             host.fill_(1)
             reps = _reps(size)
@@ -182,6 +189,7 @@ def _gpu_points(device: torch.device, sizes: list[int], contention: bool, result
                 mm_end.synchronize()
                 busy_mm_seconds.append(mm_start.elapsed_time(mm_end) / 1e3 / n_mm)
                 result.points.append(ProbePoint(direction, memory, size, busy, reps, under_matmul=True))
+            progress.update(1)
             del host
         del dev
     if busy_mm_seconds:
@@ -189,31 +197,36 @@ def _gpu_points(device: torch.device, sizes: list[int], contention: bool, result
 
 
 def run_probe(device: str | torch.device, sizes_mb: list[int] | tuple[int, ...] = DEFAULT_SIZES_MB,
-              *, contention: bool = True) -> ProbeResult:
-    """Measure copy bandwidth on ``device`` for each size (MB = 2**20 bytes)."""
+              *, contention: bool = True, progress: bool = False) -> ProbeResult:
+    """Measure copy bandwidth on ``device`` for each size (MB = 2**20 bytes); ``progress``: a bar on stderr."""
     dev = torch.device(device)
     sizes = [int(s * _MB) for s in sizes_mb]
     result = ProbeResult(device=str(dev))
+    with bar(len(sizes) * (2 if dev.type == "cuda" else 1), "probe", enabled=progress, unit="point") as pbar:
+        _probe_into(dev, sizes, contention, result, pbar)
+    return result
+
+
+def _probe_into(dev: torch.device, sizes: list[int], contention: bool, result: ProbeResult, pbar: Any) -> None:
     if dev.type == "cuda":
-        _gpu_points(dev, sizes, contention, result)
+        _gpu_points(dev, sizes, contention, result, pbar)
         result.notes.append("pinned copies use cudaMemcpyAsync from page-locked memory (torch pin_memory=True)")
     else:
-        result.points = _cpu_points(sizes)
+        result.points = _cpu_points(sizes, pbar)
         result.notes.append(
             "cpu: host and device are the same memory; this is memcpy bandwidth. "
             "pinned: n/a on CPU (no pinned-memory allocator); under-matmul: n/a on CPU."
         )
-    return result
 
 
-def measure_ceiling(device: str | torch.device) -> Ceiling:
+def measure_ceiling(device: str | torch.device, *, progress: bool = False) -> Ceiling:
     """A quick ceiling for ``python -m bench``: pinned D2H/H2D at 256 MB on a GPU, memcpy at 64 MB on CPU."""
     dev = torch.device(device)
     if dev.type == "cuda":
-        r = run_probe(dev, (256,), contention=False)
+        r = run_probe(dev, (256,), contention=False, progress=progress)
         return Ceiling(kind="pinned", d2h_gb_s=r.pinned_d2h_gb_s, h2d_gb_s=r.pinned_h2d_gb_s,
                        size_bytes=256 * _MB, note="pinned copy, 256 MB, side stream, alone (bench.probe)")
-    r = run_probe(dev, (64,))
+    r = run_probe(dev, (64,), progress=progress)
     bw = r.best("memcpy", "host")
     return Ceiling(kind="memcpy", d2h_gb_s=bw, h2d_gb_s=bw, size_bytes=64 * _MB,
                    note="cpu memcpy, 64 MB; pinned n/a on CPU")
@@ -224,14 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-mb", type=int, default=None, help="largest size in MB (default 1024 on GPU, 256 on CPU)")
     p.add_argument("--no-contention", action="store_true", help="skip the under-matmul measurements")
-    p.add_argument("--out", type=Path, default=None, help="folder for probe.json (default bench/results/<device>)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for probe.json (default ./bench_runs/<time>_probe_<device>/; "
+                        "bench/results/<device> for files the README cites)")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     max_mb = args.max_mb if args.max_mb is not None else (1024 if dev.type == "cuda" else 256)
     sizes = [s for s in DEFAULT_SIZES_MB if s <= max_mb] or [max_mb]
-    result = run_probe(dev, sizes, contention=not args.no_contention)
+    result = run_probe(dev, sizes, contention=not args.no_contention, progress=True)
     print(result.table())
-    out_dir = args.out if args.out is not None else results_dir(dev)
+    out_dir = args.out if args.out is not None else default_run_dir("probe", device_slug(dev))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "probe.json"
     meta = run_metadata(dev, argv)

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from bench.hardware import peak_for
 from bench.results import BenchResult, StrategyResult, to_jsonable
-from bench.targets import evaluate_targets
+from bench.targets import SOURCE, evaluate_targets
 
 __all__ = ["format_tables", "write_json", "write_markdown", "write_png", "write_all"]
 
 _MiB = float(1 << 20)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
 
 
 def _f(x: float | None, spec: str) -> str:
@@ -31,7 +36,7 @@ def _correct(s: StrategyResult) -> str:
 
 
 def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:
-    head = ["strategy", "step ms", "IQR ms", "tok/s", "x none", "x ac", "act MiB", "act x none",
+    head = ["strategy", "step ms", "IQR ms", "CPU ms", "tok/s", "x none", "x ac", "act MiB", "act x none",
             "peak alloc MiB", "host MiB", "loss & grads vs ref"]
     rows = []
     for s in result.strategies:
@@ -41,6 +46,7 @@ def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:
             s.name,
             _f(s.median_s * 1e3, ".1f"),
             _f(s.times.iqr_s * 1e3, ".1f"),
+            _f(_median(s.times.cpu_seconds) * 1e3 if s.times.cpu_seconds else None, ".1f"),
             _f(s.tokens_per_s, ",.0f"),
             _f(result.time_ratio(s.name, "none"), ".3f"),
             _f(result.time_ratio(s.name, "ac"), ".3f"),
@@ -55,7 +61,7 @@ def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:
 
 def _rows_engine(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     head = ["strategy", "packed MiB", "offloaded MiB", "kept MiB (by reason)", "D2H GB/s", "H2D GB/s",
-            "of ceiling", "exposed copy ms (mean)", "pool allocs after warm-up", "pool reserved / peak held"]
+            "of ceiling", "exposed copy ms (mean)", "pool allocs after warm-up", "host measured / held"]
     ceil = result.ceiling
     rows = []
     for s in result.strategies:
@@ -157,12 +163,14 @@ def format_tables(result: BenchResult) -> str:
     sk = _skipped(result)
     if sk:
         out += ["", "Not run:"] + sk
-    out += ["", "DESIGN.md performance targets:"]
+    out += ["", f"Performance targets (defined in {SOURCE}):"]
     for t in evaluate_targets(result):
         out.append(f"  [{t.verdict}] {t.target}\n      {t.measured}" + (f"  ({t.note})" if t.note else ""))
     src = next((s.activation_source for s in result.strategies if s.ok), "")
     if src:
-        out += ["", f"act = activation memory, {src}"]
+        out += ["", f"act = activation memory, {src}",
+                "host = bytes of host copies (CPU: allocated inside each arm's pack hook in the profiled step); "
+                "CPU ms = process CPU time per step (median)"]
     return "\n".join(out)
 
 
@@ -172,6 +180,9 @@ def write_json(result: BenchResult, path: Path) -> None:
         s.name: {
             "time_x_none": result.time_ratio(s.name, "none"),
             "time_x_ac": result.time_ratio(s.name, "ac"),
+            "cpu_time_x_none": result.time_ratio(s.name, "none", "cpu"),
+            "cpu_time_x_none_ci95": result.time_ratio_ci(s.name, "none", "cpu"),
+            "time_x_none_ci95": result.time_ratio_ci(s.name, "none"),
             "activation_x_none": result.activation_ratio(s.name, "none"),
             "activation_x_ac": result.activation_ratio(s.name, "ac"),
         }
@@ -198,11 +209,13 @@ def write_markdown(result: BenchResult, path: Path, json_name: str, png_name: st
     sk = _skipped(result)
     if sk:
         lines += ["", "Not run:", ""] + [f"- {s.strip()}" for s in sk]
-    lines += ["", "## DESIGN.md performance targets", ""]
+    lines += ["", f"## Performance targets (defined in `{SOURCE}`)", ""]
     lines.append(_md_table(["target", "measured", "verdict", "note"],
                            [[t.target, t.measured, t.verdict, t.note] for t in evaluate_targets(result)]))
     src = next((s.activation_source for s in result.strategies if s.ok), "")
-    lines += ["", f"Activation memory: {src}."]
+    lines += ["", f"Activation memory: {src}.  ",
+              "Host MiB: bytes of host copies (CPU: allocated inside each arm's pack hook in the profiled step).  ",
+              "CPU ms: process CPU time per step (median)."]
     if png_name:
         lines += ["", f"![activation memory vs step time]({png_name})"]
     path.write_text("\n".join(lines) + "\n")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "median_ci",
     "StepTimes",
     "Correctness",
     "EngineStats",
@@ -33,11 +34,41 @@ def _quantile(sorted_xs: list[float], q: float) -> float:
     return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
 
 
+def median_ci(xs: list[float], conf: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free confidence interval of the median (order statistics, binomial).
+
+    The interval ``(x_(k), x_(n-k+1))`` of the sorted sample covers the true median with
+    probability >= ``conf`` for any continuous distribution; no normality is assumed (step
+    times on a shared machine have long right tails). None when ``n`` is too small for
+    ``conf`` (n < 6 at 95%).
+    """
+    n = len(xs)
+    if n == 0:
+        return None
+    alpha = 1.0 - conf
+    # Largest k with P(Binomial(n, 1/2) <= k - 1) <= alpha / 2.
+    k, cdf = 0, 0.0
+    while True:
+        nxt = cdf + math.comb(n, k) / 2.0**n
+        if nxt > alpha / 2:
+            break
+        cdf, k = nxt, k + 1
+    if k == 0:
+        return None
+    ys = sorted(xs)
+    return ys[k - 1], ys[n - k]
+
+
 @dataclass
 class StepTimes:
-    """Wall-clock seconds of each measured step (after warm-up)."""
+    """Wall-clock and process CPU seconds of each measured step (after warm-up)."""
 
     seconds: list[float] = field(default_factory=list)
+    """Wall clock (``time.perf_counter``)."""
+    cpu_seconds: list[float] = field(default_factory=list)
+    """Process CPU time (``time.process_time``: all threads of this process, user + system). Time
+    the process spent descheduled by other load does not count, so on a shared machine this is
+    the steadier measure of work done; a GPU's work is not in it."""
 
     @property
     def n(self) -> int:
@@ -118,6 +149,13 @@ class EngineStats:
     pool_pin_failures: int
     module_offloaded_bytes: dict[str, int] = field(default_factory=dict)
     """Offloaded bytes of the last step, by module qualified name (top entries)."""
+    held_bytes_last_step: int | None = None
+    """Bytes the ledger says one step copied to host (``copy_bytes`` of its offloaded tensors; all are
+    held at once at the end of the forward, which runs inside the context)."""
+    host_bytes_measured: int | None = None
+    """Host bytes the pool's buffers really took, measured outside the pool (see ``host_bytes_source``)."""
+    host_bytes_source: str = ""
+    """How ``host_bytes_measured`` was measured (CPU: allocator events; GPU: pinned allocator stats)."""
 
     @property
     def d2h_gb_s(self) -> float | None:
@@ -129,11 +167,19 @@ class EngineStats:
 
     @property
     def host_footprint_ratio(self) -> float | None:
-        """Pool peak reserved bytes / peak bytes held in it (target <= 1.05).
+        """Host bytes measured outside the pool / bytes one step holds on host (target <= 1.05).
 
-        The denominator is bytes actually copied (``copy_bytes``: a view's copy spans its
-        storage), which is what the host must hold, not the logical ``offloaded_bytes``.
+        Numerator: ``host_bytes_measured`` (allocator events on CPU, the pinned allocator's rounded
+        block sizes on a GPU), not the pool's own counters. Denominator: the ledger's bytes copied in
+        one step (``copy_bytes``: a view's copy spans its storage), which is what the host must hold.
         """
+        if not self.held_bytes_last_step or self.host_bytes_measured is None:
+            return None
+        return self.host_bytes_measured / self.held_bytes_last_step
+
+    @property
+    def pool_counter_ratio(self) -> float | None:
+        """The pool's own view, for comparison: peak reserved / peak in use (its counters)."""
         if self.pool_peak_in_use_bytes <= 0:
             return None
         return self.pool_peak_reserved_bytes / self.pool_peak_in_use_bytes
@@ -159,6 +205,9 @@ class StrategyResult:
     activation_bytes: int | None = None
     """Peak device bytes above ``static_bytes`` during a step (on CPU: see ``activation_source``)."""
     activation_source: str = ""
+    host_copy_bytes: int | None = None
+    """CPU: bytes this arm's saved-tensor pack hook allocated in the profiled step (its host copies),
+    measured the same way for every arm; 0 for arms without a pack hook; None on a GPU."""
     rss_bytes: int | None = None
     """Process RSS after this strategy's steps (whole process; informational)."""
     engine: EngineStats | None = None
@@ -188,7 +237,11 @@ class StrategyResult:
 
     @property
     def host_bytes(self) -> int | None:
-        return self.engine.pool_peak_reserved_bytes if self.engine else None
+        """Host bytes this arm's copies took, measured outside the engine: on CPU ``host_copy_bytes``
+        (every arm alike); on a GPU ours from the pinned allocator's stats (None for the peers)."""
+        if self.host_copy_bytes is not None:
+            return self.host_copy_bytes
+        return self.engine.host_bytes_measured if self.engine else None
 
 
 @dataclass
@@ -219,19 +272,52 @@ class BenchResult:
                 return s
         return None
 
-    def time_ratio(self, name: str, base: str) -> float | None:
+    def _times(self, name: str, clock: str) -> list[float] | None:
+        s = self.get(name)
+        if not s or not s.ok:
+            return None
+        xs = s.times.cpu_seconds if clock == "cpu" else s.times.seconds
+        return xs or None
+
+    def paired_ratios(self, name: str, base: str, clock: str = "wall") -> list[float] | None:
+        """Per-round step-time ratios ``name / base`` of an interleaved run (None otherwise).
+
+        ``clock``: ``"wall"`` (perf_counter) or ``"cpu"`` (process CPU time).
+        """
+        a, b = self._times(name, clock), self._times(base, clock)
+        if a is None or b is None or self.meta.get("order") != "interleaved" or len(a) != len(b):
+            return None
+        return [x / y for x, y in zip(a, b)]
+
+    def time_ratio(self, name: str, base: str, clock: str = "wall") -> float | None:
         """Step time of ``name`` relative to ``base`` (None if either did not run).
 
         Interleaved runs (one step of each strategy per round) give the median of the per-round
         ratios: pairing steps taken seconds apart cancels the load drift of a shared machine.
         Sequential runs give the ratio of the medians.
         """
-        a, b = self.get(name), self.get(base)
-        if not a or not b or not a.ok or not b.ok or not a.times.n or not b.times.n:
+        paired = self.paired_ratios(name, base, clock)
+        if paired is not None:
+            return statistics.median(paired)
+        a, b = self._times(name, clock), self._times(base, clock)
+        if a is None or b is None:
             return None
-        if self.meta.get("order") == "interleaved" and a.times.n == b.times.n:
-            return statistics.median(x / y for x, y in zip(a.times.seconds, b.times.seconds))
-        return a.median_s / b.median_s
+        return statistics.median(a) / statistics.median(b)
+
+    def time_ratio_ci(self, name: str, base: str, clock: str = "wall",
+                      conf: float = 0.95) -> tuple[float, float] | None:
+        """A ``conf`` confidence interval of :meth:`time_ratio` (:func:`median_ci` of the paired
+        ratios; sequential runs: the ratio of the two medians' intervals, wider)."""
+        paired = self.paired_ratios(name, base, clock)
+        if paired is not None:
+            return median_ci(paired, conf)
+        a, b = self._times(name, clock), self._times(base, clock)
+        if a is None or b is None:
+            return None
+        ca, cb = median_ci(a, conf), median_ci(b, conf)
+        if ca is None or cb is None or cb[0] <= 0:
+            return None
+        return ca[0] / cb[1], ca[1] / cb[0]
 
     def activation_ratio(self, name: str, base: str) -> float | None:
         """Activation bytes of ``name`` / activation bytes of ``base``."""

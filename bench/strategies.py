@@ -67,6 +67,9 @@ class Prepared:
     """One forward + loss + backward; returns the detached loss."""
     engine: Any = None
     """The OffloadActivations whose ledger and pool the harness reports (ours only)."""
+    hooks: Any = None
+    """The ``saved_tensors_hooks`` instance whose pack hook makes host copies (ours and ``save_on_cpu``):
+    the harness measures what that hook allocates, the same way for every arm."""
     isolated: bool = False
     """Run alone (warm-up then measured steps, not interleaved with others): compiled strategies."""
     close: Callable[[], None] | None = None
@@ -183,7 +186,8 @@ def sac(env: BenchEnv) -> Prepared:
 def _engine_strategy(env: BenchEnv, *, checkpoint_blocks: bool, **kwargs: Any) -> Prepared:
     offload = _offload_module()
     engine = offload.OffloadActivations(device=env.engine_device, **kwargs)
-    return Prepared(step=_plain_step(env, lambda: engine, checkpoint_blocks=checkpoint_blocks), engine=engine)
+    return Prepared(step=_plain_step(env, lambda: engine, checkpoint_blocks=checkpoint_blocks), engine=engine,
+                    hooks=engine)
 
 
 @_strategy("offload", "ours", "Ours: OffloadActivations with side streams; everything saved is offloaded, head included.")
@@ -209,7 +213,7 @@ def offload_ac(env: BenchEnv) -> Prepared:
 def offload_head_excluded(env: BenchEnv) -> Prepared:
     offload = _offload_module()
     engine = offload.get_act_offloading_ctx_manager(env.model, True, device=env.engine_device)
-    return Prepared(step=_plain_step(env, lambda: engine, checkpoint_blocks=False), engine=engine)
+    return Prepared(step=_plain_step(env, lambda: engine, checkpoint_blocks=False), engine=engine, hooks=engine)
 
 
 @_strategy(
@@ -228,8 +232,8 @@ def account_only(env: BenchEnv) -> Prepared:
 def save_on_cpu(env: BenchEnv) -> Prepared:
     # On a CPU-only torch, pin_memory=True still makes a fresh host copy (pinning itself is skipped),
     # so the copy path runs; pin_memory=False would return the tensor itself.
-    factory = functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=True)
-    return Prepared(step=_plain_step(env, factory, checkpoint_blocks=False))
+    ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)  # one instance, entered every step, like ours
+    return Prepared(step=_plain_step(env, lambda: ctx, checkpoint_blocks=False), hooks=ctx)
 
 
 def _gpu_only(env: BenchEnv, what: str) -> None:

@@ -8,6 +8,7 @@ what moved, what stayed and why.
 Runbook (after ``pip install -e .``, or with ``PYTHONPATH=.`` from the repo root):
     python examples/offload_loop.py                       # CPU: tiny model, device="cpu" runs the real copies
     python examples/offload_loop.py --dim 2048 --layers 8 --seq 4096 --steps 20   # on a GPU, unchanged
+On CPU it runs with one intra-op thread (``--threads``), so its timings are steady on a shared machine.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads on CPU (default 1: steady timings on a shared machine; "
+                        "0 = torch's own choice); ignored on a GPU")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available() and args.threads:
+        torch.set_num_threads(args.threads)  # steady CPU timings: no intra-op workers waiting on each other
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)

@@ -10,12 +10,15 @@ moved). Gradients are compared bitwise with ``none``.
 Runbook (after ``pip install -e .``, or with ``PYTHONPATH=.`` from the repo root):
     python examples/offload_vs_checkpointing.py                   # CPU, tiny
     python examples/offload_vs_checkpointing.py --dim 2048 --layers 8 --seq 4096   # on a GPU, unchanged
+On CPU it runs with one intra-op thread (``--threads``), so its step times are steady on a shared
+machine; they are the median of ``--steps`` steps after one warm-up step.
 For the full comparison (SAC, peers, many metrics) run ``python -m bench``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -33,7 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads on CPU (default 1: steady timings on a shared machine; "
+                        "0 = torch's own choice); ignored on a GPU")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available() and args.threads:
+        torch.set_num_threads(args.threads)  # steady CPU timings: no intra-op workers waiting on each other
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     cfg = ToyLlamaConfig(vocab_size=512, dim=args.dim, n_layers=args.layers,
@@ -50,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, (checkpoint_blocks, min_size) in ways.items():
         model.checkpoint_blocks = checkpoint_blocks
         ctx = OffloadActivations(device=engine_device, min_offload_size=min_size)
+        times_ms = []
         for step in range(args.steps + 1):  # the first step warms the host pool
             ctx.ledger.reset()  # so the summary below covers the last step only
             model.zero_grad(set_to_none=True)
@@ -60,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
             loss.backward()
             if cuda:
                 torch.cuda.synchronize()
-            ms = (time.perf_counter() - t0) * 1e3
+            if step:
+                times_ms.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(times_ms)
         t = ctx.ledger.summary()
         # Left on the device: what autograd saved, minus weights (resident anyway), minus what moved
         # to host, minus repeat saves of a moved storage (they share its host copy).

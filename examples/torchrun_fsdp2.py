@@ -4,8 +4,9 @@ Runbook, from the repo root after ``pip install -e .`` (or prefix ``PYTHONPATH=.
 file runs on CPU with gloo and on GPUs with nccl, the backend follows the hardware:
 
     torchrun --nproc_per_node=2 examples/torchrun_fsdp2.py
+    python examples/torchrun_fsdp2.py              # the same: without torchrun it launches itself on 2 processes
     torchrun --nproc_per_node=2 examples/torchrun_fsdp2.py --parallel ddp --steps 20 --out /tmp/offload_run
-    torchrun --nproc_per_node=8 examples/torchrun_fsdp2.py --dim 1024 --layers 8 --seq 2048 --ac
+    torchrun --nproc_per_node=8 examples/torchrun_fsdp2.py --dim 1024 --layers 8 --seq 2048 --ac   # 8 GPUs
 
 Each rank writes ``<out>/ledger_rank<R>.json`` (every pack decision and per-step
 totals) and prints one line: offloaded vs kept bytes. On GPU, activations move to
@@ -19,6 +20,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,7 +36,41 @@ from bench.model import ToyLlama, ToyLlamaConfig, make_batch
 from offload import get_act_offloading_ctx_manager
 
 
+_LOCAL_PROCS = 2
+"""Processes started when the script is run without torchrun."""
+
+
+def _launch_locally() -> int:
+    """Not under torchrun (no RANK in the environment): start torchrun's launcher with 2 local processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={_LOCAL_PROCS}",
+           __file__, *sys.argv[1:]]
+    print(f"no RANK in the environment (not started by torchrun): launching {_LOCAL_PROCS} local processes:\n"
+          f"  torchrun --standalone --nproc_per_node={_LOCAL_PROCS} {' '.join([__file__, *sys.argv[1:]])}",
+          flush=True)
+    return subprocess.call(cmd)
+
+
+def _check_world_fits(world: int, local_world: int) -> None:
+    """On CPU, more ranks than cores (the 8-rank line) would crawl for hours: stop and say what to run."""
+    cores = os.cpu_count() or 1
+    if torch.cuda.is_available():
+        if local_world > torch.cuda.device_count():
+            raise SystemExit(f"torchrun_fsdp2.py: {local_world} processes per node but {torch.cuda.device_count()} "
+                             f"GPUs; use --nproc_per_node={torch.cuda.device_count()}")
+        return
+    if local_world > cores:
+        if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+            time.sleep(5)  # let rank 0 fail first, so torchrun shows its message rather than killing it
+            raise SystemExit(2)
+        raise SystemExit(
+            f"torchrun_fsdp2.py: {local_world} processes per node need a GPU each (one rank per GPU); this machine "
+            f"has no CUDA GPU and {cores} CPU cores. On CPU run 2 ranks with the default tiny shapes:\n"
+            f"  torchrun --nproc_per_node=2 examples/torchrun_fsdp2.py      (or: python examples/torchrun_fsdp2.py)")
+
+
 def main() -> None:
+    if "RANK" not in os.environ:
+        raise SystemExit(_launch_locally())
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parallel", choices=("fsdp2", "ddp"), default="fsdp2")
     ap.add_argument("--steps", type=int, default=5)
@@ -45,6 +83,7 @@ def main() -> None:
     args = ap.parse_args()
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    _check_world_fits(int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

@@ -4,6 +4,14 @@ Public API, grouped. Everything else (modules and names starting with ``_``,
 the copy backends in ``offload.streams``) is internal and may change.
 """
 
+from importlib import metadata as _metadata
+
+try:
+    __version__: str = _metadata.version("offload")
+    """The installed distribution's version (``pyproject.toml``)."""
+except _metadata.PackageNotFoundError:  # run from a checkout without ``pip install``
+    __version__ = "0.1.0"
+
 # The engine and its error
 from .engine import OffloadActivations, PackEvent, active_engine, add_pack_observer
 from .errors import OffloadError
@@ -20,6 +28,7 @@ from .modules import current_module_name, current_modules, module_name, register
 from .policy import REASONS, is_static_tensor
 
 __all__ = [
+    "__version__",
     # engine
     "OffloadActivations",
     "OffloadError",

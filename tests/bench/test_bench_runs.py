@@ -1,0 +1,191 @@
+"""The main job behaves: it leaves a checkout clean, says what GPU-only commands need, shows progress,
+and the package installs without side effects (no torchao import, a version, type markers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import offload
+from bench import cli, profiler_overhead
+from bench.env import default_run_dir
+from bench.harness import BenchConfig, run_bench
+from bench.workloads import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+MICRO = ["--dim", "32", "--layers", "1", "--seq", "16", "--batch", "1", "--vocab", "64", "--steps", "1",
+         "--warmup", "0", "--strategies", "none,offload,save_on_cpu", "--quiet"]
+
+
+def _env(root: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(root), CUDA_VISIBLE_DEVICES="")
+    env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    return env
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """A fresh git repository holding this checkout's tracked files (as a clone would), committed."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    try:
+        files = _git(ROOT, "ls-files", "-z").split("\0")
+    except subprocess.CalledProcessError:
+        pytest.skip("not a git checkout")
+    dst = tmp_path_factory.mktemp("clone")
+    for f in filter(None, files):
+        src = ROOT / f
+        if src.is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / f)
+    _git(dst, "init", "-q")
+    _git(dst, "add", "-A")
+    _git(dst, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "snapshot")
+    assert _git(dst, "status", "--porcelain") == ""
+    return dst
+
+
+@pytest.mark.parametrize("cmd", [
+    ["-m", "bench", *MICRO],
+    ["-m", "bench.probe", "--max-mb", "1"],
+    ["-m", "bench.profiler_overhead", "--steps", "1", "--warmup", "0", "--dim", "32", "--seq", "16",
+     "--skip", "module_stats", "memprofiler_collecting", "engine+memprofiler", "--quiet"],
+], ids=["bench", "probe", "profiler_overhead"])
+def test_main_jobs_leave_the_checkout_clean(clone, cmd):
+    """`python -m bench` (and bench.probe, bench.profiler_overhead) run from a clean clone write their
+    files into ./bench_runs/<run>/ (gitignored) and modify no tracked file."""
+    proc = subprocess.run([sys.executable, *cmd], cwd=clone, env=_env(clone), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _git(clone, "status", "--porcelain", "--untracked-files=all") == "", "the run left the checkout dirty"
+    written = re.findall(r"^wrote (.+)$", proc.stdout, flags=re.M)
+    assert written, proc.stdout
+    for path in map(Path, written):
+        assert path.is_file() and (clone / "bench_runs") in path.parents, path
+
+
+def test_default_run_dirs_are_outside_the_package(tmp_path, monkeypatch):
+    """Default output folders live under the current directory, never inside the installed packages."""
+    monkeypatch.chdir(tmp_path)
+    packages = [Path(m.__file__).resolve().parent for m in (offload, cli)]
+    for path in (default_run_dir("bench", "tiny"), profiler_overhead.default_out()):
+        assert tmp_path in path.parents
+        assert not any(pkg in path.parents for pkg in packages), path
+    assert cli.parse_args([]).out is None  # --out is the only way to write elsewhere (bench/results/...)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown on a machine without a GPU")
+@pytest.mark.parametrize("argv", [["--preset", "8b", "--seq", "8192"], ["--preset", "1b"], ["--device", "cuda"]])
+def test_gpu_only_invocations_stop_at_once_on_cpu(argv, capsys):
+    """GPU-sized runs on a CPU machine return 2 before building anything, saying what to run instead."""
+    assert cli.main(argv + ["--quiet", "--no-write"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "python -m bench " in err and "On CPU run" in err
+
+
+def test_progress_total_leaves_out_skipped_strategies(capsys):
+    """The bar's total counts only steps that run: a strategy skipped on CPU drops its steps from it."""
+    wl = PRESETS["tiny"].replace(dim=32, n_heads=1, n_layers=1, seq_len=16, batch=1, vocab_size=64)
+    cfg = BenchConfig(workload=wl, strategies=("none", "compile", "offload"), steps=2, warmup=1, progress=True)
+    result = run_bench(cfg, {"device": "cpu"})
+    assert result.get("compile").status == "skipped"
+    counts = re.findall(r"(\d+)/(\d+) \[", capsys.readouterr().err)
+    assert counts, "no progress bar on stderr"
+    done, total = map(int, counts[-1])
+    assert done == total == 2 * (1 + 2 + 1)  # two runnable strategies x (warm-up + measured + memory step)
+
+
+def _load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"_example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message")
+def test_torchrun_example_refuses_more_ranks_than_cores_on_cpu(monkeypatch, capsys):
+    """The 8-rank line on a CPU machine stops at once, saying it needs GPUs and what to type instead."""
+    example = _load_example("torchrun_fsdp2")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit, match=r"(?s)need a GPU each.*torchrun --nproc_per_node=2 examples/torchrun_fsdp2.py"):
+        example._check_world_fits(8, 8)
+    example._check_world_fits(2, 2)  # the CPU default passes
+
+
+@pytest.mark.distributed
+def test_torchrun_example_launches_itself_without_torchrun(tmp_path):
+    """`python examples/torchrun_fsdp2.py` (no RANK) starts 2 local ranks instead of KeyError: 'RANK'."""
+    env = {k: v for k, v in _env(ROOT).items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "torchrun_fsdp2.py"), "--steps", "1",
+                           "--out", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "launching 2 local processes" in proc.stdout
+    assert {p.name for p in tmp_path.glob("ledger_rank*.json")} == {"ledger_rank0.json", "ledger_rank1.json"}
+
+
+# ---------------------------------------------------------------- packaging
+
+
+def test_importing_offload_does_not_import_torchao():
+    """torchao is optional (offload[qlora]): importing the packages must not load it (nor its extensions)."""
+    code = ("import sys, offload, profiling, bench.cli; "
+            "assert 'torchao' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torchao'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(ROOT), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_pyproject_declares_torchao_optional_and_tqdm():
+    """torchao lives in the qlora extra (and the test extra, so CI tests NF4); tqdm is a dependency."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = {re.split(r"[<>=\[ ]", d)[0] for d in project["dependencies"]}
+    assert "torchao" not in deps and "tqdm" in deps
+    extras = project["optional-dependencies"]
+    assert extras["qlora"] == ["torchao"] and "torchao" in extras["test"]
+
+
+def test_version_and_type_markers():
+    """offload.__version__ matches pyproject; both packages ship py.typed (package-data)."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert offload.__version__ == data["project"]["version"]
+    assert "__version__" in offload.__all__
+    for pkg in ("offload", "profiling"):
+        assert (ROOT / pkg / "py.typed").is_file()
+        assert "py.typed" in data["tool"]["setuptools"]["package-data"][pkg]
+
+
+@pytest.mark.slow
+def test_installed_copy_writes_nothing_into_site_packages(clone, tmp_path):
+    """Installed non-editable (pip install --target), `python -m bench` writes only under the current
+    directory: the installed tree has the same file list afterwards. Built from the clone, so the
+    build leaves nothing in this checkout either."""
+    site, cwd = tmp_path / "site", tmp_path / "cwd"
+    cwd.mkdir()
+    build = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                            "--target", str(site), str(clone)], capture_output=True, text=True, timeout=600)
+    if build.returncode != 0:
+        pytest.skip(f"pip could not build the project here: {build.stderr[-500:]}")
+    before = sorted(p.relative_to(site) for p in site.rglob("*"))
+    env = dict(_env(site), PYTHONPATH=str(site))
+    proc = subprocess.run([sys.executable, "-m", "bench", *MICRO], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.relative_to(site) for p in site.rglob("*")) == before
+    assert list((cwd / "bench_runs").glob("*/*.json"))
