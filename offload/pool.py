@@ -18,12 +18,17 @@ large *chunks* and hands out views of them:
   ``reserved_bytes`` is the real pinned footprint). With ``"exact"``
   (cudaHostRegister) chunks are whole pages, registered as a whole and
   unregistered when released.
-- Growth: when nothing fits, a new chunk is made of about 1/32 of what is
-  reserved during the first step (so a static-shape loop ends its first step
-  at most a few percent above its peak and never allocates again), and of
-  about 1/8 after it (headroom, so a loop whose lengths vary stops allocating
-  once its longest steps were seen). A request bigger than that gets a chunk
-  of its own, whose remainder serves other requests.
+- Growth: when nothing fits, a new chunk of about 1/8 of what is reserved is
+  added (headroom, so a loop whose lengths vary stops allocating once its
+  longest steps were seen). A request bigger than that gets a chunk of its
+  own, whose remainder serves other requests.
+- Re-layout: growth has to guess, so at the end of the first step the pool
+  replays that step's requests against candidate chunk sets (the binary
+  digits of its peak, rounded up by 1/64 at a time) and, if one packs them in
+  less than it holds, swaps its chunks for that set (blocks of a size it had
+  come back from PyTorch's cache). The same requests then pack the same way
+  in every later step: a static-shape loop holds ~1.01x its peak and never
+  allocates again.
 - Trim (the engine calls it after every step) releases only whole free
   chunks, and only when the reserved bytes exceed 1.25x the largest step
   peak of the last ``trim_window`` steps: a loop whose shapes shrank for good
@@ -229,11 +234,10 @@ class HostPool:
 
     min_chunk_bytes = 64 << 10
     """Smallest chunk: tiny workloads stay tiny, big ones grow by fractions of what they hold."""
-    first_step_growth = 1 / 32
-    """New chunk size as a fraction of the reserved bytes until a step has ended."""
-    later_growth = 1 / 8
-    """New chunk size as a fraction of the reserved bytes once a step has ended (headroom
-    for longer sequences, so a varying-length loop stops allocating)."""
+    growth = 1 / 8
+    """New chunk size as a fraction of the reserved bytes: few chunks, and headroom for
+    longer sequences, so a varying-length loop stops allocating (the first step's excess
+    is undone by its re-layout)."""
     relayout_above = 1.04
     """After the first step, re-plan the chunks if they exceed this multiple of its peak."""
     trim_slack = 1.25
@@ -338,8 +342,7 @@ class HostPool:
 
     def _growth_size(self, need: int) -> int:
         """Size of the chunk to add for a request of ``need`` aligned bytes."""
-        frac = self.later_growth if any(self._step_peaks) else self.first_step_growth
-        target = max(self.min_chunk_bytes, int(self._reserved * frac))
+        target = max(self.min_chunk_bytes, int(self._reserved * self.growth))
         return max(self._round_down(target), self._round(need))
 
     def _make_room(self, need: int) -> bool:
