@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from offload.pool import HostBuffer, HostPool, _pow2_ceil
+from offload.pool import HostBuffer, HostPool
 
 ROOT = Path(__file__).resolve().parent
 TRACE_DIR = ROOT / "traces"
@@ -168,6 +168,10 @@ def load_all() -> list[Trace]:
 
 
 # -- the memory underneath ----------------------------------------------------
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class _CachingHostModel:
