@@ -28,6 +28,8 @@ power of two, a freed block stays cached for reuse at its rounded size until
 - ``chunked``: today's ``offload.pool.HostPool``.
 - ``chunked_fine``: the same growing by 1/32 of its size instead of 1/8.
 - ``chunked_no_relayout``: the same without the first-step re-layout.
+- ``chunked_pageable``: today's pool on unrounded memory (pageable, as with
+  ``device="cpu"``, or ``pin_allocator="exact"``): page-granular chunks.
 
 Metrics: allocations after warm-up (pool chunk/buffer allocations, and blocks
 the modelled CUDA allocator really had to create: ``cudaHostAlloc`` calls),
@@ -233,6 +235,28 @@ class _ChunkedOnModel(HostPool):
         return self.mem.bytes
 
 
+class _PageableMemory(_CachingHostModel):
+    """Pageable (or cudaHostRegister'ed) memory: nothing rounded, nothing cached."""
+
+    def alloc(self, nbytes: int) -> None:
+        self.host_allocs += 1
+        self.bytes += nbytes
+        self.peak = max(self.peak, self.bytes)
+
+    def free(self, nbytes: int) -> None:
+        self.bytes -= nbytes
+
+
+class _PageableChunked(_ChunkedOnModel):
+    """Today's pool on unpinned memory (``device="cpu"``, or the "exact" register path):
+    page-granular chunks. Replayed on pageable memory regardless of the model passed."""
+
+    def __init__(self, mem: _CachingHostModel, **kw) -> None:
+        mem.__class__ = _PageableMemory
+        super().__init__(mem, **kw)
+        self.pin = False
+
+
 class _FineChunked(_ChunkedOnModel):
     growth = 1 / 32
 
@@ -320,6 +344,7 @@ DESIGNS: dict[str, Callable[[_CachingHostModel], object]] = {
     "chunked": _ChunkedOnModel,
     "chunked_fine": _FineChunked,
     "chunked_no_relayout": _NoRelayout,
+    "chunked_pageable": _PageableChunked,
 }
 
 

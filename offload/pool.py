@@ -12,23 +12,26 @@ large *chunks* and hands out views of them:
   returns the range and merges it with free neighbours, so a step that frees
   everything leaves every chunk whole again and the next step, whatever its
   shapes, packs into the same memory.
-- Chunks are powers of two with ``pin_allocator="caching"``: PyTorch's
-  CachingHostAllocator rounds each pinned block up to a power of two, so a
-  power-of-two chunk costs exactly its size underneath (the pool's
-  ``reserved_bytes`` is the real pinned footprint). With ``"exact"``
-  (cudaHostRegister) chunks are whole pages, registered as a whole and
-  unregistered when released.
+- Pinned chunks from ``pin_allocator="caching"`` are powers of two:
+  PyTorch's CachingHostAllocator rounds each pinned block up to a power of
+  two, so a power-of-two chunk costs exactly its size underneath (the pool's
+  ``reserved_bytes`` is the real pinned footprint). Otherwise (pageable
+  memory, or ``"exact"`` = cudaHostRegister, registered per chunk and
+  unregistered when released) chunks are whole pages.
 - Growth: when nothing fits, a new chunk of about 1/8 of what is reserved is
   added (headroom, so a loop whose lengths vary stops allocating once its
   longest steps were seen). A request bigger than that gets a chunk of its
-  own, whose remainder serves other requests.
+  own, whose remainder serves other requests. During the first step,
+  page-granular pools add chunks of exactly the size needed instead (nothing
+  is rounded underneath, so the first step holds ~1.0x its peak too).
 - Re-layout: growth has to guess, so at the end of the first step the pool
-  replays that step's requests against candidate chunk sets (the binary
-  digits of its peak, rounded up by 1/64 at a time) and, if one packs them in
-  less than it holds, swaps its chunks for that set (blocks of a size it had
-  come back from PyTorch's cache). The same requests then pack the same way
-  in every later step: a static-shape loop holds ~1.01x its peak and never
-  allocates again.
+  replays that step's requests against candidate chunk sets (power of two:
+  the binary digits of its peak, rounded up by 1/64 at a time; pages: one
+  chunk of that size) and swaps its chunks for the first set they pack into
+  (power of two: only if that is smaller; blocks of a size it had come back
+  from PyTorch's cache). The same requests then pack the same way in every
+  later step: a static-shape loop holds ~1.01x its peak and never allocates
+  again.
 - Trim (the engine calls it after every step) releases only whole free
   chunks, and only when the reserved bytes exceed 1.25x the largest step
   peak of the last ``trim_window`` steps: a loop whose shapes shrank for good
@@ -295,12 +298,17 @@ class HostPool:
 
     # -- chunks -------------------------------------------------------------
 
+    @property
+    def _pow2(self) -> bool:
+        """Chunks come from PyTorch's caching pinned allocator, which rounds blocks to powers of two."""
+        return self.pin and self.pin_allocator == "caching"
+
     def _round(self, nbytes: int) -> int:
         """The chunk size that holds ``nbytes`` with nothing wasted underneath."""
-        return _pow2_ceil(nbytes) if self.pin_allocator == "caching" else _page_ceil(nbytes)
+        return _pow2_ceil(nbytes) if self._pow2 else _page_ceil(nbytes)
 
     def _round_down(self, nbytes: int) -> int:
-        return _pow2_floor(nbytes) if self.pin_allocator == "caching" else nbytes // _PAGE * _PAGE
+        return _pow2_floor(nbytes) if self._pow2 else nbytes // _PAGE * _PAGE
 
     def _new_tensor(self, nbytes: int) -> tuple[torch.Tensor, bool, bool]:
         """(tensor, pinned, registered) for a new chunk of ``nbytes``."""
@@ -342,6 +350,8 @@ class HostPool:
 
     def _growth_size(self, need: int) -> int:
         """Size of the chunk to add for a request of ``need`` aligned bytes."""
+        if not self._pow2 and not any(self._step_peaks):
+            return self._round(need)  # first step, nothing rounded underneath: exact fit until re-layout
         target = max(self.min_chunk_bytes, int(self._reserved * self.growth))
         return max(self._round_down(target), self._round(need))
 
@@ -428,24 +438,26 @@ class HostPool:
 
     # -- end of step: re-layout and trim --------------------------------------
 
-    def _plan(self, spans: list[int], events: list[int]) -> list[int] | None:
+    def _plan(self, spans: list[int], events: list[int], limit: int) -> list[int] | None:
         """The smallest chunk set (found in a few tries) that the recorded step packs into,
-        if it is smaller than what is reserved now."""
+        if its total is at most ``limit``."""
         used = peak = 0
         for ev in events:
             used += spans[ev] if ev >= 0 else -spans[-ev - 1]
             peak = max(peak, used)
         if peak == 0:
             return None
-        if self.pin_allocator == "caching":
+        if self._pow2:
             grain = max(self.min_chunk_bytes, _pow2_floor(peak // 64))
         else:
             grain = max(_PAGE, _page_ceil(peak // 64))
         total = -(-peak // grain) * grain
+        if self.capacity_bytes is not None:
+            limit = min(limit, self.capacity_bytes)
         for _ in range(16):
-            if total >= self._reserved:
+            if total > limit:
                 return None
-            if self.pin_allocator == "caching":  # power-of-two chunks: the bits of total, largest first
+            if self._pow2:  # power-of-two chunks: the bits of total, largest first
                 sizes = [1 << b for b in range(total.bit_length() - 1, -1, -1) if total >> b & 1]
             else:
                 sizes = [total]
@@ -455,16 +467,26 @@ class HostPool:
         return None
 
     def _relayout(self) -> None:
-        """At the end of the first step: if its chunks exceed ``relayout_above`` x its peak
-        (growth had to guess), swap them for the smallest set its requests provably pack
-        into. Later steps with the same requests pack the same way, so a static loop never
-        allocates again."""
+        """At the end of the first step, swap its chunks for the smallest set its requests
+        provably pack into: for power-of-two chunks when they exceed ``relayout_above`` x its
+        peak (growth had to guess), for page-granular ones always (one chunk instead of one
+        per request). Later steps with the same requests pack the same way, so a static loop
+        never allocates again."""
         spans, events = self._rec
         self._rec = None
-        if (self._rec_refused or self._in_use or not spans
-                or self._reserved <= self.relayout_above * self._window_peak_in_use):
+        if self._rec_refused or self._in_use or not spans:
             return
-        sizes = self._plan(spans, events)
+        if self._pow2:
+            if self._reserved <= self.relayout_above * self._window_peak_in_use:
+                return
+            limit = self._reserved - 1
+        else:
+            # The first step got exact-fit chunks, shaped by its own lengths: merge them into one
+            # (a longer step then packs into it and its growth), even at a little more memory.
+            if len(self._arena.chunks) == 1:
+                return
+            limit = self._reserved + self._reserved // 32
+        sizes = self._plan(spans, events, limit)
         if sizes is None:
             return
         released = self._free_chunks()
@@ -503,7 +525,9 @@ class HostPool:
         ``trim_window`` steps (a step = the time between two trims). A static
         loop never loses a chunk; a varying one keeps what its longest recent
         step used; a loop whose shapes shrank for good gives the excess back
-        after ``trim_window`` steps. Newest chunks go first. The first step
+        after ``trim_window`` steps (newest chunks first; if no set of whole
+        free chunks matches the excess, the largest free ones go and the next
+        step regrows what it needs, once). The first step
         that used the pool may also re-lay its chunks out (``_relayout``).
         Returns the bytes released.
         """
@@ -521,6 +545,13 @@ class HostPool:
             for chunk in sorted(self._free_chunks(), key=lambda c: -c.seq):
                 if self._reserved - chunk.nbytes < keep:
                     continue
+                self._release_chunk(chunk)
+                trimmed.append(chunk)
+            # Still above: the only free chunks are bigger than the excess (one merged chunk):
+            # release them anyway, the next step regrows what it needs once.
+            for chunk in sorted(self._free_chunks(), key=lambda c: -c.nbytes):
+                if self._reserved <= keep:
+                    break
                 self._release_chunk(chunk)
                 trimmed.append(chunk)
             freed = sum(c.nbytes for c in trimmed)

@@ -90,7 +90,7 @@ def test_engine_varying_loop_allocates_only_for_new_longest_lengths():
             i, stats[i])
     last = stats[-1]
     assert last["reserved_bytes"] <= 1.25 * last["peak_in_use_bytes"], last
-    assert last["allocations"] < 20 and last["reuses"] > 50 * last["allocations"], last
+    assert last["allocations"] - stats[0]["allocations"] < 10 and last["reuses"] > 20 * last["allocations"], last
 
 
 # -- buffers: exact size, never shared while in use ---------------------------------
@@ -131,6 +131,18 @@ def test_buffers_are_exact_and_disjoint(ops, trims):
     assert pool.in_use_bytes == 0
 
 
+def test_caching_pinned_chunks_are_powers_of_two():
+    """pin=True with the caching allocator: every chunk a power of two (here pinning itself fails on
+    a CPU-only torch and falls back to pageable, counted, with the same layout)."""
+    pool = HostPool(pin=True, pin_allocator="caching")
+    bufs = [pool.take(n) for n in (5000, 300_000, 70_000, 3 << 20)]
+    assert all(c.nbytes & (c.nbytes - 1) == 0 for c in pool._arena.chunks.values())
+    if not torch.cuda.is_available():
+        assert pool.stats()["pin_failures"] == pool.stats()["allocations"]
+    for b in bufs:
+        pool.give(b)
+
+
 def test_give_twice_raises():
     pool = HostPool(pin=False)
     buf = pool.take(1000)
@@ -139,10 +151,11 @@ def test_give_twice_raises():
         pool.give(buf)
 
 
-def test_exact_allocator_chunks_are_whole_pages():
-    """pin_allocator="exact" (cudaHostRegister on CUDA) makes page-multiple chunks, not powers
-    of two; on CPU it runs the same layout code unpinned."""
-    pool = HostPool(pin=False, pin_allocator="exact")
+@pytest.mark.parametrize("allocator", ["caching", "exact"])
+def test_unrounded_memory_gets_page_chunks(allocator):
+    """Chunks are powers of two only for the caching pinned allocator (which rounds to them);
+    pageable memory and pin_allocator="exact" (cudaHostRegister on CUDA) get page multiples."""
+    pool = HostPool(pin=False, pin_allocator=allocator)
     bufs = [pool.take(n) for n in (5000, 300_000, 70_000)]
     assert all(c.nbytes % 4096 == 0 for c in pool._arena.chunks.values())
     assert any(c.nbytes & (c.nbytes - 1) for c in pool._arena.chunks.values())
@@ -169,7 +182,7 @@ def test_request_over_the_cap_fails_fast_without_evicting():
 
 def test_eviction_only_when_it_makes_room():
     """Free chunks are released for a request only if that lets it fit under the cap."""
-    pool = HostPool(pin=False, capacity_bytes=150 << 10)
+    pool = HostPool(pin=True, capacity_bytes=150 << 10)  # power-of-two chunks (pinned or fallen back)
     a, b = pool.take(60 << 10), pool.take(60 << 10)  # two 64 KiB chunks
     pool.give(a)
     # 100 KiB needs a 128 KiB chunk: 64 (in use) + 128 > 150 even if the free chunk goes.
@@ -221,8 +234,9 @@ def test_cap_is_never_exceeded(ops, cap):
 # -- trim ---------------------------------------------------------------------------------
 
 
-def test_trim_keeps_memory_for_varying_steps_and_releases_it_when_shapes_shrink_for_good():
-    pool = HostPool(pin=False, trim_window=8)
+@pytest.mark.parametrize("pin", [False, True], ids=["page_chunks", "pow2_chunks"])
+def test_trim_keeps_memory_for_varying_steps_and_releases_it_when_shapes_shrink_for_good(pin):
+    pool = HostPool(pin=pin, trim_window=8)
 
     def step(size: int, n: int = 8) -> None:
         bufs = [pool.take(size) for _ in range(n)]
@@ -238,11 +252,14 @@ def test_trim_keeps_memory_for_varying_steps_and_releases_it_when_shapes_shrink_
         assert pool.reserved_bytes == big
     for _ in range(3):
         step(64 << 10)
+    step(64 << 10)  # regrows what the small steps need, once
     st_ = pool.stats()
-    assert st_["reserved_bytes"] <= 1.25 * (8 * (64 << 10)) + (1 << 20) and st_["reserved_bytes"] < big / 4, st_
+    assert st_["reserved_bytes"] <= 1.25 * (8 * (64 << 10)) + (64 << 10) and st_["reserved_bytes"] < big / 4, st_
     assert st_["trimmed_bytes"] > 0
-    step(64 << 10)
+    for _ in range(10):
+        step(64 << 10)
     assert pool.stats()["allocations"] == st_["allocations"], "trim released memory that is needed"
+    assert pool.stats()["reserved_bytes"] == st_["reserved_bytes"]
 
 
 def test_clear_releases_free_chunks_only():
