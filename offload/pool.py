@@ -40,11 +40,15 @@ large *chunks* and hands out views of them:
   fit even in an empty pool fails at once, and free chunks are released to
   make room only when that actually makes the request fit.
 
+Measured on request traces recorded from the toy Llama, with the pinned
+allocator's rounding and cache modelled: ``python -m bench.pool_replay``
+(``bench/results/cpu/pool_replay.json``).
+
 Why not the PyTorch settings: ``PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb``
-(stop rounding big pinned blocks) and ``pinned_use_cuda_host_register`` are
-process-wide, read once before CUDA starts, and change every other pinned
-allocation of the job; power-of-two chunks make the rounding cost nothing
-whatever they are set to. ``torch.cuda.host_memory_stats()`` is reported in
+(stop rounding pinned blocks above a size) and ``pinned_use_cuda_host_register``
+(pin with malloc + cudaHostRegister; blocks are still rounded) are process-wide,
+read once before CUDA starts, and change every other pinned allocation of the
+job; power-of-two chunks make the rounding cost nothing whatever they are set to. ``torch.cuda.host_memory_stats()`` is reported in
 ``stats()`` (``host_allocator_bytes``) to check the real pinned footprint, and
 released pinned chunks are handed back to CUDA with
 ``torch.accelerator.empty_host_cache()`` (otherwise the caching allocator
@@ -75,6 +79,8 @@ CachingHostAllocator; chunks are powers of two, so its rounding wastes nothing);
 chunk (CUDA only; falls back to "caching" when registration fails)."""
 
 _PAGE = 4096
+_REC_LIMIT = 1 << 20
+"""Most take/give events recorded for one step (the record is dropped beyond it)."""
 _ALIGN = 64
 """Every buffer starts on a 64-byte boundary (cache line; any dtype view is aligned)."""
 
@@ -219,7 +225,7 @@ class HostBuffer:
     span: int = field(default=0, repr=False)
     """Bytes it occupies in the chunk (``nbytes`` rounded up to the alignment)."""
     serial: int = field(default=-1, repr=False)
-    """Take number within the step the pool is recording (for its first-step re-layout)."""
+    """The pool's take number (to record the step's requests for re-layout and trim)."""
 
 
 class HostPool:
@@ -275,9 +281,14 @@ class HostPool:
         self._seq = 0
         self._steps = 0
         self._step_peaks: collections.deque[int] = collections.deque(maxlen=trim_window)
-        # The first step's requests, recorded for its re-layout; None once done.
-        self._rec: tuple[list[int], list[int]] | None = ([], [])
-        self._rec_refused = False
+        # This step's requests (spans, and events: k >= 0 takes spans[k], k < 0 gives back
+        # take -k - 1), for the first step's re-layout and to check that trim keeps enough.
+        self._rec_spans: list[int] = []
+        self._rec_events: list[int] = []
+        self._rec_base = 0  # take number of spans[0]
+        self._rec_clean = True  # the step began with nothing in use and no take was refused
+        self._takes = 0
+        self._relaid = False
         self._reserved = 0
         self._in_use = 0
         self._peak_reserved = 0
@@ -288,6 +299,9 @@ class HostPool:
         self._evictions = 0
         self._received_bytes = 0
         self._window_peak_in_use = 0
+        self._used_span = 0  # bytes of chunks handed out (aligned spans)
+        self._window_peak_span = 0
+        self._stepped = False  # a step that used the pool has ended
         self._trimmed = 0
         self._released_chunks = 0
         self._relayouts = 0
@@ -350,7 +364,7 @@ class HostPool:
 
     def _growth_size(self, need: int) -> int:
         """Size of the chunk to add for a request of ``need`` aligned bytes."""
-        if not self._pow2 and not any(self._step_peaks):
+        if not self._pow2 and not self._stepped:
             return self._round(need)  # first step, nothing rounded underneath: exact fit until re-layout
         target = max(self.min_chunk_bytes, int(self._reserved * self.growth))
         return max(self._round_down(target), self._round(need))
@@ -383,7 +397,7 @@ class HostPool:
 
     def take(self, nbytes: int) -> HostBuffer | None:
         """A buffer of exactly ``nbytes`` (a view of a chunk), or None if the cap leaves no room."""
-        span = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        span = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
         with self._lock:
             got = self._arena.carve(span)
             if got is not None:
@@ -392,20 +406,28 @@ class HostPool:
                 got = self._arena.carve(span)
             else:
                 self._refused += 1
-                self._rec_refused = True
+                self._rec_clean = False
                 return None
             chunk, off = got
             chunk.last_step = self._steps
-            self._in_use += nbytes
-            self._peak_in_use = max(self._peak_in_use, self._in_use)
-            self._window_peak_in_use = max(self._window_peak_in_use, self._in_use)
+            used = self._used_span = self._used_span + span
+            if used > self._window_peak_span:
+                self._window_peak_span = used
+            in_use = self._in_use = self._in_use + nbytes
+            if in_use > self._window_peak_in_use:
+                self._window_peak_in_use = in_use
+                if in_use > self._peak_in_use:
+                    self._peak_in_use = in_use
             self._received_bytes += nbytes
-            serial = -1
-            if self._rec is not None:
-                spans, events = self._rec
-                serial = len(spans)
-                spans.append(span)
-                events.append(serial)
+            serial = self._takes
+            self._takes += 1
+            if self._rec_clean:
+                if len(self._rec_events) >= _REC_LIMIT:  # no trim for ages (forward-only use): stop
+                    self._rec_clean = False
+                    self._rec_spans, self._rec_events = [], []
+                else:
+                    self._rec_events.append(len(self._rec_spans))
+                    self._rec_spans.append(span)
             return HostBuffer(chunk.tensor[off:off + nbytes], nbytes, chunk.pinned, chunk.registered, True,
                               chunk, off, span, serial)
 
@@ -432,9 +454,10 @@ class HostPool:
                                    "from a pool); giving it twice would hand its bytes out twice.")
             buf.chunk = None
             self._in_use -= buf.nbytes
+            self._used_span -= buf.span
             self._arena.free(chunk, buf.offset, buf.span)
-            if self._rec is not None and buf.serial >= 0:
-                self._rec[1].append(-buf.serial - 1)
+            if self._rec_clean and buf.serial >= self._rec_base:
+                self._rec_events.append(self._rec_base - buf.serial - 1)
 
     # -- end of step: re-layout and trim --------------------------------------
 
@@ -472,12 +495,9 @@ class HostPool:
         peak (growth had to guess), for page-granular ones always (one chunk instead of one
         per request). Later steps with the same requests pack the same way, so a static loop
         never allocates again."""
-        spans, events = self._rec
-        self._rec = None
-        if self._rec_refused or self._in_use or not spans:
-            return
+        spans, events = self._rec_spans, self._rec_events
         if self._pow2:
-            if self._reserved <= self.relayout_above * self._window_peak_in_use:
+            if self._reserved <= self.relayout_above * self._window_peak_span:
                 return
             limit = self._reserved - 1
         else:
@@ -518,42 +538,70 @@ class HostPool:
             except Exception:  # no accelerator, or an older torch
                 pass
 
+    def _trim_to(self, keep: int, clean: bool) -> list[_Chunk]:
+        """Release free chunks down to about ``keep`` bytes (see :meth:`trim`)."""
+        free = self._free_chunks()
+        gone: list[_Chunk] = []
+        left = self._reserved
+        for chunk in sorted(free, key=lambda c: -c.seq):  # newest first, never below keep
+            if left - chunk.nbytes >= keep:
+                gone.append(chunk)
+                left -= chunk.nbytes
+        # Still over twice the need: the free chunks are bigger than the excess (one merged
+        # chunk): release them anyway, the next step regrows what it needs once.
+        for chunk in sorted(free, key=lambda c: -c.nbytes):
+            if left <= 2 * keep:
+                break
+            if chunk not in gone:
+                gone.append(chunk)
+                left -= chunk.nbytes
+        if not gone:
+            return []
+        if left >= keep:
+            # Only if the step just ended still packs into what stays: a loop whose steps
+            # repeat never has to allocate again.
+            stay = [c.nbytes for c in sorted(self._arena.chunks.values(), key=lambda c: c.seq) if c not in gone]
+            if not (clean and _packs(stay, self._rec_spans, self._rec_events)):
+                return []
+        for chunk in gone:
+            self._release_chunk(chunk)
+        return gone
+
     def trim(self) -> int:
         """End of a step: release whole free chunks the recent steps did not need.
 
-        Keeps up to ``trim_slack`` (1.25) times the largest step peak of the last
-        ``trim_window`` steps (a step = the time between two trims). A static
-        loop never loses a chunk; a varying one keeps what its longest recent
-        step used; a loop whose shapes shrank for good gives the excess back
-        after ``trim_window`` steps (newest chunks first; if no set of whole
-        free chunks matches the excess, the largest free ones go and the next
-        step regrows what it needs, once). The first step
-        that used the pool may also re-lay its chunks out (``_relayout``).
+        Keeps up to ``trim_slack`` (1.25) times the largest step peak (chunk bytes
+        used) of the last ``trim_window`` steps (a step = the time between two
+        trims), and acts only once a full window has passed since the start or
+        the last release, so it never churns. A static loop never loses a
+        chunk; a varying one keeps what its longest recent step used; a loop
+        whose shapes shrank for good gives the excess back after
+        ``trim_window`` steps (newest chunks first; when the reserved bytes are
+        still over twice the need, the largest free chunks go too and the next
+        step regrows what it needs, once). The first step that used the pool
+        may also re-lay its chunks out (``_relayout``).
         Returns the bytes released.
         """
         with self._lock:
-            if self._rec is not None:
-                if self._window_peak_in_use:
+            clean = self._rec_clean and self._in_use == 0 and bool(self._rec_spans)
+            if not self._relaid and self._window_peak_in_use:
+                self._relaid = True
+                if clean:
                     self._relayout()
-                elif self._in_use == 0:
-                    self._rec = ([], [])  # nothing used yet: record the next step afresh
             self._steps += 1
-            self._step_peaks.append(self._window_peak_in_use)
+            self._stepped = self._stepped or self._window_peak_in_use > 0
+            self._step_peaks.append(self._window_peak_span)
             self._window_peak_in_use = self._in_use
-            keep = max(int(self.trim_slack * max(self._step_peaks)), self._in_use)
+            self._window_peak_span = self._used_span
             trimmed = []
-            for chunk in sorted(self._free_chunks(), key=lambda c: -c.seq):
-                if self._reserved - chunk.nbytes < keep:
-                    continue
-                self._release_chunk(chunk)
-                trimmed.append(chunk)
-            # Still above: the only free chunks are bigger than the excess (one merged chunk):
-            # release them anyway, the next step regrows what it needs once.
-            for chunk in sorted(self._free_chunks(), key=lambda c: -c.nbytes):
-                if self._reserved <= keep:
-                    break
-                self._release_chunk(chunk)
-                trimmed.append(chunk)
+            if len(self._step_peaks) == self.trim_window:  # a full window since the start or the last release
+                keep = max(int(self.trim_slack * max(self._step_peaks)), self._used_span, self.min_chunk_bytes)
+                trimmed = self._trim_to(keep, clean)
+                if trimmed:
+                    self._step_peaks.clear()  # judge the new layout over a full window again
+            self._rec_spans, self._rec_events = [], []
+            self._rec_base = self._takes
+            self._rec_clean = self._in_use == 0
             freed = sum(c.nbytes for c in trimmed)
             self._trimmed += freed
         if trimmed:
