@@ -1,18 +1,68 @@
-"""Host buffer pool: exact-size reuse across steps, pinned where possible, capped.
+"""Host buffer pool: buffers carved from a few large chunks, pinned where possible, capped.
 
-Buffers are keyed by their exact byte size (no power-of-two rounding), so a
-static-shape training loop allocates during its first step and then only
-reuses. A capacity cap bounds the bytes reserved; when a new size does not
-fit, free buffers of other sizes are released first (oldest first), and only
-then does ``take`` report that the budget is full.
+NOTE [ Host pool layout ]
+Activation sizes change with the sequence length, so a pool that caches
+buffers by exact size reuses almost nothing when the length varies every step
+(and PyTorch's caching pinned allocator, which rounds every block up to a power
+of two, then holds up to ~4x the bytes in use). This pool instead owns a few
+large *chunks* and hands out views of them:
+
+- A take is served best-fit from the free ranges of all chunks (smallest free
+  range that fits; ties go to the oldest chunk and the lowest offset). A give
+  returns the range and merges it with free neighbours, so a step that frees
+  everything leaves every chunk whole again and the next step, whatever its
+  shapes, packs into the same memory.
+- Pinned chunks from ``pin_allocator="caching"`` are powers of two:
+  PyTorch's CachingHostAllocator rounds each pinned block up to a power of
+  two, so a power-of-two chunk costs exactly its size underneath (the pool's
+  ``reserved_bytes`` is the real pinned footprint). Otherwise (pageable
+  memory, or ``"exact"`` = cudaHostRegister, registered per chunk and
+  unregistered when released) chunks are whole pages.
+- Growth: when nothing fits, a new chunk of about 1/8 of what is reserved is
+  added (headroom, so a loop whose lengths vary stops allocating once its
+  longest steps were seen). A request bigger than that gets a chunk of its
+  own, whose remainder serves other requests. During the first step,
+  page-granular pools add chunks of exactly the size needed instead (nothing
+  is rounded underneath, so the first step holds ~1.0x its peak too).
+- Re-layout: growth has to guess, so at the end of the first step the pool
+  replays that step's requests against candidate chunk sets (power of two:
+  the binary digits of its peak, rounded up by 1/64 at a time; pages: one
+  chunk of that size) and swaps its chunks for the first set they pack into
+  (power of two: only if that is smaller; blocks of a size it had come back
+  from PyTorch's cache). The same requests then pack the same way in every
+  later step: a static-shape loop holds ~1.01x its peak and never allocates
+  again.
+- Trim (the engine calls it after every step) releases only whole free
+  chunks, and only when the reserved bytes exceed 1.25x the largest step
+  peak of the last ``trim_window`` steps: a loop whose shapes shrank for good
+  gives memory back, one that merely varies does not churn.
+- The cap (``capacity_bytes``) bounds the chunk bytes. A request that cannot
+  fit even in an empty pool fails at once, and free chunks are released to
+  make room only when that actually makes the request fit.
+
+Measured on request traces recorded from the toy Llama, with the pinned
+allocator's rounding and cache modelled: ``python -m bench.pool_replay``
+(``bench/results/cpu/pool_replay.json``).
+
+Why not the PyTorch settings: ``PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb``
+(stop rounding pinned blocks above a size) and ``pinned_use_cuda_host_register``
+(pin with malloc + cudaHostRegister; blocks are still rounded) are process-wide,
+read once before CUDA starts, and change every other pinned allocation of the
+job; power-of-two chunks make the rounding cost nothing whatever they are set to. ``torch.cuda.host_memory_stats()`` is reported in
+``stats()`` (``host_allocator_bytes``) to check the real pinned footprint, and
+released pinned chunks are handed back to CUDA with
+``torch.accelerator.empty_host_cache()`` (otherwise the caching allocator
+keeps them).
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
+import logging
 import threading
 import weakref
-from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,43 +70,143 @@ from . import _torch_private
 
 __all__ = ["HostPool", "HostBuffer", "PIN_ALLOCATORS"]
 
+logger = logging.getLogger("offload.pool")
+
 PIN_ALLOCATORS = ("caching", "exact")
-"""How pinned buffers are made: "caching" = torch.empty(pin_memory=True) (PyTorch's
-CachingHostAllocator, proven, but it rounds blocks up to a power of two);
-"exact" = page-aligned pageable memory registered with cudaHostRegister at the
-exact size (CUDA only; falls back to "caching" when registration fails)."""
+"""How pinned chunks are made: "caching" = torch.empty(pin_memory=True) (PyTorch's
+CachingHostAllocator; chunks are powers of two, so its rounding wastes nothing);
+"exact" = page-aligned pageable memory registered with cudaHostRegister as a whole
+chunk (CUDA only; falls back to "caching" when registration fails)."""
 
 _PAGE = 4096
+_REC_LIMIT = 1 << 20
+"""Most take/give events recorded for one step (the record is dropped beyond it)."""
+_ALIGN = 64
+"""Every buffer starts on a 64-byte boundary (cache line; any dtype view is aligned)."""
 
 
-def _unregister(raw: torch.Tensor) -> None:
-    # Runs when the buffer's memory is about to be freed. An async copy may
-    # still read it, and unregistering under one is undefined: wait first.
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _page_ceil(n: int) -> int:
+    return -(-n // _PAGE) * _PAGE
+
+
+def _unregister(region: torch.Tensor) -> None:
+    # Runs when the chunk is dropped. An async copy may still read it, and
+    # unregistering under one is undefined: wait first.
     torch.cuda.synchronize()
-    _torch_private.unregister_host_memory(raw)
+    _torch_private.unregister_host_memory(region)
 
 
-def _registered_buffer(nbytes: int) -> HostBuffer | None:
-    """An exact-size pinned buffer on pages no other allocation shares.
+class _Chunk:
+    """One allocation the pool carves buffers from."""
 
-    cudaHostRegister works on whole pages, and registering a page twice fails,
-    so the registered range is page-aligned inside a slightly larger pageable
-    allocation; it is unregistered before that allocation can be freed.
-    """
-    size = -(-nbytes // _PAGE) * _PAGE
-    raw = torch.empty(size + 2 * _PAGE, dtype=torch.uint8)
-    offset = (-raw.data_ptr()) % _PAGE
-    region = raw[offset:offset + size]
-    if not _torch_private.register_host_memory(region):
-        return None
-    view = region[:nbytes]
-    weakref.finalize(view, _unregister, region)
-    return HostBuffer(view, nbytes, pinned=True, registered=True)
+    __slots__ = ("seq", "tensor", "nbytes", "pinned", "registered", "used", "starts", "ends",
+                 "last_step", "__weakref__")
+
+    def __init__(self, seq: int, tensor: torch.Tensor, nbytes: int, pinned: bool, registered: bool) -> None:
+        self.seq = seq
+        self.tensor: torch.Tensor | None = tensor
+        self.nbytes = nbytes
+        self.pinned = pinned
+        self.registered = registered
+        self.used = 0
+        """Bytes of this chunk handed out (aligned spans)."""
+        self.starts: dict[int, int] = {0: nbytes}
+        """Free ranges: offset -> size."""
+        self.ends: dict[int, int] = {nbytes: 0}
+        """Free ranges: end offset -> offset (to merge with a freed left neighbour)."""
+        self.last_step = 0
+        """The last step (trim count) in which a buffer was carved from this chunk."""
+
+
+class _Arena:
+    """Free ranges of a set of chunks: best-fit carving and merging frees (no memory of its own,
+    so the planner can pack a recorded step into candidate chunk sets with the same rules)."""
+
+    __slots__ = ("chunks", "index")
+
+    def __init__(self) -> None:
+        self.chunks: dict[int, _Chunk] = {}
+        self.index: list[tuple[int, int, int]] = []
+        """Free ranges as (size, chunk seq, offset), sorted: best fit, then oldest chunk, lowest offset."""
+
+    def add(self, chunk: _Chunk) -> None:
+        self.chunks[chunk.seq] = chunk
+        bisect.insort(self.index, (chunk.nbytes, chunk.seq, 0))
+
+    def remove(self, chunk: _Chunk) -> None:
+        """Forget a wholly free chunk."""
+        del self.chunks[chunk.seq]
+        self._unindex(chunk.nbytes, chunk.seq, 0)
+
+    def carve(self, span: int) -> tuple[_Chunk, int] | None:
+        """The smallest free range of at least ``span`` bytes, split at its start."""
+        i = bisect.bisect_left(self.index, (span,))
+        if i == len(self.index):
+            return None
+        size, seq, off = self.index.pop(i)
+        chunk = self.chunks[seq]
+        del chunk.starts[off]
+        del chunk.ends[off + size]
+        if size > span:
+            rest = off + span
+            bisect.insort(self.index, (size - span, seq, rest))
+            chunk.starts[rest] = size - span
+            chunk.ends[off + size] = rest
+        chunk.used += span
+        return chunk, off
+
+    def free(self, chunk: _Chunk, off: int, size: int) -> None:
+        """Return ``[off, off + size)`` of ``chunk``, merged with free neighbours."""
+        chunk.used -= size
+        left = chunk.ends.pop(off, None)
+        if left is not None:
+            lsize = chunk.starts.pop(left)
+            self._unindex(lsize, chunk.seq, left)
+            off, size = left, size + lsize
+        rsize = chunk.starts.pop(off + size, None)
+        if rsize is not None:
+            del chunk.ends[off + size + rsize]
+            self._unindex(rsize, chunk.seq, off + size)
+            size += rsize
+        chunk.starts[off] = size
+        chunk.ends[off + size] = off
+        bisect.insort(self.index, (size, chunk.seq, off))
+
+    def _unindex(self, size: int, seq: int, off: int) -> None:
+        del self.index[bisect.bisect_left(self.index, (size, seq, off))]
+
+
+def _packs(sizes: list[int], spans: list[int], events: list[int]) -> bool:
+    """Whether a recorded step (``events``: k >= 0 takes ``spans[k]``, k < 0 gives back
+    take ``-k - 1``) packs into fresh chunks of ``sizes`` without growing."""
+    arena = _Arena()
+    for seq, size in enumerate(sizes):
+        arena.add(_Chunk(seq, None, size, False, False))
+    where: dict[int, tuple[_Chunk, int]] = {}
+    for ev in events:
+        if ev >= 0:
+            got = arena.carve(spans[ev])
+            if got is None:
+                return False
+            where[ev] = got
+        else:
+            k = -ev - 1
+            chunk, off = where.pop(k)
+            arena.free(chunk, off, spans[k])
+    return True
 
 
 @dataclass(eq=False)
 class HostBuffer:
-    """One host allocation handed out by the pool."""
+    """One host buffer handed out by the pool (a view of one of its chunks)."""
 
     tensor: torch.Tensor
     """Flat uint8 tensor of exactly ``nbytes`` bytes."""
@@ -65,13 +215,42 @@ class HostBuffer:
     pinned: bool
     """Page-locked (async copies possible)."""
     registered: bool = False
-    """Pinned by cudaHostRegister on pages of its own (unregistered when collected)."""
+    """Pinned by cudaHostRegister (its chunk is unregistered when released)."""
     pooled: bool = True
     """Counted in the pool (False for one-off pageable overflow buffers)."""
+    chunk: _Chunk | None = field(default=None, repr=False)
+    """The chunk it is carved from while taken; None once given back."""
+    offset: int = field(default=0, repr=False)
+    """Byte offset in the chunk."""
+    span: int = field(default=0, repr=False)
+    """Bytes it occupies in the chunk (``nbytes`` rounded up to the alignment)."""
+    serial: int = field(default=-1, repr=False)
+    """The pool's take number (to record the step's requests for re-layout and trim)."""
 
 
 class HostPool:
-    """Exact-size host buffer cache with a byte cap and usage statistics."""
+    """Host buffers carved from power-of-two chunks, with a byte cap and usage statistics.
+
+    See NOTE [ Host pool layout ] at the top of this module. Thread-safe.
+    Tuning knobs are class attributes (the bench's trace replay varies them).
+
+    Accounting: ``received_bytes`` counts the bytes of every successful
+    :meth:`take`; ``overflow_bytes`` / ``overflow_count`` count the one-off
+    buffers made by :meth:`overflow` (``on_host_budget="pageable"``), so an
+    engine's copied bytes reconcile as ``d2h_bytes == received_bytes +
+    overflow_bytes``.
+    """
+
+    min_chunk_bytes = 64 << 10
+    """Smallest chunk: tiny workloads stay tiny, big ones grow by fractions of what they hold."""
+    growth = 1 / 8
+    """New chunk size as a fraction of the reserved bytes: few chunks, and headroom for
+    longer sequences, so a varying-length loop stops allocating (the first step's excess
+    is undone by its re-layout)."""
+    relayout_above = 1.04
+    """After the first step, re-plan the chunks if they exceed this multiple of its peak."""
+    trim_slack = 1.25
+    """Trim keeps up to this multiple of the largest recent step peak."""
 
     def __init__(
         self,
@@ -80,20 +259,36 @@ class HostPool:
         capacity_bytes: int | None = None,
         device_type: str | None = None,
         pin_allocator: str = "caching",
+        trim_window: int = 32,
     ) -> None:
         if pin_allocator not in PIN_ALLOCATORS:
             raise ValueError(
                 f"HostPool: pin_allocator={pin_allocator!r} is not one of {PIN_ALLOCATORS}."
             )
+        if trim_window < 1:
+            raise ValueError(f"HostPool: trim_window={trim_window!r} must be at least 1 step.")
         self.pin = pin
-        """Try to page-lock new buffers (only meaningful with an accelerator)."""
+        """Try to page-lock new chunks (only meaningful with an accelerator)."""
         self.pin_allocator = pin_allocator
         """"caching" or "exact" (see ``PIN_ALLOCATORS``)."""
         self.capacity_bytes = capacity_bytes
-        """Cap on reserved bytes; None means no cap."""
+        """Cap on reserved (chunk) bytes; None means no cap."""
+        self.trim_window = trim_window
+        """Steps of peaks that :meth:`trim` remembers before releasing memory."""
         self._device_type = device_type
         self._lock = threading.Lock()
-        self._free: "OrderedDict[int, list[HostBuffer]]" = OrderedDict()
+        self._arena = _Arena()
+        self._seq = 0
+        self._steps = 0
+        self._step_peaks: collections.deque[int] = collections.deque(maxlen=trim_window)
+        # This step's requests (spans, and events: k >= 0 takes spans[k], k < 0 gives back
+        # take -k - 1), for the first step's re-layout and to check that trim keeps enough.
+        self._rec_spans: list[int] = []
+        self._rec_events: list[int] = []
+        self._rec_base = 0  # take number of spans[0]
+        self._rec_clean = True  # the step began with nothing in use and no take was refused
+        self._takes = 0
+        self._relaid = False
         self._reserved = 0
         self._in_use = 0
         self._peak_reserved = 0
@@ -104,116 +299,350 @@ class HostPool:
         self._evictions = 0
         self._received_bytes = 0
         self._window_peak_in_use = 0
+        self._used_span = 0  # bytes of chunks handed out (aligned spans)
+        self._window_peak_span = 0
+        self._stepped = False  # a step that used the pool has ended
         self._trimmed = 0
+        self._released_chunks = 0
+        self._relayouts = 0
+        self._refused = 0
+        self._never_fit = 0
+        self._overflow_bytes = 0
+        self._overflow_count = 0
 
-    # -- allocation -------------------------------------------------------
+    # -- chunks -------------------------------------------------------------
 
-    def _allocate(self, nbytes: int, pin: bool) -> HostBuffer:
-        if pin and self.pin_allocator == "exact" and self._device_type == "cuda":
-            buf = _registered_buffer(nbytes)
-            if buf is not None:
-                return buf
-        if pin:
+    @property
+    def _pow2(self) -> bool:
+        """Chunks come from PyTorch's caching pinned allocator, which rounds blocks to powers of two."""
+        return self.pin and self.pin_allocator == "caching"
+
+    def _round(self, nbytes: int) -> int:
+        """The chunk size that holds ``nbytes`` with nothing wasted underneath."""
+        return _pow2_ceil(nbytes) if self._pow2 else _page_ceil(nbytes)
+
+    def _round_down(self, nbytes: int) -> int:
+        return _pow2_floor(nbytes) if self._pow2 else nbytes // _PAGE * _PAGE
+
+    def _new_tensor(self, nbytes: int) -> tuple[torch.Tensor, bool, bool]:
+        """(tensor, pinned, registered) for a new chunk of ``nbytes``."""
+        if self.pin and self.pin_allocator == "exact" and self._device_type == "cuda":
+            raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+            offset = (-raw.data_ptr()) % _PAGE
+            region = raw[offset:offset + nbytes]
+            if _torch_private.register_host_memory(region):
+                return region, True, True
+        if self.pin:
             try:
-                return HostBuffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes, True)
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True, False
             except RuntimeError:
                 pass
             self._pin_failures += 1
-        return HostBuffer(torch.empty(nbytes, dtype=torch.uint8), nbytes, pinned=False)
+        return torch.empty(nbytes, dtype=torch.uint8), False, False
 
-    def _release(self, buf: HostBuffer) -> None:
-        buf.tensor = None  # a registered buffer unregisters itself when collected
+    def _add_chunk(self, nbytes: int) -> _Chunk:
+        tensor, pinned, registered = self._new_tensor(nbytes)
+        self._seq += 1
+        chunk = _Chunk(self._seq, tensor, nbytes, pinned, registered)
+        if registered:
+            weakref.finalize(chunk, _unregister, tensor)
+        self._arena.add(chunk)
+        self._allocations += 1
+        self._reserved += nbytes
+        self._peak_reserved = max(self._peak_reserved, self._reserved)
+        return chunk
 
-    def _release_free_until(self, limit: int) -> tuple[int, int]:
-        """Release free buffers, least recently returned size first, until at most
-        ``limit`` bytes are reserved (or none is free). Returns (count, bytes)."""
-        count = released = 0
-        while self._reserved > limit and self._free:
-            size, bufs = next(iter(self._free.items()))
-            buf = bufs.pop()
-            if not bufs:
-                del self._free[size]
-            self._reserved -= buf.nbytes
-            count += 1
-            released += buf.nbytes
-            self._release(buf)
-        return count, released
+    def _release_chunk(self, chunk: _Chunk) -> None:
+        """Drop a wholly free chunk (a registered one unregisters itself when collected)."""
+        self._arena.remove(chunk)
+        self._reserved -= chunk.nbytes
+        self._released_chunks += 1
+        chunk.tensor = None
 
-    def _evict_for(self, nbytes: int) -> bool:
-        """Free cached buffers of other sizes until ``nbytes`` more fit under the cap."""
-        count, _ = self._release_free_until(self.capacity_bytes - nbytes)
-        self._evictions += count
-        return self._reserved + nbytes <= self.capacity_bytes
+    def _free_chunks(self) -> list[_Chunk]:
+        return [c for c in self._arena.chunks.values() if c.used == 0]
+
+    def _growth_size(self, need: int) -> int:
+        """Size of the chunk to add for a request of ``need`` aligned bytes."""
+        if not self._pow2 and not self._stepped:
+            return self._round(need)  # first step, nothing rounded underneath: exact fit until re-layout
+        target = max(self.min_chunk_bytes, int(self._reserved * self.growth))
+        return max(self._round_down(target), self._round(need))
+
+    def _make_room(self, need: int) -> bool:
+        """Add a chunk for ``need`` bytes under the cap; release free chunks only if that makes it fit."""
+        size = self._growth_size(need)
+        cap = self.capacity_bytes
+        if cap is None:
+            self._add_chunk(size)
+            return True
+        smallest = self._round(need)
+        if smallest > cap:
+            self._never_fit += 1  # could not fit even in an empty pool: fail fast, evict nothing
+            return False
+        if self._reserved + smallest > cap:
+            free = sorted(self._free_chunks(), key=lambda c: (c.last_step, c.seq))
+            if sum(c.nbytes for c in free) < self._reserved + smallest - cap:
+                return False  # releasing every free chunk would still not make room
+            for c in free:  # least recently used first, only as many as needed
+                if self._reserved + smallest <= cap:
+                    break
+                self._release_chunk(c)
+                self._evictions += 1
+        room = cap - self._reserved
+        self._add_chunk(max(smallest, min(size, self._round_down(room))))
+        return True
+
+    # -- take / give --------------------------------------------------------
 
     def take(self, nbytes: int) -> HostBuffer | None:
-        """A buffer of exactly ``nbytes``, or None if the cap leaves no room."""
+        """A buffer of exactly ``nbytes`` (a view of a chunk), or None if the cap leaves no room."""
+        span = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
         with self._lock:
-            bufs = self._free.get(nbytes)
-            if bufs:
-                buf = bufs.pop()
-                if not bufs:
-                    del self._free[nbytes]
+            got = self._arena.carve(span)
+            if got is not None:
                 self._reuses += 1
+            elif self._make_room(span):
+                got = self._arena.carve(span)
             else:
-                if self.capacity_bytes is not None and not self._evict_for(nbytes):
-                    return None
-                buf = self._allocate(nbytes, self.pin)
-                self._allocations += 1
-                self._reserved += nbytes
-                self._peak_reserved = max(self._peak_reserved, self._reserved)
-            self._in_use += nbytes
-            self._peak_in_use = max(self._peak_in_use, self._in_use)
-            self._window_peak_in_use = max(self._window_peak_in_use, self._in_use)
+                self._refused += 1
+                self._rec_clean = False
+                return None
+            chunk, off = got
+            chunk.last_step = self._steps
+            used = self._used_span = self._used_span + span
+            if used > self._window_peak_span:
+                self._window_peak_span = used
+            in_use = self._in_use = self._in_use + nbytes
+            if in_use > self._window_peak_in_use:
+                self._window_peak_in_use = in_use
+                if in_use > self._peak_in_use:
+                    self._peak_in_use = in_use
             self._received_bytes += nbytes
-            return buf
+            serial = self._takes
+            self._takes += 1
+            if self._rec_clean:
+                if len(self._rec_events) >= _REC_LIMIT:  # no trim for ages (forward-only use): stop
+                    self._rec_clean = False
+                    self._rec_spans, self._rec_events = [], []
+                else:
+                    self._rec_events.append(len(self._rec_spans))
+                    self._rec_spans.append(span)
+            return HostBuffer(chunk.tensor[off:off + nbytes], nbytes, chunk.pinned, chunk.registered, True,
+                              chunk, off, span, serial)
 
     def overflow(self, nbytes: int) -> HostBuffer:
-        """A one-off pageable buffer outside the pool (``on_host_budget="pageable"``)."""
+        """A one-off pageable buffer outside the pool (``on_host_budget="pageable"``).
+
+        Not reserved and never reused, but counted: ``overflow_bytes`` and
+        ``overflow_count`` in :meth:`stats` (so ``d2h_bytes == received_bytes +
+        overflow_bytes`` for the engine's copies).
+        """
+        with self._lock:
+            self._overflow_bytes += nbytes
+            self._overflow_count += 1
         return HostBuffer(torch.empty(nbytes, dtype=torch.uint8), nbytes, pinned=False, pooled=False)
 
     def give(self, buf: HostBuffer) -> None:
-        """Return a buffer taken with :meth:`take`; it will be reused for the same size."""
+        """Return a buffer taken with :meth:`take`; its bytes serve any later take."""
         if not buf.pooled:
             return
         with self._lock:
+            chunk = buf.chunk
+            if chunk is None:
+                raise RuntimeError("HostPool.give: this buffer was already given back (or not taken "
+                                   "from a pool); giving it twice would hand its bytes out twice.")
+            buf.chunk = None
             self._in_use -= buf.nbytes
-            self._free.setdefault(buf.nbytes, []).append(buf)
-            self._free.move_to_end(buf.nbytes)
+            self._used_span -= buf.span
+            self._arena.free(chunk, buf.offset, buf.span)
+            if self._rec_clean and buf.serial >= self._rec_base:
+                self._rec_events.append(self._rec_base - buf.serial - 1)
+
+    # -- end of step: re-layout and trim --------------------------------------
+
+    def _plan(self, spans: list[int], events: list[int], limit: int) -> list[int] | None:
+        """The smallest chunk set (found in a few tries) that the recorded step packs into,
+        if its total is at most ``limit``."""
+        used = peak = 0
+        for ev in events:
+            used += spans[ev] if ev >= 0 else -spans[-ev - 1]
+            peak = max(peak, used)
+        if peak == 0:
+            return None
+        if self._pow2:
+            grain = max(self.min_chunk_bytes, _pow2_floor(peak // 64))
+        else:
+            grain = max(_PAGE, _page_ceil(peak // 64))
+        total = -(-peak // grain) * grain
+        if self.capacity_bytes is not None:
+            limit = min(limit, self.capacity_bytes)
+        for _ in range(16):
+            if total > limit:
+                return None
+            if self._pow2:  # power-of-two chunks: the bits of total, largest first
+                sizes = [1 << b for b in range(total.bit_length() - 1, -1, -1) if total >> b & 1]
+            else:
+                sizes = [total]
+            if _packs(sizes, spans, events):
+                return sizes
+            total += grain
+        return None
+
+    def _relayout(self) -> None:
+        """At the end of the first step, swap its chunks for the smallest set its requests
+        provably pack into: for power-of-two chunks when they exceed ``relayout_above`` x its
+        peak (growth had to guess), for page-granular ones always (one chunk instead of one
+        per request). Later steps with the same requests pack the same way, so a static loop
+        never allocates again."""
+        spans, events = self._rec_spans, self._rec_events
+        if self._pow2:
+            if self._reserved <= self.relayout_above * self._window_peak_span:
+                return
+            limit = self._reserved - 1
+        else:
+            # The first step got exact-fit chunks, shaped by its own lengths: merge them into one
+            # (a longer step then packs into it and its growth), even at a little more memory.
+            if len(self._arena.chunks) == 1:
+                return
+            limit = self._reserved + self._reserved // 32
+        sizes = self._plan(spans, events, limit)
+        if sizes is None:
+            return
+        released = self._free_chunks()
+        for chunk in released:
+            self._release_chunk(chunk)
+        # Sizes the old chunks had come back from the caching allocator's cache
+        # (no new pinning); the rest of the old blocks are handed back to CUDA
+        # before the other new chunks are pinned, so the footprint never holds both.
+        old = collections.Counter(c.nbytes for c in released)
+        again = []
+        for size in sizes:
+            if old[size] > 0:
+                old[size] -= 1
+                again.append(size)
+        for size in again:
+            self._add_chunk(size)
+        self._released_pinned(released)
+        for size in (collections.Counter(sizes) - collections.Counter(again)).elements():
+            self._add_chunk(size)
+        self._relayouts += 1
+        logger.debug("HostPool: first step re-laid out as %d chunks (%d B) for a peak of %d B",
+                     len(sizes), self._reserved, self._window_peak_in_use)
+
+    def _released_pinned(self, chunks: list[_Chunk]) -> None:
+        """Hand released caching-allocator blocks back to CUDA (else PyTorch keeps them cached)."""
+        if any(c.pinned and not c.registered for c in chunks):
+            try:
+                torch.accelerator.empty_host_cache()
+            except Exception:  # no accelerator, or an older torch
+                pass
+
+    def _trim_to(self, keep: int, clean: bool) -> list[_Chunk]:
+        """Release free chunks down to about ``keep`` bytes (see :meth:`trim`)."""
+        free = self._free_chunks()
+        gone: list[_Chunk] = []
+        left = self._reserved
+        for chunk in sorted(free, key=lambda c: -c.seq):  # newest first, never below keep
+            if left - chunk.nbytes >= keep:
+                gone.append(chunk)
+                left -= chunk.nbytes
+        # Still over twice the need: the free chunks are bigger than the excess (one merged
+        # chunk): release them anyway, the next step regrows what it needs once.
+        for chunk in sorted(free, key=lambda c: -c.nbytes):
+            if left <= 2 * keep:
+                break
+            if chunk not in gone:
+                gone.append(chunk)
+                left -= chunk.nbytes
+        if not gone:
+            return []
+        if left >= keep:
+            # Only if the step just ended still packs into what stays: a loop whose steps
+            # repeat never has to allocate again.
+            stay = [c.nbytes for c in sorted(self._arena.chunks.values(), key=lambda c: c.seq) if c not in gone]
+            if not (clean and _packs(stay, self._rec_spans, self._rec_events)):
+                return []
+        for chunk in gone:
+            self._release_chunk(chunk)
+        return gone
 
     def trim(self) -> int:
-        """Release free buffers, least recently returned sizes first, until the
-        reserved bytes are no more than the peak in use since the last trim.
+        """End of a step: release whole free chunks the recent steps did not need.
 
-        The engine calls this at the end of every step: a static-shape loop
-        loses nothing (every free buffer is reused next step), while a loop with
-        changing shapes cannot accumulate one buffer set per shape ever seen.
+        Keeps up to ``trim_slack`` (1.25) times the largest step peak (chunk bytes
+        used) of the last ``trim_window`` steps (a step = the time between two
+        trims), and acts only once a full window has passed since the start or
+        the last release, so it never churns. A static loop never loses a
+        chunk; a varying one keeps what its longest recent step used; a loop
+        whose shapes shrank for good gives the excess back after
+        ``trim_window`` steps (newest chunks first; when the reserved bytes are
+        still over twice the need, the largest free chunks go too and the next
+        step regrows what it needs, once). The first step that used the pool
+        may also re-lay its chunks out (``_relayout``).
         Returns the bytes released.
         """
         with self._lock:
-            _, released = self._release_free_until(max(self._window_peak_in_use, self._in_use))
-            self._trimmed += released
+            clean = self._rec_clean and self._in_use == 0 and bool(self._rec_spans)
+            if not self._relaid and self._window_peak_in_use:
+                self._relaid = True
+                if clean:
+                    self._relayout()
+            self._steps += 1
+            self._stepped = self._stepped or self._window_peak_in_use > 0
+            self._step_peaks.append(self._window_peak_span)
             self._window_peak_in_use = self._in_use
-            return released
+            self._window_peak_span = self._used_span
+            trimmed = []
+            if len(self._step_peaks) == self.trim_window:  # a full window since the start or the last release
+                keep = max(int(self.trim_slack * max(self._step_peaks)), self._used_span, self.min_chunk_bytes)
+                trimmed = self._trim_to(keep, clean)
+                if trimmed:
+                    self._step_peaks.clear()  # judge the new layout over a full window again
+            self._rec_spans, self._rec_events = [], []
+            self._rec_base = self._takes
+            self._rec_clean = self._in_use == 0
+            freed = sum(c.nbytes for c in trimmed)
+            self._trimmed += freed
+        if trimmed:
+            logger.debug("HostPool.trim released %d chunks (%d B); reserved %d B", len(trimmed), freed,
+                         self._reserved)
+        self._released_pinned(trimmed)
+        return freed
 
     def clear(self) -> None:
-        """Release every free buffer (buffers in use stay valid)."""
+        """Release every wholly free chunk (buffers in use stay valid)."""
         with self._lock:
-            self._release_free_until(-1)
+            released = self._free_chunks()
+            for chunk in released:
+                self._release_chunk(chunk)
+        self._released_pinned(released)
 
-    # -- accounting -------------------------------------------------------
+    # -- accounting ---------------------------------------------------------
 
     @property
     def reserved_bytes(self) -> int:
+        """Bytes of all chunks (for "caching" chunks, the real pinned bytes underneath)."""
         return self._reserved
 
     @property
     def in_use_bytes(self) -> int:
+        """Bytes of the buffers taken and not given back (requested sizes)."""
         return self._in_use
 
     def stats(self) -> dict[str, int | None]:
-        """Snapshot of the pool's counters (bytes and counts)."""
+        """Snapshot of the pool's counters (bytes and counts).
+
+        ``allocations`` counts chunks made, ``reuses`` takes served from existing
+        chunks, ``evictions`` free chunks released to make room under the cap,
+        ``relayouts`` first-step re-layouts, ``refused`` takes that returned None
+        (``never_fit``: of those, requests bigger than the cap itself),
+        ``overflow_*`` the one-off buffers of :meth:`overflow`.
+        ``host_allocator_bytes`` is PyTorch's pinned allocator's
+        ``allocated_bytes.current`` (process-wide) when this pool pins on CUDA, else None.
+        """
         with self._lock:
-            return {
+            st = {
                 "reserved_bytes": self._reserved,
                 "in_use_bytes": self._in_use,
                 "peak_reserved_bytes": self._peak_reserved,
@@ -225,4 +654,21 @@ class HostPool:
                 "trimmed_bytes": self._trimmed,
                 "received_bytes": self._received_bytes,
                 "capacity_bytes": self.capacity_bytes,
+                "chunks": len(self._arena.chunks),
+                "released_chunks": self._released_chunks,
+                "relayouts": self._relayouts,
+                "refused": self._refused,
+                "never_fit": self._never_fit,
+                "overflow_bytes": self._overflow_bytes,
+                "overflow_count": self._overflow_count,
             }
+        st["host_allocator_bytes"] = self._host_allocator_bytes()
+        return st
+
+    def _host_allocator_bytes(self) -> int | None:
+        if not (self.pin and self._device_type == "cuda" and self.pin_allocator == "caching"):
+            return None
+        try:
+            return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+        except Exception:
+            return None
