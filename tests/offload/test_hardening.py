@@ -506,3 +506,18 @@ def test_inplace_write_while_copy_in_flight_is_detected_on_the_stream_path():
     assert seen["d2h"] and ctx.backend == "stream"
     with pytest.raises(RuntimeError, match=INPLACE):
         loss.backward()
+
+
+def test_pageable_overflow_is_accounted():
+    """on_host_budget="pageable": the ledger's d2h bytes = pool received + overflow bytes (item 11)."""
+    model = _toy()
+    batch = make_batch(TINY, 2, 16, seed=0)
+    ctx = cpu_ctx(host_budget_bytes=64 << 10, on_host_budget="pageable")
+    for _ in range(2):
+        with ctx:
+            loss = _lm_loss(model, batch)
+        loss.backward()
+    s, p = ctx.ledger.summary(), ctx.pool.stats()
+    assert p["overflow_bytes"] > 0 and p["overflow_count"] > 0, p
+    assert s["d2h_bytes"] == p["received_bytes"] + p["overflow_bytes"], (s["d2h_bytes"], p)
+    assert p["reserved_bytes"] <= 64 << 10
