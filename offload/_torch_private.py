@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["neg_view", "graph_task_id", "queue_end_of_backward", "register_host_memory", "unregister_host_memory"]
+__all__ = ["neg_view", "graph_task_id", "queue_end_of_backward", "register_host_memory", "unregister_host_memory",
+           "top_saved_tensors_hooks"]
 
 
 def graph_task_id() -> int:
@@ -65,3 +66,13 @@ def neg_view(t: torch.Tensor) -> torch.Tensor:
     the bit again on the reloaded view, and only ``torch._neg_view`` does that.
     """
     return torch._neg_view(t)
+
+
+def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost (pack, unpack) saved-tensors hooks of this thread, or None.
+
+    Why private: ``offload.attach`` repairs an engine left entered by a
+    ``KeyboardInterrupt`` in forward (forward hooks do not run for a
+    BaseException); it may only pop the hooks if they are still the engine's.
+    """
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
