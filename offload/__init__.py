@@ -2,10 +2,14 @@
 
 Public API, grouped. Everything else (modules and names starting with ``_``,
 the copy backends in ``offload.streams``) is internal and may change.
+Framework integrations live in ``offload.integrations`` (``hf``, ``lightning``)
+and the peers' exact signatures in ``offload.compat`` (``torchtune``, ``trl``).
 """
 
-# The engine and its error
+# The engine, its settings and its error
 from .engine import OffloadActivations, PackEvent, active_engine, add_pack_observer
+from .config import OffloadConfig
+from .attach import AttachHandle
 from .errors import OffloadError
 
 # Regions that stay on the device (torchtune-compatible helpers included)
@@ -22,6 +26,8 @@ from .policy import REASONS, is_static_tensor
 __all__ = [
     # engine
     "OffloadActivations",
+    "OffloadConfig",
+    "AttachHandle",
     "OffloadError",
     "PackEvent",
     "active_engine",

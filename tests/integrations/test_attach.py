@@ -186,8 +186,8 @@ def test_attached_engine_lives_with_the_model():
 def test_compiled_blocks_under_attach_bitwise():
     """Blocks compiled with torch.compile run under an attached root with bitwise grads."""
     model, inputs = _toy()
-    for i, block in enumerate(model.layers):
-        model.layers[i] = torch.compile(block, backend="aot_eager")
+    for block in model.layers:
+        block.compile(backend="aot_eager")  # in place: no OptimizedModule wrapper
     twin = twin_of(model)
     ctx = cpu_ctx()
     ctx.attach(model)
