@@ -6,6 +6,12 @@ Framework integrations live in ``offload.integrations`` (``hf``, ``lightning``)
 and the peers' exact signatures in ``offload.compat`` (``torchtune``, ``trl``).
 """
 
+import logging as _logging
+
+# Library logging: information goes to the "offload" logger hierarchy, silent
+# unless the application configures logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
 # The engine, its settings and its error
 from .engine import OffloadActivations, PackEvent, active_engine, add_pack_observer
 from .config import OffloadConfig

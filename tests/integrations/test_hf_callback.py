@@ -32,7 +32,7 @@ def _model() -> torch.nn.Module:
 
 
 class _Data(torch.utils.data.Dataset):
-    def __init__(self, n: int = STEPS * BATCH) -> None:
+    def __init__(self, n: int = 2 * STEPS * BATCH) -> None:
         g = torch.Generator().manual_seed(1)
         self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
 
@@ -115,6 +115,7 @@ GC = {
     "no_checkpointing": {},
     "checkpointing_reentrant": {_AC: True, f"{_AC}_kwargs": {"use_reentrant": True}},
     "checkpointing_non_reentrant": {_AC: True, f"{_AC}_kwargs": {"use_reentrant": False}},
+    "grad_accumulation": {"gradient_accumulation_steps": 2},  # two forwards per optimizer step
 }
 
 

@@ -165,3 +165,18 @@ def test_no_head_warning_points_at_the_callers_line_and_can_be_silenced():
     got = _warned(lambda: get_act_offloading_ctx_manager(model, device="cpu"))
     assert len(got) == 1 and got[0].filename == __file__ and "output head" in str(got[0].message)
     assert _warned(lambda: get_act_offloading_ctx_manager(model, device="cpu", warn_if_no_head=False)) == []
+
+
+def test_unused_exclusion_warning_points_at_the_users_backward():
+    """The end-of-backward warning (raised from an autograd callback) is attributed to this file."""
+    model = MLP()
+    ctx = OffloadActivations(device="cpu", min_offload_size=0)
+    ctx.exclude(nn.Linear(2, 2))  # never runs
+
+    def step():
+        with ctx:
+            out = model(make_inputs("mlp")[0]).sum()
+        out.backward()
+
+    got = _warned(step)
+    assert len(got) == 1 and got[0].filename == __file__, [(w.filename, str(w.message)[:80]) for w in got]
