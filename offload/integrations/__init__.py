@@ -9,7 +9,8 @@
   which ``offload.get_act_offloading_ctx_manager`` replaces).
 
 Both callbacks take the engine's settings as keywords or ``config=OffloadConfig``
-and report the ledger's per-step figures (``figures()``) to the trainer's logs.
+and report the ledger's per-step figures (``step_figures``, keys ``FIGURE_KEYS``)
+to the trainer's logs.
 Submodules are imported on demand, so importing ``offload`` never imports a
 framework.
 """
