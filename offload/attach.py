@@ -34,6 +34,7 @@ from torch import nn
 
 from . import _torch_private
 from ._warn import warn_user
+from .engine import active_engine
 
 if TYPE_CHECKING:
     from .engine import OffloadActivations
@@ -125,8 +126,6 @@ class AttachHandle:
         st.entered = False
         if eng is None:
             return
-        from .engine import active_engine
-
         if active_engine() is eng:
             return  # Rule 3
         eng.__enter__()

@@ -80,10 +80,9 @@ class OffloadCallback(TrainerCallback):
         if self.engine is None:
             self.engine = OffloadActivations.from_config(self.config, model=model)
         self.detach()
-        if self.exclude_head:
-            # Registered before attach(): its exit hook must run before the engine's.
-            self._head = _exclude_tail(self.engine, model)
         self._attached = self.engine.attach(model)
+        if self.exclude_head:
+            self._head = _exclude_tail(self.engine, model, self._attached)
         log.info("offloading %s's activations with %r", type(model).__name__, self.engine)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -158,42 +157,59 @@ class _TailRegion:
     ``lm_head.weight`` directly (a fused, tiled head), so the head module's
     forward never runs and excluding that module would exclude nothing. The
     tail is needed first in backward, so its reload could not be hidden.
+
+    The region opens when the body returns inside an attached call of the
+    root and closes when the root returns (its exit hook runs before the
+    engine is left). A call of the root that begins with the region still
+    open (a KeyboardInterrupt skipped the exit hooks) closes it first.
     """
 
-    def __init__(self, engine: OffloadActivations, root: nn.Module, body: nn.Module) -> None:
+    def __init__(self, engine: OffloadActivations, root: nn.Module, body: nn.Module,
+                 attached: AttachHandle) -> None:
         self._engine = engine
+        self._attached = attached
         self._open: list[Any] = []
         self.fired = 0
-        # always_call on both: an exception in the tail still closes the region.
         self._hooks = [
+            root.register_forward_pre_hook(self._begin),  # after attach's: the engine is entered
             body.register_forward_hook(self._start, always_call=True),
-            root.register_forward_hook(self._end, always_call=True),
+            root.register_forward_hook(self._end, always_call=True, prepend=True),  # before attach's exit
         ]
 
+    def _outermost(self) -> bool:
+        return self._attached._state.depth == 1
+
+    def _begin(self, module: nn.Module, args: Any) -> None:
+        if self._outermost():
+            self._end(module, args, None)  # left open by an interrupted forward
+
     def _start(self, module: nn.Module, args: Any, out: Any) -> None:
-        if active_engine() is self._engine and not self._open:
+        if self._attached._state.depth >= 1 and active_engine() is self._engine and not self._open:
             cm = self._engine.excluded()
             cm.__enter__()
             self._open.append(cm)
             self.fired += 1
 
     def _end(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._attached._state.depth > 1:
+            return  # a nested call of the root returned, not the outermost
         while self._open:
             self._open.pop().__exit__(None, None, None)
 
     def remove(self) -> None:
-        self._end(None, None, None)  # type: ignore[arg-type]
+        while self._open:
+            self._open.pop().__exit__(None, None, None)
         for h in self._hooks:
             h.remove()
         self._hooks = []
 
 
-def _exclude_tail(engine: OffloadActivations, model: nn.Module) -> Any:
+def _exclude_tail(engine: OffloadActivations, model: nn.Module, attached: AttachHandle) -> Any:
     """Exclude the model's tail (after its body), else its output head module, else nothing (logged)."""
     body = _backbone(model)
     if body is not None:
         log.info("keeping %s's tail (after %s) on the device", type(model).__name__, type(body).__name__)
-        return _TailRegion(engine, model, body)
+        return _TailRegion(engine, model, body, attached)
     head = find_output_head(model)
     if head is not None:
         return engine.exclude(head)

@@ -192,3 +192,32 @@ def test_callback_takes_a_config_and_logs_to_the_offload_logger(tmp_path, caplog
         trainer.train()
     lines = [r for r in caplog.records if r.name == "offload.integrations.hf" and "offloaded_bytes" in r.getMessage()]
     assert len(lines) == STEPS
+
+
+def test_interrupt_in_the_tail_does_not_leave_offloading_off():
+    """A KeyboardInterrupt while the kept tail runs (head, loss) does not keep the next forward's body
+    on the device: the next call closes the stale region, and its body is offloaded again."""
+    from offload import active_engine
+
+    model = _model()
+    cb = OffloadCallback(device="cpu", min_offload_size=0)
+    cb.on_train_begin(None, None, None, model=model)
+    ids = _Data().ids[:2]
+    fired: list[int] = []
+
+    def interrupt_once(module, args, out):
+        if not fired:
+            fired.append(1)
+            raise KeyboardInterrupt
+
+    model.lm_head.register_forward_hook(interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        model(input_ids=ids, labels=ids)
+    cb.engine.close_step()
+    model(input_ids=ids, labels=ids).loss.backward()
+    t = cb.engine.ledger.step_totals[-1]
+    assert t.offloaded_bytes > 0, t.kept_by_reason
+    assert t.kept_by_reason.get("excluded_region", 0) > 0
+    assert cb.engine._excluded_depth == 0 and active_engine() is None
+    cb.on_train_end(None, None, None)
+    assert active_engine() is None
