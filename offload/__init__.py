@@ -2,6 +2,8 @@
 
 Public API, grouped. Everything else (modules and names starting with ``_``,
 the copy backends in ``offload.streams``) is internal and may change.
+Framework integrations live in ``offload.integrations`` (``hf``, ``lightning``)
+and the peers' exact signatures in ``offload.compat`` (``torchtune``, ``trl``).
 """
 
 from importlib import metadata as _metadata
@@ -12,8 +14,16 @@ try:
 except _metadata.PackageNotFoundError:  # run from a checkout without ``pip install``
     __version__ = "0.1.0"
 
-# The engine and its error
+import logging as _logging
+
+# Library logging: information goes to the "offload" logger hierarchy, silent
+# unless the application configures logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+# The engine, its settings and its error
 from .engine import OffloadActivations, PackEvent, active_engine, add_pack_observer
+from .config import OffloadConfig
+from .attach import AttachHandle
 from .errors import OffloadError
 
 # Regions that stay on the device (torchtune-compatible helpers included)
@@ -31,6 +41,8 @@ __all__ = [
     "__version__",
     # engine
     "OffloadActivations",
+    "OffloadConfig",
+    "AttachHandle",
     "OffloadError",
     "PackEvent",
     "active_engine",

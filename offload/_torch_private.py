@@ -18,6 +18,7 @@ __all__ = [
     "unregister_host_memory",
     "version_tracker",
     "profiler_enabled",
+    "top_saved_tensors_hooks",
 ]
 
 
@@ -105,3 +106,13 @@ def profiler_enabled() -> bool:
     open their trace ranges only when this cheap flag says someone listens.
     """
     return torch._C._autograd._profiler_enabled()
+
+
+def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost (pack, unpack) saved-tensors hooks of this thread, or None.
+
+    Why private: ``offload.attach`` repairs an engine left entered by a
+    ``KeyboardInterrupt`` in forward (forward hooks do not run for a
+    BaseException); it may only pop the hooks if they are still the engine's.
+    """
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -91,6 +91,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _torch_private, policy
+from . import config as _config
+from ._warn import user_stacklevel
+from .config import OffloadConfig
 from .errors import OffloadError, _internal_assert
 from .ledger import KEPT, OFFLOADED, Ledger, PackRecord
 from .modules import current_module_name, current_modules, register_model, track_modules
@@ -98,6 +101,7 @@ from .pool import PIN_ALLOCATORS, HostBuffer, HostPool
 from .streams import Copy, make_backend
 
 if TYPE_CHECKING:
+    from .attach import AttachHandle
     from .regions import RegionHandle
 
 __all__ = ["OffloadActivations", "PackEvent", "add_pack_observer", "active_engine"]
@@ -376,16 +380,6 @@ def _base_of(t: torch.Tensor) -> torch.Tensor:
 # -- argument checks -----------------------------------------------------------
 
 
-def _check_int(name: str, value: Any, minimum: int, why: str, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"OffloadActivations: {name}={value!r} is invalid: expected an int >= {minimum}"
-            f"{' or None' if allow_none else ''} ({why})."
-        )
-
-
 def _resolve_device(device: Any) -> torch.device | None:
     if device is None:
         if not torch.accelerator.is_available():
@@ -429,14 +423,18 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     Enter it around the forward pass; run backward outside it (torchtune's
     usage). See NOTE [ Offload lifetime rules ] in this module.
 
-    Args (torchtune-compatible head):
+    Every argument but ``model`` is a field of ``OffloadConfig`` (validated
+    there); ``config=`` passes them all at once (see ``from_config``).
+
+    Args (the head torchtune and TRL share; only these two may be positional):
         use_pin_memory: page-lock host buffers when an accelerator is used.
         use_streams: copy on a side stream so copies overlap compute; silently
             synchronous on CPU or when the device has no streams.
+
+    Keyword-only (torchtune and TRL take the first two positionally, in
+    opposite orders: see offload.compat for their exact signatures):
         max_fwd_stash_size: most in-flight D2H copies whose source is kept alive.
         min_offload_size: tensors with fewer bytes stay on the device.
-
-    Keyword-only:
         device: the device whose tensors are offloaded. None = the current
             accelerator (pass-through with one warning when there is none);
             "cpu" offloads CPU tensors into the host pool (exercises the whole
@@ -460,15 +458,17 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         pin_allocator: "caching" (default: torch's pinned allocator, which rounds
             each block up to a power of two) or "exact" (CUDA: exact-size buffers
             registered with cudaHostRegister; not yet validated on a GPU).
+        config: an OffloadConfig holding every setting above but ``model``
+            (then pass no other setting).
     """
 
     def __init__(
         self,
         use_pin_memory: bool = True,
         use_streams: bool = True,
+        *positional: Any,
         max_fwd_stash_size: int = 5,
         min_offload_size: int = 1024,
-        *,
         device: torch.device | str | None = None,
         max_inflight_bytes: int = 1024 * _MiB,
         prefetch_bytes: int | None = None,
@@ -480,31 +480,58 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         max_records: int = 10_000,
         timing: bool = True,
         pin_allocator: str = "caching",
+        config: OffloadConfig | None = None,
     ) -> None:
-        _check_int("max_fwd_stash_size", max_fwd_stash_size, 1,
-                   "it bounds how many tensors may have a device-to-host copy in flight")
-        _check_int("min_offload_size", min_offload_size, 0, "a size in bytes")
-        _check_int("max_inflight_bytes", max_inflight_bytes, 1, "a size in bytes")
-        _check_int("prefetch_bytes", prefetch_bytes, 0,
-                   "a size in bytes; 0 turns prefetch off, None sizes it from the copies", allow_none=True)
-        _check_int("host_budget_bytes", host_budget_bytes, 0, "a size in bytes", allow_none=True)
-        _check_int("max_records", max_records, 0, "a count of records")
-        if pin_allocator not in PIN_ALLOCATORS:
-            raise ValueError(
-                f"OffloadActivations: pin_allocator={pin_allocator!r} is not one of "
-                f"{PIN_ALLOCATORS}: 'caching' uses PyTorch's pinned allocator, 'exact' registers "
-                "exact-size buffers with cudaHostRegister (no power-of-two rounding)."
+        if positional:
+            # See NOTE [ Positional peers ] in offload/compat/__init__.py.
+            raise TypeError(
+                f"OffloadActivations: got {len(positional) + 2} positional arguments "
+                f"{(use_pin_memory, use_streams, *positional)!r}; only use_pin_memory and use_streams "
+                "may be positional. torchtune's OffloadActivations takes (..., max_fwd_stash_size, "
+                "min_offload_size) in that order and TRL's takes (..., min_offload_size, "
+                "max_fwd_stash_size), so a positional third or fourth value would be ambiguous. Pass "
+                "them by name (OffloadActivations(max_fwd_stash_size=5, min_offload_size=1024)), or "
+                "import the peer's positional order from offload.compat.torchtune or offload.compat.trl."
             )
-        if on_host_budget not in _ON_HOST_BUDGET:
-            raise ValueError(
-                f"OffloadActivations: on_host_budget={on_host_budget!r} is not a policy; "
-                f"choose one of {_ON_HOST_BUDGET}."
+        settings = dict(
+            use_pin_memory=use_pin_memory, use_streams=use_streams,
+            max_fwd_stash_size=max_fwd_stash_size, min_offload_size=min_offload_size, device=device,
+            max_inflight_bytes=max_inflight_bytes, prefetch_bytes=prefetch_bytes,
+            host_budget_bytes=host_budget_bytes, on_host_budget=on_host_budget,
+            virtual_memory_safe_pct=virtual_memory_safe_pct, dedupe=dedupe, max_records=max_records,
+            timing=timing, pin_allocator=pin_allocator,
+        )
+        if config is None:
+            config = OffloadConfig(**settings)  # validates every setting (type and range)
+        else:
+            if not isinstance(config, OffloadConfig):
+                raise TypeError(
+                    f"OffloadActivations: config={config!r} is not an OffloadConfig (got "
+                    f"{type(config).__name__}). Build one with OffloadConfig(...) or "
+                    "OffloadConfig.from_dict(d)."
+                )
+            defaults = OffloadConfig()
+            both = sorted(k for k, v in settings.items() if v != getattr(defaults, k))
+            if both:
+                raise TypeError(
+                    f"OffloadActivations: {both} given both as argument(s) and through config=; "
+                    "pass each setting one way: config.replace(name=value) changes a config."
+                )
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(
+                f"OffloadActivations: model={model!r} is not an nn.Module (got {type(model).__name__}). "
+                "Pass the model being trained (its parameters and buffers are never offloaded) or None."
             )
-        if virtual_memory_safe_pct is not None and not (0 < float(virtual_memory_safe_pct) <= 100):
-            raise ValueError(
-                f"OffloadActivations: virtual_memory_safe_pct={virtual_memory_safe_pct!r} is invalid: "
-                "expected a percentage in (0, 100], or None to turn the RAM ceiling off."
-            )
+        self.config = config
+        """Every setting of this engine (an OffloadConfig: ``to_dict()`` to log or save it)."""
+        # The rest of __init__ reads these names: rebind them from the config.
+        use_pin_memory, use_streams = config.use_pin_memory, config.use_streams
+        max_fwd_stash_size, min_offload_size = config.max_fwd_stash_size, config.min_offload_size
+        device, max_inflight_bytes = config.device, config.max_inflight_bytes
+        prefetch_bytes, host_budget_bytes = config.prefetch_bytes, config.host_budget_bytes
+        on_host_budget, virtual_memory_safe_pct = config.on_host_budget, config.virtual_memory_safe_pct
+        dedupe, max_records, timing = config.dedupe, config.max_records, config.timing
+        pin_allocator = config.pin_allocator
         self.device = _resolve_device(device)
         """Device whose saved tensors are offloaded; None when pass-through."""
         self.enabled = self.device is not None
@@ -515,7 +542,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 "runs pass-through: nothing is moved and every saved tensor is recorded in "
                 "ctx.ledger with reason 'disabled'. Pass device='cpu' to offload CPU tensors "
                 "into the host pool instead.",
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         self.use_pin_memory = use_pin_memory
         self.use_streams = use_streams
@@ -682,7 +709,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         try:
             yield
         finally:
-            st.excluded_depth -= 1
+            # Never below zero: the engine's outermost exit may already have
+            # undone a region an interrupted forward left open (Rule 12).
+            st.excluded_depth = max(0, st.excluded_depth - 1)
 
     def add_observer(self, fn: Callable[[PackEvent], None]) -> RemovableHandle:
         """Call ``fn(event)`` for every pack of this engine."""
@@ -1112,3 +1141,20 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             f"OffloadActivations(device={self.device}, backend={self.backend}, "
             f"min_offload_size={self.min_offload_size}, on_host_budget={self.on_host_budget!r})"
         )
+
+    # -- construction from a config, attaching to a model ------------------------
+
+    @classmethod
+    def from_config(cls, config: OffloadConfig, *, model: nn.Module | None = None) -> "OffloadActivations":
+        """An engine with every setting from ``config`` (``model``'s parameters are never offloaded)."""
+        return cls(model=model, config=config)
+
+    def attach(self, model: nn.Module) -> "AttachHandle":
+        """Enter this engine around every forward of ``model``; ``handle.remove()`` undoes it.
+
+        Any training loop then offloads without a ``with`` block; backward runs
+        outside the engine, as usual. See ``offload.attach``.
+        """
+        from .attach import attach
+
+        return attach(self, model)

@@ -8,6 +8,7 @@ for large vocabularies, are the biggest tensors of the step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -15,10 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ._warn import user_stacklevel
 from .engine import _Kept
 
 if TYPE_CHECKING:
     from .engine import OffloadActivations
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "NoOpManager",
@@ -171,7 +175,7 @@ def warn_unused_regions(engine: "OffloadActivations") -> None:
                 "cached graph skips the exclusion hooks and the module's activations are offloaded. "
                 "Fix: create the offload context (get_act_offloading_ctx_manager) before the first "
                 "compiled call, or compile the blocks individually.",
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
     engine._regions = [h for h in engine._regions if h.active]
 
@@ -217,15 +221,31 @@ def find_output_head(model: nn.Module) -> nn.Module | None:
 
 
 def get_act_offloading_ctx_manager(
-    model: nn.Module, enable_activation_offloading: bool, **kwargs: Any
+    model: nn.Module,
+    enable_activation_offloading: bool = True,
+    *,
+    warn_if_no_head: bool = True,
+    **kwargs: Any,
 ) -> "OffloadActivations | contextlib.nullcontext":
-    """An OffloadActivations for ``model`` with its output head excluded (torchtune's API).
+    """An OffloadActivations for ``model`` with its output head excluded (torchtune's and TRL's API).
 
-    ``kwargs`` go to OffloadActivations unchanged (``model`` defaults to this
-    model so its parameters and buffers are known up front). Returns a null
-    context when offloading is disabled. Warns, with the fix, when no head
-    is found.
+    torchtune calls it as ``(model, enable_activation_offloading)``; TRL as
+    ``(model=..., use_pin_memory=..., use_streams=..., min_offload_size=...,
+    max_fwd_stash_size=..., warn_if_no_head=...)`` with no enable flag (so it
+    defaults to True). ``kwargs`` go to OffloadActivations unchanged
+    (``config=`` included; ``model`` defaults to this model so its parameters
+    and buffers are known up front). Returns a null context when offloading is
+    disabled. Warns, with the fix, when no head is found (unless
+    ``warn_if_no_head=False``).
     """
+    if not isinstance(enable_activation_offloading, bool):
+        raise TypeError(
+            f"get_act_offloading_ctx_manager: enable_activation_offloading="
+            f"{enable_activation_offloading!r} is not a bool (got "
+            f"{type(enable_activation_offloading).__name__}). The second positional argument is "
+            "torchtune's enable flag; pass other settings by name, or use offload.compat.trl for "
+            "TRL's signature."
+        )
     if not enable_activation_offloading:
         return contextlib.nullcontext()
     from .engine import OffloadActivations
@@ -234,14 +254,18 @@ def get_act_offloading_ctx_manager(
     ctx = OffloadActivations(**kwargs)
     head = find_output_head(model)
     if head is None:
-        warnings.warn(
-            f"get_act_offloading_ctx_manager: no output head found on {type(model).__name__} "
-            "(looked for get_output_embeddings(), .output, .lm_head and a Linear tied to an "
-            "Embedding), so the head's activations will be offloaded too: they are needed first "
-            "in backward, so their reload cannot overlap compute and costs step time for little "
-            "memory. Fix: call ctx.exclude(<your head module>) on the returned context.",
-            stacklevel=2,
-        )
+        if warn_if_no_head:
+            warnings.warn(
+                f"get_act_offloading_ctx_manager: no output head found on {type(model).__name__} "
+                "(looked for get_output_embeddings(), .output, .lm_head and a Linear tied to an "
+                "Embedding), so the head's activations will be offloaded too: they are needed first "
+                "in backward, so their reload cannot overlap compute and costs step time for little "
+                "memory. Fix: call ctx.exclude(<your head module>) on the returned context, or pass "
+                "warn_if_no_head=False if the model has no such head.",
+                stacklevel=user_stacklevel(),
+            )
     else:
         ctx.exclude(head, keep_after=True)
+        log.info("offloading %s's activations; output head %s excluded",
+                 type(model).__name__, type(head).__name__)
     return ctx

@@ -126,11 +126,12 @@ def test_use_streams_on_cpu_falls_back_to_sync_copies():
 
 
 def test_torchtune_positional_signature():
-    """The torchtune head is positional: (use_pin_memory, use_streams, max_fwd_stash_size, min_offload_size)."""
-    ctx = OffloadActivations(False, False, 2, 4096, device="cpu")
+    """The shared head (use_pin_memory, use_streams) is positional; the peers disagree on the next two,
+    so they are keyword-only (offload.compat.torchtune / .trl keep each peer's positional order)."""
+    ctx = OffloadActivations(False, False, max_fwd_stash_size=2, min_offload_size=4096, device="cpu")
     assert (ctx.use_pin_memory, ctx.use_streams, ctx.max_fwd_stash_size, ctx.min_offload_size) == (False, False, 2, 4096)
     with pytest.raises(TypeError):
-        OffloadActivations(False, False, 2, 4096, "cpu")  # device is keyword-only
+        OffloadActivations(False, False, 2, 4096, device="cpu")  # ambiguous between torchtune and TRL
 
 
 @pytest.mark.parametrize("stash", [1, 5])

@@ -1,0 +1,62 @@
+"""Framework integrations: one line to offload in a trainer you already use.
+
+- ``offload.integrations.hf.OffloadCallback``: a ``transformers.TrainerCallback``
+  (``Trainer``, TRL's ``SFTTrainer`` and other subclasses); ``pip install offload[hf]``.
+- ``offload.integrations.lightning.OffloadCallback``: a ``lightning.Callback``;
+  ``pip install offload[lightning]``.
+- torchtitan / flame: ``offload.integrations.torchtitan`` (documentation and the
+  config mapping; their ``activation_offload`` path calls torchtune's helper,
+  which ``offload.get_act_offloading_ctx_manager`` replaces).
+
+Both callbacks take the engine's settings as keywords or ``config=OffloadConfig``
+and report the ledger's per-step figures (``step_figures``, keys ``FIGURE_KEYS``)
+to the trainer's logs.
+Submodules are imported on demand, so importing ``offload`` never imports a
+framework.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine import OffloadActivations
+from ..ledger import StepTotals
+
+__all__ = ["step_figures", "FIGURE_KEYS"]
+
+FIGURE_KEYS = (
+    "offload/offloaded_bytes",
+    "offload/kept_bytes",
+    "offload/exposed_copy_s",
+    "offload/pool_reserved_bytes",
+    "offload/pool_in_use_bytes",
+)
+"""The per-step figures the callbacks log, in this order."""
+
+
+def step_figures(t: StepTotals) -> dict[str, Any]:
+    """The logged figures of one closed ledger step (``exposed_copy_s`` = compute stalled on copies)."""
+    return {
+        "offload/offloaded_bytes": t.offloaded_bytes,
+        "offload/kept_bytes": t.kept_bytes,
+        "offload/exposed_copy_s": t.stall_seconds,
+        "offload/pool_reserved_bytes": t.pool.get("reserved_bytes", 0),
+        "offload/pool_in_use_bytes": t.pool.get("in_use_bytes", 0),
+    }
+
+
+class _StepReporter:
+    """Hands out each closed ledger step's figures once (for a trainer's per-step log)."""
+
+    def __init__(self) -> None:
+        self._reported = -1
+
+    def new_figures(self, engine: OffloadActivations | None) -> dict[str, Any]:
+        """Figures of the newest step closed since the last call, or {} when there is none."""
+        if engine is None or not engine.ledger.step_totals:
+            return {}
+        last = engine.ledger.step_totals[-1]
+        if last.step == self._reported:
+            return {}
+        self._reported = last.step
+        return step_figures(last)

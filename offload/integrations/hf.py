@@ -1,0 +1,217 @@
+"""Hugging Face ``Trainer`` integration: ``Trainer(..., callbacks=[OffloadCallback()])``.
+
+At train begin the callback builds an engine, keeps the output head's
+activations on the device (see ``_exclude_tail``) and attaches the engine to
+the model (``ctx.attach``): every forward the Trainer runs is offloaded, backward runs
+outside. At train end it detaches. Each Trainer log gets the newest ledger
+step's figures (``offload/offloaded_bytes``, ``offload/kept_bytes``,
+``offload/exposed_copy_s``, ``offload/pool_*_bytes``), so whatever
+``report_to`` is set (TensorBoard, W&B...) records them.
+
+Works with Trainer subclasses (TRL's ``SFTTrainer``...), PEFT models and
+``gradient_checkpointing=True`` with either ``use_reentrant``: a reentrant
+checkpoint's recompute runs in backward, outside the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+try:
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import CallbackHandler
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "offload.integrations.hf needs transformers, which is not installed: pip install offload[hf]"
+    ) from e
+
+from torch import nn
+
+from ..attach import AttachHandle
+from ..config import OffloadConfig
+from ..engine import OffloadActivations
+from ..engine import active_engine
+from ..regions import find_output_head
+from . import _StepReporter
+
+__all__ = ["OffloadCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class OffloadCallback(TrainerCallback):
+    """Offload activations in any ``transformers.Trainer`` and log the ledger's per-step figures.
+
+    Args:
+        config: every engine setting at once (an ``OffloadConfig``); or pass
+            them as keywords (``device="cpu"``, ``min_offload_size=...``).
+        exclude_head: keep the output head's activations on the device (they
+            are needed first in backward, so their reload cannot be hidden).
+        **engine_kwargs: ``OffloadConfig`` fields.
+    """
+
+    def __init__(self, config: OffloadConfig | None = None, *, exclude_head: bool = True,
+                 **engine_kwargs: Any) -> None:
+        if config is not None and engine_kwargs:
+            raise TypeError(
+                f"OffloadCallback: pass settings as keywords or as config=, not both (got config and "
+                f"{sorted(engine_kwargs)}); config.replace(name=value) changes a config."
+            )
+        if config is not None and not isinstance(config, OffloadConfig):
+            raise TypeError(f"OffloadCallback: config must be an OffloadConfig, got {type(config).__name__}.")
+        self.config = config if config is not None else OffloadConfig(**engine_kwargs)
+        """The engine's settings (validated when the callback is built)."""
+        self.exclude_head = exclude_head
+        self.engine: OffloadActivations | None = None
+        """The engine, built at the first train begin (its ``ledger`` holds every decision)."""
+        self._attached: AttachHandle | None = None
+        self._head: Any = None
+        self._reporter = _StepReporter()
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       **kwargs: Any) -> None:
+        if model is None:
+            raise ValueError("OffloadCallback: the Trainer passed no model to on_train_begin.")
+        self._report_first()
+        if self.engine is None:
+            self.engine = OffloadActivations.from_config(self.config, model=model)
+        self.detach()
+        self._attached = self.engine.attach(model)
+        if self.exclude_head:
+            self._head = _exclude_tail(self.engine, model, self._attached)
+        log.info("offloading %s's activations with %r", type(model).__name__, self.engine)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.detach()
+        if self.engine is not None and self.engine.ledger.step_totals:
+            s = self.engine.ledger.summary()
+            log.info("training done: %d steps, %d bytes offloaded, %d kept",
+                     len(self.engine.ledger.step_totals), s["offloaded_bytes"], s["kept_bytes"])
+
+    def detach(self) -> None:
+        """Remove the engine's hooks from the model (done at train end; idempotent)."""
+        if self._attached is not None:
+            self._attached.remove()
+            self._attached = None
+        if self._head is not None:
+            self._head.remove()
+            self._head = None
+
+    # -- logs ----------------------------------------------------------------------
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        if logs is None:
+            return
+        figures = self._reporter.new_figures(self.engine)
+        if not figures:
+            return
+        # Trainer.log stored a copy in log_history before calling us: update it too.
+        hist = getattr(state, "log_history", None)
+        if hist and all(hist[-1].get(k) == v for k, v in logs.items()):
+            hist[-1].update(figures)
+        logs.update(figures)
+        log.info("step %s: %s", getattr(state, "global_step", "?"),
+                 ", ".join(f"{k.split('/', 1)[1]}={v:g}" for k, v in figures.items()))
+
+    def _report_first(self) -> None:
+        """Run before the reporting callbacks so they see the figures we add to ``logs``.
+
+        The Trainer puts user callbacks after its own (``report_to`` ones
+        included) and passes every callback the same ``logs`` dict, so figures
+        added by a late callback would reach none of them. The handler calling
+        us is a few frames up.
+        """
+        f = sys._getframe(1)
+        for _ in range(6):
+            if f is None:
+                break
+            h = f.f_locals.get("self")
+            if isinstance(h, CallbackHandler) and self in h.callbacks:
+                if h.callbacks[0] is not self:
+                    # Safe while the handler iterates: the callbacks after us keep their indices.
+                    h.callbacks.remove(self)
+                    h.callbacks.insert(0, self)
+                return
+            f = f.f_back
+        log.info("OffloadCallback: could not move ahead of the reporting callbacks; callbacks "
+                 "listed before it will not see the offload/ figures")
+
+
+def _backbone(model: nn.Module) -> nn.Module | None:
+    """The transformer body of an HF model with a head (``LlamaModel`` in ``LlamaForCausalLM``), or None."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
+    body = getattr(inner, "base_model", None)
+    return body if isinstance(body, nn.Module) and body is not inner else None
+
+
+class _TailRegion:
+    """Keeps on the device what the model saves after its body returns: head, loss, fused heads.
+
+    An HF causal LM computes the head and often the loss in its top-level
+    forward, after the body; TRL's SFTTrainer even projects through
+    ``lm_head.weight`` directly (a fused, tiled head), so the head module's
+    forward never runs and excluding that module would exclude nothing. The
+    tail is needed first in backward, so its reload could not be hidden.
+
+    The region opens when the body returns inside an attached call of the
+    root and closes when the root returns (its exit hook runs before the
+    engine is left). A call of the root that begins with the region still
+    open (a KeyboardInterrupt skipped the exit hooks) closes it first.
+    """
+
+    def __init__(self, engine: OffloadActivations, root: nn.Module, body: nn.Module,
+                 attached: AttachHandle) -> None:
+        self._engine = engine
+        self._attached = attached
+        self._open: list[Any] = []
+        self.fired = 0
+        self._hooks = [
+            root.register_forward_pre_hook(self._begin),  # after attach's: the engine is entered
+            body.register_forward_hook(self._start, always_call=True),
+            root.register_forward_hook(self._end, always_call=True, prepend=True),  # before attach's exit
+        ]
+
+    def _outermost(self) -> bool:
+        return self._attached._state.depth == 1
+
+    def _begin(self, module: nn.Module, args: Any) -> None:
+        if self._outermost():
+            self._end(module, args, None)  # left open by an interrupted forward
+
+    def _start(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._attached._state.depth >= 1 and active_engine() is self._engine and not self._open:
+            cm = self._engine.excluded()
+            cm.__enter__()
+            self._open.append(cm)
+            self.fired += 1
+
+    def _end(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._attached._state.depth > 1:
+            return  # a nested call of the root returned, not the outermost
+        while self._open:
+            self._open.pop().__exit__(None, None, None)
+
+    def remove(self) -> None:
+        while self._open:
+            self._open.pop().__exit__(None, None, None)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _exclude_tail(engine: OffloadActivations, model: nn.Module, attached: AttachHandle) -> Any:
+    """Exclude the model's tail (after its body), else its output head module, else nothing (logged)."""
+    body = _backbone(model)
+    if body is not None:
+        log.info("keeping %s's tail (after %s) on the device", type(model).__name__, type(body).__name__)
+        return _TailRegion(engine, model, body, attached)
+    head = find_output_head(model)
+    if head is not None:
+        return engine.exclude(head)
+    log.info("no output head found on %s: its activations are offloaded too", type(model).__name__)
+    return None

@@ -1,0 +1,203 @@
+"""ctx.attach(model): offloading with no change to the loop, exception-safe, nested- and compile-safe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadActivations, active_engine
+from offload.engine import _engines
+from offload.modules import current_modules
+from offload_testkit import (
+    TINY,
+    ToyLlama,
+    assert_really_offloaded,
+    assert_same_grads,
+    cpu_ctx,
+    loss_of,
+    make_batch,
+    twin_of,
+)
+
+
+def _toy() -> tuple[nn.Module, tuple]:
+    torch.manual_seed(0)
+    return ToyLlama(TINY), make_batch(TINY, 2, 16)
+
+
+def test_attach_offloads_bitwise_and_backward_runs_outside():
+    """An attached model offloads its forward with no `with` block; grads are bitwise the twin's."""
+    model, inputs = _toy()
+    twin = twin_of(model)
+    ctx = cpu_ctx()
+    handle = ctx.attach(model)
+    loss = loss_of(model, inputs)
+    assert active_engine() is None, "the engine must be left when forward returns"
+    loss.backward()
+    loss_of(twin, inputs).backward()
+    assert_same_grads(model, twin)
+    assert_really_offloaded(ctx)
+    assert handle.calls == 1 and len(ctx.ledger.step_totals) == 1
+
+
+def test_several_calls_per_step_each_enter_once():
+    """Two forwards before one backward (e.g. two micro-batches): each call enters and leaves once."""
+    model, inputs = _toy()
+    twin = twin_of(model)
+    ctx = cpu_ctx()
+    handle = ctx.attach(model)
+    (loss_of(model, inputs) + loss_of(model, inputs)).backward()
+    (loss_of(twin, inputs) + loss_of(twin, inputs)).backward()
+    assert_same_grads(model, twin)
+    assert handle.calls == 2
+    assert ctx.ledger.summary()["offloaded_count"] > 0
+
+
+class _Recursive(nn.Module):
+    """Calls itself once from inside its forward (a nested call of the attached root)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.depths: list[int] = []
+
+    def forward(self, x: torch.Tensor, again: bool = True) -> torch.Tensor:
+        self.depths.append(sum(e is self.engine for e in _engines()))
+        y = torch.tanh(self.lin(x))
+        return self(y, again=False) if again else y
+
+
+def test_nested_call_does_not_enter_twice():
+    """A model called inside its own forward is entered once (the engine is on the stack once)."""
+    torch.manual_seed(0)
+    model = _Recursive()
+    twin = twin_of(model)
+    ctx = cpu_ctx()
+    model.engine = twin.engine = ctx
+    handle = ctx.attach(model)
+    x = torch.randn(4, 16)
+    model(x).sum().backward()
+    assert model.depths == [1, 1], model.depths
+    assert handle.calls == 1 and active_engine() is None
+    twin(x).sum().backward()
+    assert_same_grads(model, twin)
+
+
+class _Fails(nn.Module):
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.exc = exc
+        self.armed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x)) * 2
+        if self.armed:
+            raise self.exc
+        return y
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt()], ids=["Exception", "KeyboardInterrupt"])
+def test_forward_raising_leaves_the_engine(exc):
+    """A forward that raises (KeyboardInterrupt included) leaves no engine entered and no module stack,
+    at the latest when the model is next called; later steps are bitwise."""
+    torch.manual_seed(0)
+    model = _Fails(exc)
+    twin = twin_of(model)
+    ctx = cpu_ctx()
+    handle = ctx.attach(model)
+    x = torch.randn(4, 16)
+    with pytest.raises(type(exc)):
+        model(x)
+    if isinstance(exc, Exception):
+        # always_call hook: left at once.
+        assert active_engine() is None and current_modules() == []
+    model.armed = twin.armed = False
+    model(x).sum().backward()  # repairs a KeyboardInterrupt's leftover state first
+    assert active_engine() is None and current_modules() == []
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    twin(x).sum().backward()
+    assert_same_grads(model, twin)
+    assert ctx.ledger.summary()["offloaded_count"] > 0
+    assert handle.calls == 2
+
+
+def test_remove_after_keyboard_interrupt_leaves_the_engine():
+    """handle.remove() after an interrupted forward pops the engine's hooks and detaches."""
+    torch.manual_seed(0)
+    model = _Fails(KeyboardInterrupt())
+    ctx = cpu_ctx()
+    handle = ctx.attach(model)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(4, 16))
+    assert active_engine() is ctx  # PyTorch skips always_call hooks for a BaseException
+    handle.remove()
+    assert active_engine() is None and current_modules() == []
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not handle.active and handle.engine is None
+
+
+def test_remove_detaches():
+    """After handle.remove() the model's forward is no longer offloaded."""
+    model, inputs = _toy()
+    ctx = cpu_ctx()
+    handle = ctx.attach(model)
+    loss_of(model, inputs).backward()
+    packed = ctx.ledger.summary()["packed_count"]
+    assert packed > 0
+    handle.remove()
+    handle.remove()  # idempotent
+    loss_of(model, inputs).backward()
+    assert ctx.ledger.summary()["packed_count"] == packed
+
+
+def test_attach_inside_explicit_context_records_once():
+    """Calling an attached model inside `with ctx:` does not enter the engine a second time."""
+    model, (x, _) = _toy()
+    model_b = twin_of(model)
+    ctx_a, ctx_b = cpu_ctx(), cpu_ctx()
+    ctx_a.attach(model)
+    seen: list[int] = []
+    model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(sum(e is ctx_a for e in _engines())))
+    with ctx_a:
+        out_a = model(x)
+    assert seen == [1], seen
+    ctx_b.attach(model_b)
+    out_b = model_b(x)
+    assert ctx_a.ledger.summary()["packed_count"] == ctx_b.ledger.summary()["packed_count"] > 0
+    out_a.sum().backward()
+    out_b.sum().backward()
+    assert_same_grads(model, model_b)
+
+
+def test_attached_engine_lives_with_the_model():
+    """`OffloadActivations(...).attach(model)` needs no variable: the model's hooks keep the engine."""
+    import gc
+
+    model, inputs = _toy()
+    handle = cpu_ctx().attach(model)
+    gc.collect()
+    loss_of(model, inputs).backward()
+    assert handle.engine is not None
+    assert_really_offloaded(handle.engine)
+
+
+def test_compiled_blocks_under_attach_bitwise():
+    """Blocks compiled with torch.compile run under an attached root with bitwise grads."""
+    model, inputs = _toy()
+    for block in model.layers:
+        block.compile(backend="aot_eager")  # in place: no OptimizedModule wrapper
+    twin = twin_of(model)
+    ctx = cpu_ctx()
+    ctx.attach(model)
+    loss_of(model, inputs).backward()
+    loss_of(twin, inputs).backward()
+    assert_same_grads(model, twin)
+    assert_really_offloaded(ctx)
+
+
+def test_attach_rejects_a_non_module():
+    """attach() names what it needs when given something else."""
+    with pytest.raises(TypeError, match="nn.Module"):
+        cpu_ctx().attach("model")
