@@ -19,6 +19,9 @@ from .pool import HostBuffer, HostPool
 from .modules import current_module_name, current_modules, track_modules
 from .policy import REASONS, is_static_tensor
 
+# The memory-budget planner (offload.planner)
+from .planner import Plan, plan
+
 __all__ = [
     # engine
     "OffloadActivations",
@@ -43,4 +46,7 @@ __all__ = [
     "track_modules",
     "current_module_name",
     "current_modules",
+    # planner
+    "plan",
+    "Plan",
 ]
