@@ -1,26 +1,10 @@
-"""Shared tiny toy Llama and one profiled plan for the planner tests."""
+"""One profiled plan of the toy model, shared by the planner tests."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-
-from bench.model import ToyLlama, ToyLlamaConfig, make_batch
-
-CFG = ToyLlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, max_seq_len=128)
-
-
-def make_model_and_step(seed: int = 0):
-    torch.manual_seed(seed)
-    model = ToyLlama(CFG)
-    tokens, targets = make_batch(CFG, 2, 64)
-
-    def step() -> torch.Tensor:
-        logits = model(tokens)  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    return model, step
+from planner_testkit import make_model_and_step
 
 
 @pytest.fixture(scope="module")
