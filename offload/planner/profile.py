@@ -24,7 +24,6 @@ Warm-up steps run first, so the host pool is filled and lazy state exists.
 
 from __future__ import annotations
 
-import statistics
 import time
 import weakref
 from collections.abc import Callable
@@ -90,9 +89,9 @@ class BlockStats:
     retains_input: bool = True
     """The block's input tensor was still alive when its backward began."""
     fwd_s: float = 0.0
-    """Forward seconds (median over timed steps)."""
+    """Forward seconds (fastest of the timed steps)."""
     bwd_s: float = 0.0
-    """Backward seconds (median over timed steps; includes recompute)."""
+    """Backward seconds (fastest of the timed steps; includes recompute)."""
     saved_bytes: int = 0
     """Logical bytes the block saved for backward (engine ledger)."""
     copy_bytes: int = 0
@@ -120,7 +119,7 @@ class DecisionProfile:
     peak: int = 0
     """Measured peak of the whole step."""
     step_s: float = 0.0
-    """Median step seconds (untracked steps)."""
+    """Fastest step seconds (untracked steps)."""
 
 
 @dataclass
@@ -367,9 +366,10 @@ def profile_decision(inst: Installed, decision: str | dict[str, str], step: Call
         bwds.append(b)
         steps.append(t)
     for i, s in enumerate(prof.blocks):
-        s.fwd_s = statistics.median(f[i] for f in fwds) if fwds else 0.0
-        s.bwd_s = statistics.median(b[i] for b in bwds) if bwds else 0.0
-    prof.step_s = statistics.median(steps) if steps else 0.0
+        # Per boundary, the fastest step: the least-disturbed estimate on a shared machine.
+        s.fwd_s = min(f[i] for f in fwds) if fwds else 0.0
+        s.bwd_s = min(b[i] for b in bwds) if bwds else 0.0
+    prof.step_s = min(steps) if steps else 0.0
     return prof
 
 
