@@ -36,7 +36,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MemoryMeter", "measure_step", "StepMeasurement"]
+__all__ = ["MemoryMeter", "measure_step", "StepMeasurement", "host_clock"]
+
+
+def host_clock() -> Callable[[], float]:
+    """The clock for CPU steps: this thread's CPU time when torch runs one intra-op thread
+    (then all of forward and backward runs on the calling thread, and a shared machine's
+    descheduling does not count), wall time otherwise."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
 def _tensor_ranges(obj: Any, out: list[tuple[int, int]], seen: set[int], depth: int = 0) -> None:
@@ -250,8 +257,9 @@ class StepMeasurement:
     peak_bytes: int
     """Peak device memory of the measured step (see the module docstring)."""
     step_seconds: float
-    """Fastest of the timed steps (synchronised on accelerators): on a shared machine the
-    least-disturbed step is the best estimate of the step's own cost (the profile uses the same)."""
+    """Fastest of the timed steps (synchronised on accelerators; on CPU timed by
+    :func:`host_clock`): the least-disturbed step estimates the step's own cost (the
+    profile uses the same statistic and clock)."""
     step_seconds_all: list[float] = field(default_factory=list)
 
 
@@ -288,13 +296,14 @@ def measure_step(
     with meter.tracking(model):
         run()
     times = []
+    clock = host_clock() if dev.type == "cpu" else time.perf_counter
     for _ in range(timed):
         if before_each:
             before_each()
         _sync(dev)
-        t0 = time.perf_counter()
+        t0 = clock()
         run()
         _sync(dev)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return StepMeasurement(peak_bytes=meter.peak, step_seconds=min(times) if times else float("nan"),
                            step_seconds_all=times)

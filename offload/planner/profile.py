@@ -14,8 +14,9 @@ once per decision, with every candidate block set to that decision, and a
 * the windows before the first block (embedding), between the last block's
   forward and its backward (head, loss, head backward) and after the first
   block's backward (embedding backward);
-* times of the same boundaries in separate, untracked steps (clocks on CPU,
-  device events on accelerators), so that the memory tracker's dispatch
+* times of the same boundaries in separate, untracked steps (on CPU this
+  thread's CPU time when torch uses one thread, else wall clock; device events
+  on accelerators), so that the memory tracker's dispatch
   overhead does not pollute them;
 * from an engine observer: bytes saved per block, bytes and count of copies.
 
@@ -35,7 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .install import DECISIONS, Installed
-from .meter import MemoryMeter
+from .meter import MemoryMeter, host_clock
 
 __all__ = ["BlockStats", "DecisionProfile", "StepProfile", "Probe", "profile_step"]
 
@@ -142,13 +143,14 @@ class _Clock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type != "cpu" and hasattr(torch, device.type)
         self.device = device
+        self._host = host_clock()
 
     def now(self) -> Any:
         if self.cuda:
             ev = torch.Event(device=self.device, enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return self._host()
 
     def seconds(self, a: Any, b: Any) -> float:
         if a is None or b is None:
