@@ -185,6 +185,7 @@ class MemoryMeter:
             self._window_peak = self.level()
             return w
         w = int(torch.accelerator.max_memory_allocated(self.device))
+        self.peak = max(self.peak, w)
         torch.accelerator.reset_peak_memory_stats(self.device)
         return w
 
@@ -204,7 +205,7 @@ class _Tracking:
         if m.device.type != "cpu":
             torch.accelerator.synchronize(m.device)
             torch.accelerator.reset_peak_memory_stats(m.device)
-            m.peak = -1
+            m.peak = 0
             return m
         for pool in m.pools:
             ranges: list[tuple[int, int]] = []
@@ -240,7 +241,8 @@ class _Tracking:
         try:
             if m.device.type != "cpu":
                 torch.accelerator.synchronize(m.device)
-                m.peak = int(torch.accelerator.max_memory_allocated(m.device))
+                # window() resets the allocator's peak: keep the largest seen.
+                m.peak = max(m.peak, int(torch.accelerator.max_memory_allocated(m.device)))
             elif m._tracker is not None:
                 m._tracker.__exit__(*exc)
                 m._tracker = None

@@ -176,3 +176,51 @@ def test_gpu_prediction_within_5pct() -> None:
     peak, _ = p.measure(model, gstep)
     assert peak <= p.budget_bytes
     assert abs(p.predicted_peak_bytes / peak - 1) <= 0.05, p.report()
+
+
+def test_greedy_solver_plan_fits(profiled) -> None:
+    model, step, plan = profiled
+    budget = _budget(plan, 0.4)
+    p = plan_from_cost(plan.cost, budget, model=model, device="cpu", unplanned_peak=plan.unplanned_peak_bytes,
+                       unplanned_s=plan.unplanned_step_seconds, solver="greedy")
+    exact = plan_from_cost(plan.cost, budget, model=model, device="cpu",
+                           unplanned_peak=plan.unplanned_peak_bytes, unplanned_s=plan.unplanned_step_seconds)
+    assert p.solver == "greedy" and exact.solver == "exact"
+    assert p.predicted_peak_bytes <= budget
+    assert p.predicted_step_seconds >= exact.predicted_step_seconds - 1e-12
+
+
+def test_smallest_reachable_peak_is_a_feasible_budget(profiled) -> None:
+    model, step, plan = profiled
+    p = plan_from_cost(plan.cost, plan.min_peak_bytes, model=model, device="cpu",
+                       unplanned_peak=plan.unplanned_peak_bytes, unplanned_s=plan.unplanned_step_seconds)
+    assert p.predicted_peak_bytes <= plan.min_peak_bytes
+    peak, _ = p.measure(model, step, warmup=1, timed=0)
+    assert peak <= plan.min_peak_bytes * 1.10
+
+
+def test_find_blocks_default_and_explicit() -> None:
+    from offload.planner import find_blocks
+
+    model, _ = make_model_and_step()
+    assert [n for n, _ in find_blocks(model)] == [f"layers.{i}" for i in range(4)]
+    picked = find_blocks(model, [model.layers[1].attn, "layers.2.mlp"])
+    assert picked == [("layers.1.attn", model.layers[1].attn), ("layers.2.mlp", model.layers[2].mlp)]
+    with pytest.raises(ValueError, match="same module twice"):
+        find_blocks(model, ["layers.0", model.layers[0]])
+    with pytest.raises(ValueError, match="no nn.ModuleList"):
+        find_blocks(torch.nn.Linear(2, 2))
+
+
+def test_submodule_candidates_predicted_within_10pct() -> None:
+    """Candidates finer than blocks (attention and MLP of each layer) are planned and predicted too."""
+    model, step = make_model_and_step()
+    names = [f"layers.{i}.{s}" for i in range(4) for s in ("attn", "mlp")]
+    base = offload.plan(model, step, budget_bytes=1 << 40, blocks=names, timed=1, bandwidth_gb_s=10.0)
+    assert set(base.decisions) == set(names)
+    budget = _budget(base, 0.5)
+    p = plan_from_cost(base.cost, budget, model=model, device="cpu", unplanned_peak=base.unplanned_peak_bytes,
+                       unplanned_s=base.unplanned_step_seconds)
+    peak, _ = p.measure(model, step, warmup=1, timed=0)
+    assert peak <= budget
+    assert abs(p.predicted_peak_bytes / peak - 1) <= 0.10, p.report()
