@@ -188,6 +188,10 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
     from offload.planner import plan_from_cost
 
     dev = torch.device(device)
+    if workload.fit_layers and dev.type == "cuda":  # 8b: as many blocks as fit when `none` runs
+        from bench.harness import fit_layers
+
+        workload = workload.replace(n_layers=fit_layers(workload, dev, 0.85, seed))
     env = _env(workload, dev, seed)
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else (lambda s: None)
     arms_names = list(FIXED_ARMS) + (["compile_amb_0.25", "compile_amb_0.5", "compile_amb_0.75"]
