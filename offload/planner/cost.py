@@ -19,10 +19,8 @@ per decision with every candidate block under that decision):
   ``B + P_{n-1} + h(d_{n-1})`` (it depends on whether the last block frees its
   input), and the embedding windows are constants. Assumption: a block's
   constants depend only on its own decision (true for a residual stream:
-  neighbours interact through the prefix sum only). The engine's prefetch
-  reaches one block ahead in backward; the uniform profile charges it to the
-  block whose backward is running, so a keep block next to an offload block
-  is charged a prefetch it may not see (conservative).
+  neighbours interact through the prefix sum only). The one exception, the
+  engine's loading ahead in backward, is handled below (Time, prefetch).
 
 Time:
 
@@ -39,16 +37,16 @@ Time:
   does not fit its window is exposed. Windows are disjoint, so the link is
   never promised more than one copy per window: link capacity per phase is
   respected by construction. The last block's window is taken as zero.
-  Loading ahead (prefetch) in backward reaches across blocks, into the
+  This is why offloading a checkpoint's input (``recompute_offload``, a few
+  bytes per FLOP) hides, while offloading all of a block's saves hides only
+  a fraction at realistic widths (perf-anchors §2.3).
+* Prefetch: loading ahead (prefetch) in backward reaches across blocks, into the
   previous offloaded block, so it is not a per-block cost: with streams the
   plan's engine gets ``prefetch_bytes`` = twice the largest single copy seen
   in profiling (the engine's own default once warm), and every backward
   peak of a plan that offloads anything is charged that many bytes more
   (conservative). Synchronous engines get ``prefetch_bytes=0``: loading
   ahead cannot overlap anything there.
-  This is why offloading a checkpoint's input (``recompute_offload``, a few
-  bytes per FLOP) hides, while offloading all of a block's saves hides only
-  a fraction at realistic widths (perf-anchors §2.3).
 * Step time = measured non-block time (embedding, head, loss, optimizer
   hooks, from the keep profile) + sum over blocks of compute + exposed copy.
 """

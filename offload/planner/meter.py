@@ -23,6 +23,12 @@ does not break the rule:
 
 Containment is tested on data-pointer ranges, so a buffer that is a view into
 a larger slab is covered by the slab's range and vice versa.
+
+The subclass overrides two private MemTracker methods (``_track``, where a
+storage is first counted, and ``_update_peak_stats``, to follow the running
+total between block boundaries) and reads ``_curr_mem_snap``; checked against
+torch 2.13 by ``tests/planner`` (a torch that renames them fails those tests,
+not silently).
 """
 
 from __future__ import annotations
