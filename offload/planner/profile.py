@@ -6,8 +6,10 @@ once per decision, with every candidate block set to that decision, and a
 
 * forward: the level just before a block runs (``A``), just after (``L``) and
   the peak in between; the block's input and output bytes; whether the
-  block's input tensor is still alive when its backward starts (``ret``: the
-  decision retains it) — read through a weak reference, not assumed;
+  block's input storage is still alive when its backward starts (``ret``:
+  something, usually the decision, retains it), read through a weak
+  reference to the storage (not to the tensor object: the engine may hold
+  the bytes through another tensor, a detached alias or a view);
 * backward: identity autograd markers on the block's output and input fire
   when backward reaches the block (level ``D``) and leaves it; the peak in
   between;
@@ -198,8 +200,12 @@ class Probe:
         if k >= 0:
             x = leaves[k]
             s.in_bytes = _storage_bytes(x)
-            # Views keep their root base alive (not intermediate views): watch the root.
-            self._inputs[i] = weakref.ref(x._base if x._base is not None else x)
+            # Watch the storage, not the tensor object: the engine may hold a saved
+            # tensor's bytes through another tensor (a detached alias, a view).
+            try:
+                self._inputs[i] = weakref.ref(x.untyped_storage())
+            except (RuntimeError, TypeError, NotImplementedError):
+                self._inputs[i] = None
             leaves[k] = _Marker.apply(x, lambda i=i: self.bwd_end(i))
             args, kwargs = tree_unflatten(leaves, spec)
         self.t[("fwd0", i)] = self.clock.now()
@@ -228,7 +234,7 @@ class Probe:
         s = self.stats[i]
         s.D = self._level()
         ref = self._inputs[i]
-        s.retains_input = ref is not None and ref() is not None
+        s.retains_input = ref is None or ref() is not None
         self._bwd_seen.add(i)
 
     def bwd_end(self, i: int) -> None:
