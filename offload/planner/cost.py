@@ -62,8 +62,7 @@ from typing import Any
 
 import torch
 
-from .install import DECISIONS
-from .profile import DecisionProfile, StepProfile
+from .profile import StepProfile
 
 __all__ = ["Hardware", "Option", "BlockCost", "CostModel", "measure_hardware", "build_cost_model"]
 

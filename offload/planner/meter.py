@@ -121,7 +121,6 @@ class _HostRanges:
 
 def _make_tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (MemTracker is one)
 
     class _HostExcludingTracker(MemTracker):
         """MemTracker that never counts a storage lying inside a host buffer."""

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from ..errors import OffloadError
-from .cost import OFFLOADING, CostModel, Hardware, build_cost_model, measure_hardware
-from .install import DECISIONS, Installed, install
+from .cost import OFFLOADING, CostModel, build_cost_model, measure_hardware
+from .install import Installed, install
 from .meter import measure_step
 from .profile import StepProfile, profile_step, run_step, zero_grads_
 from .solve import Choice, min_peak, solve

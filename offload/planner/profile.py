@@ -27,7 +27,6 @@ Warm-up steps run first, so the host pool is filled and lazy state exists.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
