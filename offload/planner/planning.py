@@ -245,7 +245,8 @@ def _best(a: Any, b: Any) -> Any:
 
 def _infeasible(budget: int, cost: CostModel, lowest: Any, model: nn.Module) -> OffloadError:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    # Gradients of trainable parameters exist during the step (profiling keeps them allocated).
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     smallest = cost.base + lowest.peak
     biggest = max(cost.blocks, key=lambda b: min(o.event for o in b.options.values()))
     b_min = min(biggest.options.values(), key=lambda o: o.event)
