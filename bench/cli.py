@@ -64,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "choice on GPU; 0 = torch's own choice")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="list presets and strategies, then exit")
+    p.add_argument("--plan", action="store_true", help="planner frontier vs fixed strategies (bench/plan.py)")
+    p.add_argument("--max-seq", action="store_true", help="longest sequence per arm under one budget (bench/plan.py)")
+    p.add_argument("--budgets", default="0.25,0.5,0.75", help="--plan: budgets as fractions of activation memory")
+    p.add_argument("--budget-mib", type=float, default=None, help="--max-seq: budget (default: no-plan peak at --seq)")
     return p.parse_args(argv)
 
 
@@ -156,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     if threads:
         torch.set_num_threads(threads)
     try:
+        if args.plan or args.max_seq:
+            from bench.plan import main_max_seq, main_plan
+
+            return (main_plan if args.plan else main_max_seq)(cfg.workload, cfg.device, args, argv)
         _run(cfg, args, argv)
     finally:
         torch.set_num_threads(before)  # main() is also called in-process (tests)

@@ -37,6 +37,9 @@ from .pool import HostBuffer, HostPool
 from .modules import current_module_name, current_modules, module_name, register_model, track_modules
 from .policy import REASONS, is_static_tensor
 
+# The memory-budget planner (offload.planner)
+from .planner import Plan, plan
+
 __all__ = [
     "__version__",
     # engine
@@ -66,4 +69,7 @@ __all__ = [
     "current_modules",
     "register_model",
     "module_name",
+    # planner
+    "plan",
+    "Plan",
 ]

@@ -1,0 +1,449 @@
+"""``python -m bench --plan`` and ``--max-seq``: the planner against fixed strategies.
+
+``--plan``: profile the workload once, plan it at several budgets (fractions
+of the no-plan activation memory, i.e. ``base + f * (unplanned peak - base)``
+where ``base`` is parameters + gradients + buffers + inputs), measure each
+planned step, and measure the fixed strategies ``none``, ``ac``, ``sac``,
+``offload``, ``offload_ac`` (``bench/strategies.py``) the same way: peak device
+memory of one tracked step (``offload.planner.meter``: MemTracker with host
+buffers left out on CPU, ``max_memory_allocated`` on a GPU) and the fastest of
+``--steps`` untracked steps (the fastest is kept: a shared machine disturbs
+steps, and the planner's profile uses the same statistic). Every arm runs the
+same loss (the planner's step), so peaks compare like for like. On a GPU, torch.compile's
+``activation_memory_budget`` at 0.25/0.5/0.75 is added (not run on CPU).
+Writes ``plan_<run_id>.{json,md,png}``: the PNG is peak memory vs step time,
+fixed strategies as points, planned points measured (filled) and predicted
+(hollow), joined per budget.
+
+``--max-seq``: for a fixed budget (default: the no-plan peak at ``--seq``),
+the longest sequence (doubling from ``--seq``, then one bisection step) each
+arm trains with a measured peak within the budget. Writes
+``plan_maxseq_<run_id>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.env import results_dir, run_metadata
+from bench.harness import build_model
+from bench.model import make_batch
+from bench.strategies import BenchEnv, Skip
+from bench.workloads import Workload
+
+__all__ = ["FIXED_ARMS", "run_frontier", "run_max_seq", "main_plan", "main_max_seq"]
+
+FIXED_ARMS = ("none", "ac", "sac", "offload", "offload_ac")
+"""Fixed strategies the planner is compared with."""
+DEFAULT_FRACTIONS = (0.25, 0.5, 0.75)
+_MiB = float(1 << 20)
+
+
+@dataclass
+class ArmPoint:
+    name: str
+    peak_bytes: int | None = None
+    step_s: float | None = None
+    status: str = "ok"
+    reason: str = ""
+
+
+@dataclass
+class PlannedPoint:
+    fraction: float
+    budget_bytes: int
+    decisions: dict[str, str] = field(default_factory=dict)
+    predicted_peak_bytes: int | None = None
+    predicted_step_s: float | None = None
+    measured_peak_bytes: int | None = None
+    measured_step_s: float | None = None
+    solver: str = ""
+    status: str = "ok"
+    reason: str = ""
+    report: str = ""
+
+    @property
+    def peak_error(self) -> float | None:
+        if not self.measured_peak_bytes or self.predicted_peak_bytes is None:
+            return None
+        return self.predicted_peak_bytes / self.measured_peak_bytes - 1
+
+    @property
+    def time_error(self) -> float | None:
+        if not self.measured_step_s or self.predicted_step_s is None:
+            return None
+        return self.predicted_step_s / self.measured_step_s - 1
+
+
+def _zero(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+
+
+def _env(workload: Workload, device: torch.device, seed: int, max_seq: int | None = None) -> BenchEnv:
+    wl = workload if max_seq is None else workload.replace(seq_len=max_seq)
+    model = build_model(wl, device, seed)
+    tokens, targets = make_batch(model.cfg, workload.batch, workload.seq_len, device=device, seed=seed)
+    return BenchEnv(model=model, tokens=tokens, targets=targets, device=device,
+                    engine_device="cpu" if device.type == "cpu" else None)
+
+
+def _loss_step(env: BenchEnv) -> Callable[[], torch.Tensor]:
+    """The planner's step: forward and the same float32 cross-entropy as the strategies."""
+    def step() -> torch.Tensor:
+        logits = env.model(env.tokens)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), env.targets.flatten())
+
+    return step
+
+
+def _arm_run(name: str, env: BenchEnv, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], Any]:
+    """One fixed strategy as (run, engine), on the planner's own step so every arm computes the loss
+    the same way (``bench.strategies`` steps hold the logits during backward, the planner's does not).
+    The strategies are those of ``bench/strategies.py``: same flags, same engine settings."""
+    import offload
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from bench.strategies import _sac_policy  # the same selective policy as the ``sac`` strategy
+
+    model = env.model
+    ckpt = name in ("ac", "sac", "offload_ac")
+    context_fn = (functools.partial(create_selective_checkpoint_contexts, _sac_policy) if name == "sac" else None)
+    engine = (offload.OffloadActivations(device=env.engine_device, use_streams=True)
+              if name in ("offload", "offload_ac") else None)
+    if name.startswith("compile_amb_"):
+        return _compile_arm(env, float(name.rsplit("_", 1)[1]), step), None
+    if name not in FIXED_ARMS:
+        raise Skip(f"unknown arm {name!r}")
+
+    def run() -> None:
+        model.checkpoint_blocks, model.checkpoint_context_fn = ckpt, context_fn
+        try:
+            if engine is None:
+                loss = step()
+            else:
+                with engine:
+                    loss = step()
+        finally:
+            model.checkpoint_blocks, model.checkpoint_context_fn = False, None
+        loss.backward()
+
+    return run, engine
+
+
+def _compile_arm(env: BenchEnv, budget: float, step: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """torch.compile with activation_memory_budget (GPU only; not run on CPU, so unverified here)."""
+    if env.on_cpu:
+        raise Skip("compile's activation_memory_budget is measured on GPU only (n/a on CPU)")
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(env.model)
+
+    def run() -> None:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            logits = compiled(env.tokens)
+        F.cross_entropy(logits.flatten(0, 1).float(), env.targets.flatten()).backward()
+
+    return run
+
+
+def _measure_arm(name: str, env: BenchEnv, steps: int, warmup: int) -> ArmPoint:
+    from offload.planner.meter import measure_step
+
+    try:
+        run, engine = _arm_run(name, env, _loss_step(env))
+    except Skip as e:
+        return ArmPoint(name, status="skipped", reason=str(e))
+    try:
+        m = measure_step(run, device=env.device, model=env.model, pools=[engine.pool] if engine else [],
+                         warmup=warmup, timed=steps, before_each=lambda: _zero(env.model))
+    except Exception as e:  # one broken arm must not take the others down
+        return ArmPoint(name, status="error", reason=f"{type(e).__name__}: {e}")
+    finally:
+        if name.startswith("compile_amb_"):
+            import torch._dynamo
+
+            torch._dynamo.reset()
+        gc.collect()
+    return ArmPoint(name, peak_bytes=m.peak_bytes, step_s=m.step_seconds)
+
+
+def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...] = DEFAULT_FRACTIONS,
+                 steps: int = 5, warmup: int = 1, seed: int = 0, progress: bool = True) -> dict[str, Any]:
+    """Fixed arms and planned points for one workload (see the module docstring)."""
+    import offload
+    from offload.planner import plan_from_cost
+
+    dev = torch.device(device)
+    if workload.fit_layers and dev.type == "cuda":  # 8b: as many blocks as fit when `none` runs
+        from bench.harness import fit_layers
+
+        workload = workload.replace(n_layers=fit_layers(workload, dev, 0.85, seed))
+    env = _env(workload, dev, seed)
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else (lambda s: None)
+    arms_names = list(FIXED_ARMS) + (["compile_amb_0.25", "compile_amb_0.5", "compile_amb_0.75"]
+                                     if dev.type == "cuda" else [])
+    arms = []
+    for name in arms_names:
+        say(f"[plan] measuring {name}")
+        arms.append(_measure_arm(name, env, steps, warmup))
+    step = _loss_step(env)
+    say("[plan] profiling the planner (one step per decision)")
+    t0 = time.perf_counter()
+    base_plan = offload.plan(env.model, step, budget_bytes=1 << 62, warmup=warmup, timed=steps)
+    profile_s = time.perf_counter() - t0
+    cost = base_plan.cost
+    unplanned = base_plan.unplanned_peak_bytes
+    planned = []
+    for f in fractions:
+        budget = cost.base + int(f * (unplanned - cost.base))
+        pt = PlannedPoint(fraction=f, budget_bytes=budget)
+        try:
+            p = plan_from_cost(cost, budget, model=env.model, device=str(dev), unplanned_peak=unplanned,
+                               unplanned_s=base_plan.unplanned_step_seconds)
+        except offload.OffloadError as e:
+            pt.status, pt.reason = "infeasible", str(e)
+            planned.append(pt)
+            continue
+        say(f"[plan] budget {f:.2f}: measuring {p.decisions}")
+        p.measure(env.model, step, warmup=warmup, timed=steps)
+        pt.decisions, pt.solver = dict(p.decisions), p.solver
+        pt.predicted_peak_bytes, pt.predicted_step_s = p.predicted_peak_bytes, p.predicted_step_seconds
+        pt.measured_peak_bytes, pt.measured_step_s = p.measured_peak_bytes, p.measured_step_seconds
+        pt.report = p.report()
+        planned.append(pt)
+    return {
+        "workload": {**asdict(workload), "run_id": workload.run_id},
+        "device": str(dev),
+        "base_bytes": cost.base,
+        "unplanned_peak_bytes": unplanned,
+        "profile_seconds": profile_s,
+        "hardware": asdict(cost.hardware),
+        "arms": [asdict(a) for a in arms],
+        "planned": [{**asdict(p), "peak_error": p.peak_error, "time_error": p.time_error} for p in planned],
+        "unverified": ("GPU arms (compile activation_memory_budget), torch's auto-AC ILP (not run) and the "
+                       "streams cost model (hidden copies) were not run on this machine"
+                       if dev.type == "cpu" else "torch's auto-AC ILP arm is not implemented"),
+    }
+
+
+# -------------------------------------------------------------------- output
+
+
+def _mib(x: int | None) -> str:
+    return "—" if x is None else f"{x / _MiB:.2f}"
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:+.1f}%"
+
+
+def format_frontier(res: dict[str, Any]) -> str:
+    lines = [f"planner frontier: {res['workload']['run_id']} on {res['device']} "
+             f"(base {_mib(res['base_bytes'])} MiB, no-plan peak {_mib(res['unplanned_peak_bytes'])} MiB)", "",
+             "| arm | peak MiB | step ms (fastest) | status |", "|---|---:|---:|---|"]
+    for a in res["arms"]:
+        lines.append(f"| {a['name']} | {_mib(a['peak_bytes'])} | {_ms(a['step_s'])} | "
+                     f"{a['status']}{': ' + a['reason'] if a['reason'] else ''} |")
+    lines += ["", "| budget (of activation mem) | budget MiB | predicted peak | measured peak | peak err | "
+              "predicted ms | measured ms | time err | fits | decisions |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for p in res["planned"]:
+        fits = "—" if p["measured_peak_bytes"] is None else (
+            "yes" if p["measured_peak_bytes"] <= p["budget_bytes"] else "NO")
+        dec = ", ".join(f"{k}={v}" for k, v in p["decisions"].items()) or p["reason"][:120]
+        lines.append(f"| {p['fraction']:.2f} | {_mib(p['budget_bytes'])} | {_mib(p['predicted_peak_bytes'])} | "
+                     f"{_mib(p['measured_peak_bytes'])} | {_pct(p['peak_error'])} | {_ms(p['predicted_step_s'])} | "
+                     f"{_ms(p['measured_step_s'])} | {_pct(p['time_error'])} | {fits} | {dec} |")
+    hw = res["hardware"]
+    lines += ["", f"Link model: D2H {hw['d2h_gb_s']:.1f} GB/s, H2D {hw['h2d_gb_s']:.1f} GB/s ({hw['source']}), "
+              f"{'synchronous copies (time exposed)' if hw['synchronous'] else 'side streams'}. "
+              f"Profiling took {res['profile_seconds']:.1f} s. Unverified: {res['unverified']}."]
+    return "\n".join(lines)
+
+
+def write_frontier_png(res: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for a in res["arms"]:
+        if a["peak_bytes"] is None:
+            continue
+        x, y = a["step_s"] * 1e3, a["peak_bytes"] / _MiB
+        ax.plot([x], [y], "s", color="tab:gray", ms=7)
+        ax.annotate(a["name"], (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8, color="dimgray")
+    pts = [p for p in res["planned"] if p["measured_peak_bytes"] is not None]
+    for p in pts:
+        mx, my = p["measured_step_s"] * 1e3, p["measured_peak_bytes"] / _MiB
+        px, py = p["predicted_step_s"] * 1e3, p["predicted_peak_bytes"] / _MiB
+        ax.plot([px, mx], [py, my], "-", color="tab:blue", alpha=0.4, lw=1)
+        ax.plot([px], [py], "o", mfc="none", color="tab:blue", ms=8)
+        ax.plot([mx], [my], "o", color="tab:blue", ms=6)
+        ax.axhline(p["budget_bytes"] / _MiB, color="tab:red", lw=0.6, ls=":", alpha=0.7)
+        ax.annotate(f"plan @{p['fraction']:.2f}", (mx, my), textcoords="offset points", xytext=(6, -10),
+                    fontsize=8, color="tab:blue")
+    if pts:
+        s = sorted(pts, key=lambda p: p["measured_peak_bytes"])
+        ax.plot([p["measured_step_s"] * 1e3 for p in s], [p["measured_peak_bytes"] / _MiB for p in s], "-",
+                color="tab:blue", lw=1.5, label="planner, measured (filled) / predicted (hollow)")
+    ax.axhline(res["base_bytes"] / _MiB, color="black", lw=0.8, ls="--", label="base: params + grads + inputs")
+    ax.plot([], [], "s", color="tab:gray", label="fixed strategies")
+    ax.plot([], [], ":", color="tab:red", label="budgets")
+    ax.set_xlabel("step time, fastest of --steps (ms)")
+    ax.set_ylabel("peak device memory (MiB)")
+    ax.set_title(f"memory vs time: {res['workload']['run_id']} on {res['device']}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -------------------------------------------------------------------- max-seq
+
+
+def _fits(name: str, workload: Workload, device: torch.device, seq: int, budget: int, seed: int,
+          steps: int) -> tuple[bool, int | None, str]:
+    import offload
+
+    wl = workload.replace(seq_len=seq)
+    env = _env(wl, device, seed)
+    try:
+        if name == "planner":
+            step = _loss_step(env)
+            try:
+                p = offload.plan(env.model, step, budget_bytes=budget, timed=0)
+            except offload.OffloadError:
+                return False, None, "infeasible (predicted)"
+            peak, _ = p.measure(env.model, step, warmup=1, timed=0)
+            return peak <= budget, peak, ",".join(sorted(set(p.decisions.values())))
+        a = _measure_arm(name, env, 0, 1)
+        if a.peak_bytes is None:
+            return False, None, a.reason
+        return a.peak_bytes <= budget, a.peak_bytes, ""
+    finally:
+        del env
+        gc.collect()
+
+
+def run_max_seq(workload: Workload, device: str, *, budget_bytes: int | None = None, arms: tuple[str, ...] = (
+        "none", "ac", "offload", "offload_ac", "planner"), max_doublings: int = 4, seed: int = 0,
+        progress: bool = True) -> dict[str, Any]:
+    """Longest trainable sequence per arm under one budget (doubling, then one bisection)."""
+    dev = torch.device(device)
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else (lambda s: None)
+    if budget_bytes is None:
+        env = _env(workload, dev, seed)
+        budget_bytes = _measure_arm("none", env, 0, 1).peak_bytes
+        del env
+    rows = []
+    for name in arms:
+        seq, best, best_peak, note = workload.seq_len, None, None, ""
+        lo_fail = None
+        for _ in range(max_doublings + 1):
+            ok, peak, note_ = _fits(name, workload, dev, seq, budget_bytes, seed, 0)
+            say(f"[max-seq] {name} seq={seq}: {'fits' if ok else 'over'} ({_mib(peak)} MiB)")
+            if not ok:
+                lo_fail = seq
+                break
+            best, best_peak, note = seq, peak, note_
+            seq *= 2
+        if best is not None and lo_fail is not None:
+            mid = (best + lo_fail) // 2
+            mid -= mid % 8
+            if best < mid < lo_fail:
+                ok, peak, note_ = _fits(name, workload, dev, mid, budget_bytes, seed, 0)
+                say(f"[max-seq] {name} seq={mid}: {'fits' if ok else 'over'} ({_mib(peak)} MiB)")
+                if ok:
+                    best, best_peak, note = mid, peak, note_
+        rows.append({"arm": name, "max_seq": best, "peak_bytes": best_peak, "capped": lo_fail is None,
+                     "note": note})
+    return {"workload": {**asdict(workload), "run_id": workload.run_id}, "device": str(dev),
+            "budget_bytes": budget_bytes, "rows": rows,
+            "method": f"doubling from seq {workload.seq_len} (at most {max_doublings} times), then one bisection "
+                      "step; fits = measured peak <= budget"}
+
+
+def format_max_seq(res: dict[str, Any]) -> str:
+    lines = [f"longest sequence under {_mib(res['budget_bytes'])} MiB: {res['workload']['run_id']} on {res['device']}",
+             "", "| arm | max seq | peak MiB | note |", "|---|---:|---:|---|"]
+    for r in res["rows"]:
+        ms = "—" if r["max_seq"] is None else f"{r['max_seq']}{'+' if r['capped'] else ''}"
+        lines.append(f"| {r['arm']} | {ms} | {_mib(r['peak_bytes'])} | {r['note']} |")
+    lines += ["", f"Method: {res['method']}; '+' = still fitting at the last length tried."]
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------- entry points
+
+
+def _write(stem: str, res: dict[str, Any], text: str, out_dir: Path, meta: dict[str, Any],
+           png: Callable[[dict[str, Any], Path], bool] | None) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    jp = out_dir / f"{stem}.json"
+    jp.write_text(json.dumps({"meta": meta, **res}, indent=1, default=str) + "\n")
+    paths.append(jp)
+    md = [f"# {stem}", "", f"Command: `{meta.get('command', '')}`", "", text]
+    if png is not None and png(res, out_dir / f"{stem}.png"):
+        paths.append(out_dir / f"{stem}.png")
+        md += ["", f"![memory vs step time]({stem}.png)"]
+    mp = out_dir / f"{stem}.md"
+    mp.write_text("\n".join(md) + "\n")
+    paths.append(mp)
+    return paths
+
+
+def main_plan(workload: Workload, device: str, args: Any, argv: list[str] | None) -> int:
+    fractions = tuple(float(x) for x in str(getattr(args, "budgets", "") or "0.25,0.5,0.75").split(","))
+    steps = args.steps if args.steps is not None else (5 if device == "cpu" else 6)
+    res = run_frontier(workload, device, fractions=fractions, steps=steps,
+                       warmup=args.warmup if args.warmup is not None else 1, seed=args.seed,
+                       progress=not args.quiet)
+    text = format_frontier(res)
+    print(text)
+    if not args.no_write:
+        meta = run_metadata(device, argv if argv is not None else sys.argv[1:])
+        meta["command"] = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+        out = args.out if args.out is not None else results_dir(device)
+        for p in _write(f"plan_{workload.run_id}", res, text, out, meta,
+                        None if args.no_plot else write_frontier_png):
+            print(f"wrote {p}")
+    return 0
+
+
+def main_max_seq(workload: Workload, device: str, args: Any, argv: list[str] | None) -> int:
+    budget = int(args.budget_mib * (1 << 20)) if getattr(args, "budget_mib", None) else None
+    res = run_max_seq(workload, device, budget_bytes=budget, seed=args.seed, progress=not args.quiet)
+    text = format_max_seq(res)
+    print(text)
+    if not args.no_write:
+        meta = run_metadata(device, argv if argv is not None else sys.argv[1:])
+        meta["command"] = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+        out = args.out if args.out is not None else results_dir(device)
+        for p in _write(f"plan_maxseq_{workload.run_id}", res, text, out, meta, None):
+            print(f"wrote {p}")
+    return 0

@@ -1,0 +1,30 @@
+"""The memory-budget planner: keep / offload / recompute per block, at the least predicted step time.
+
+    plan = offload.plan(model, step, budget_bytes=...)
+    handle = plan.apply(model)        # engine attached to the blocks; remove() restores the model
+    print(plan.report())
+
+Modules: ``meter`` (peak of one step, host buffers left out), ``profile``
+(one step per decision), ``cost`` (the cost model and its assumptions),
+``solve`` (exact Pareto DP, greedy fallback), ``install`` (applying
+decisions), ``planning`` (the Plan object and ``plan()``).
+"""
+
+from .cost import CostModel, Hardware
+from .install import DECISIONS, Installed
+from .meter import MemoryMeter, StepMeasurement, measure_step
+from .planning import Plan, find_blocks, plan, plan_from_cost
+
+__all__ = [
+    "plan",
+    "Plan",
+    "DECISIONS",
+    "Installed",
+    "find_blocks",
+    "plan_from_cost",
+    "CostModel",
+    "Hardware",
+    "MemoryMeter",
+    "StepMeasurement",
+    "measure_step",
+]

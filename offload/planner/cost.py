@@ -1,0 +1,285 @@
+"""The cost model: predicted peak memory and step time of a per-block plan.
+
+Memory (all quantities measured by :mod:`offload.planner.profile`, one step
+per decision with every candidate block under that decision):
+
+* ``B``: device bytes in use when the step begins (parameters, gradients,
+  buffers, inputs). Profiling zeroes gradients in place, so they exist for
+  the whole step, as in a loop using ``zero_grad(set_to_none=False)``; a loop
+  that sets them to None peaks lower, so the prediction is conservative there.
+* ``r_i(d)``: bytes block ``i`` leaves on the device after its forward until
+  its backward, under decision ``d``: ``L - A - out + ret * in`` (level after
+  minus before, minus its output, which the next block accounts for, plus its
+  input if the decision keeps the input alive, as read by a weak reference).
+* Every peak of the step is a prefix sum plus a block-local constant: the
+  forward of block ``i`` peaks at ``B + P_i + f_i(d_i)`` and its backward at
+  ``B + P_i + b_i(d_i)``, with ``P_i = sum_{j<i} r_j(d_j)``, where ``f`` and
+  ``b`` are measured in profile ``d`` as ``peak - B - sum_{j<i} r_j(d)``. The
+  head window (head forward, loss, head backward) peaks at
+  ``B + P_{n-1} + h(d_{n-1})`` (it depends on whether the last block frees its
+  input), and the embedding windows are constants. Assumption: a block's
+  constants depend only on its own decision (true for a residual stream:
+  neighbours interact through the prefix sum only). The one exception, the
+  engine's loading ahead in backward, is handled below (Time, prefetch).
+
+Time:
+
+* ``compute_i(keep)`` and ``compute_i(recompute)`` are the block's measured
+  forward + backward seconds (recompute >= keep is enforced).
+* A copy of ``x`` bytes costs ``x / BW_d2h`` in forward and ``x / BW_h2d`` in
+  backward plus a per-copy engine overhead. ``BW`` comes from
+  ``bench.probe`` (pinned copies on a GPU; memcpy on CPU) or the caller.
+* CPU, or an engine without streams: copies are synchronous, so all their
+  time is exposed (added to the step). The per-copy overhead is calibrated
+  from the offload profile (measured slowdown minus bytes / BW).
+* With side streams: the D2H of block ``i`` hides behind the forward of block
+  ``i+1`` and the H2D (prefetch) behind the backward of block ``i+1``; what
+  does not fit its window is exposed. Windows are disjoint, so the link is
+  never promised more than one copy per window: link capacity per phase is
+  respected by construction. The last block's window is taken as zero.
+  This is why offloading a checkpoint's input (``recompute_offload``, a few
+  bytes per FLOP) hides, while offloading all of a block's saves hides only
+  a fraction at realistic widths (perf-anchors §2.3).
+* Prefetch: loading ahead (prefetch) in backward reaches across blocks, into the
+  previous offloaded block, so it is not a per-block cost: with streams the
+  plan's engine gets ``prefetch_bytes`` = twice the largest single copy seen
+  in profiling (the engine's own default once warm), and every backward
+  peak of a plan that offloads anything is charged that many bytes more
+  (conservative). Synchronous engines get ``prefetch_bytes=0``: loading
+  ahead cannot overlap anything there.
+* Step time = measured non-block time (embedding, head, loss, optimizer
+  hooks, from the keep profile) + sum over blocks of compute + exposed copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .profile import StepProfile
+
+__all__ = ["Hardware", "Option", "BlockCost", "CostModel", "measure_hardware", "build_cost_model"]
+
+log = logging.getLogger("offload.planner")
+
+_MB = 1 << 20
+
+OFFLOADING = ("offload", "recompute_offload")
+"""Decisions that copy to the host."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Copy bandwidth and whether copies block compute."""
+
+    d2h_gb_s: float
+    h2d_gb_s: float
+    synchronous: bool
+    """True on CPU (and without streams): copy time is always exposed."""
+    source: str = ""
+    """Where the numbers came from."""
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(device: str) -> tuple[float, float, str]:
+    dev = torch.device(device)
+    try:
+        from bench.probe import run_probe
+
+        if dev.type == "cuda":
+            r = run_probe(dev, (256,), contention=False)
+            return float(r.pinned_d2h_gb_s), float(r.pinned_h2d_gb_s), "bench.probe pinned 256 MB"
+        r = run_probe(dev, (64,))
+        bw = float(r.best("memcpy", "host"))
+        return bw, bw, "bench.probe cpu memcpy 64 MB"
+    except Exception as e:  # bench not importable (installed without it): a small local probe
+        log.info("bench.probe unavailable (%s); measuring a 64 MB copy locally", e)
+    n = 64 * _MB
+    src = torch.ones(n, dtype=torch.uint8, device=dev)
+    dst = torch.empty(n, dtype=torch.uint8, pin_memory=dev.type != "cpu")
+    dst.copy_(src)
+    if dev.type != "cpu":
+        torch.accelerator.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src)
+    if dev.type != "cpu":
+        torch.accelerator.synchronize(dev)
+    bw = 4 * n / (time.perf_counter() - t0) / 1e9
+    return bw, bw, "local 64 MB copy"
+
+
+def measure_hardware(device: torch.device | str, synchronous: bool,
+                     bandwidth_gb_s: tuple[float, float] | float | None = None) -> Hardware:
+    """Bandwidths given by the caller, or measured once per process and device."""
+    if bandwidth_gb_s is not None:
+        if isinstance(bandwidth_gb_s, (int, float)):
+            bandwidth_gb_s = (float(bandwidth_gb_s), float(bandwidth_gb_s))
+        d2h, h2d = (float(x) for x in bandwidth_gb_s)
+        if d2h <= 0 or h2d <= 0:
+            raise ValueError(f"offload.plan: bandwidth_gb_s={bandwidth_gb_s!r} must be positive (GB/s)")
+        return Hardware(d2h, h2d, synchronous, "given")
+    d2h, h2d, src = _probe(str(torch.device(device)))
+    return Hardware(d2h, h2d, synchronous, src)
+
+
+@dataclass
+class Option:
+    """One decision for one block, as the solver sees it."""
+
+    decision: str
+    retained: int
+    """``r``: bytes held from the block's forward to its backward (adds to the prefix)."""
+    event: int
+    """Largest peak constant of the block's own windows, above ``B + prefix``."""
+    seconds: float
+    """Predicted forward + backward seconds, exposed copies included."""
+    compute_s: float = 0.0
+    recompute_s: float = 0.0
+    copy_bytes: int = 0
+    copy_s: float = 0.0
+    """Link time of the block's copies (D2H + H2D), hidden or not."""
+    exposed_s: float = 0.0
+    """Part of ``copy_s`` (plus engine overhead) added to the step."""
+    fwd_event: int = 0
+    bwd_event: int = 0
+    head_event: int = 0
+
+
+@dataclass
+class BlockCost:
+    name: str
+    saved_bytes: int
+    """Bytes the block saves for backward when kept (engine ledger)."""
+    in_bytes: int
+    options: dict[str, Option] = field(default_factory=dict)
+
+
+@dataclass
+class CostModel:
+    """Predicts peak and step time of any assignment of decisions to blocks."""
+
+    base: int
+    pre_event: int
+    post_event: int
+    rest_s: float
+    blocks: list[BlockCost]
+    hardware: Hardware
+    copy_overhead_s: float = 0.0
+    prefetch_bytes: int = 0
+    """Bytes backward may load ahead (charged to every backward peak of a plan that offloads)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Settings of the engine the profile ran with; applied plans use the same."""
+
+    @property
+    def names(self) -> list[str]:
+        return [b.name for b in self.blocks]
+
+    def events(self, decisions: dict[str, str] | list[str]) -> list[tuple[int, str]]:
+        """Every predicted peak of the step as (bytes, where)."""
+        ds = [decisions[b.name] for b in self.blocks] if isinstance(decisions, dict) else list(decisions)
+        ahead = self.prefetch_bytes if any(d in OFFLOADING for d in ds) else 0
+        out = [(self.base + self.pre_event, "embedding forward"), (self.base + self.post_event, "end of backward")]
+        prefix = 0
+        for b, d in zip(self.blocks, ds):
+            o = b.options[d]
+            out.append((self.base + prefix + o.fwd_event, f"forward of {b.name} ({d})"))
+            out.append((self.base + prefix + o.bwd_event + ahead, f"backward of {b.name} ({d})"))
+            if o.head_event:
+                out.append((self.base + prefix + o.head_event, f"head and loss (after {b.name}: {d})"))
+            prefix += o.retained
+        return out
+
+    def peak(self, decisions: dict[str, str] | list[str]) -> int:
+        return max(v for v, _ in self.events(decisions))
+
+    def where(self, decisions: dict[str, str] | list[str]) -> str:
+        return max(self.events(decisions))[1]
+
+    def seconds(self, decisions: dict[str, str] | list[str]) -> float:
+        ds = [decisions[b.name] for b in self.blocks] if isinstance(decisions, dict) else list(decisions)
+        return self.rest_s + sum(b.options[d].seconds for b, d in zip(self.blocks, ds))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _retained(s: Any) -> int:
+    return s.L - s.A - s.out_bytes + (s.in_bytes if s.retains_input else 0)
+
+
+def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str, Any] | None = None) -> CostModel:
+    """Turn per-decision profiles into per-block options (see the module docstring)."""
+    keep = profile.by_decision["keep"]
+    n = len(profile.names)
+    B = keep.base
+    blocks = [BlockCost(name, keep.blocks[i].saved_bytes, keep.blocks[i].in_bytes) for i, name in enumerate(profile.names)]
+    compute = {d: [p.blocks[i].fwd_s + p.blocks[i].bwd_s for i in range(n)] for d, p in profile.by_decision.items()}
+
+    def link_s(nbytes: int) -> tuple[float, float]:
+        return nbytes / (hw.d2h_gb_s * 1e9), nbytes / (hw.h2d_gb_s * 1e9)
+
+    # Per-copy engine overhead (synchronous copies): measured slowdown beyond bytes / BW.
+    overheads = []
+    for d, base_d in (("offload", "keep"), ("recompute_offload", "recompute")):
+        if d not in profile.by_decision or base_d not in profile.by_decision:
+            continue
+        for i in range(n):
+            s = profile.by_decision[d].blocks[i]
+            if s.copies:
+                d2h, h2d = link_s(s.copy_bytes)
+                extra = compute[d][i] - max(compute[base_d][i], compute["keep"][i]) - d2h - h2d
+                overheads.append(max(0.0, extra) / s.copies)
+    overhead = statistics.median(overheads) if (overheads and hw.synchronous) else 0.0
+
+    for d, prof in profile.by_decision.items():
+        r = [_retained(s) for s in prof.blocks]
+        prefix = 0
+        for i, s in enumerate(prof.blocks):
+            keep_c = compute["keep"][i]
+            comp = keep_c if d in ("keep", "offload") else max(keep_c, compute[d][i] if d == "recompute"
+                                                              else compute.get("recompute", compute[d])[i])
+            d2h, h2d = link_s(s.copy_bytes)
+            if hw.synchronous:
+                exposed = d2h + h2d + s.copies * overhead
+            else:
+                nxt = keep.blocks[i + 1] if i + 1 < n else None
+                win_f = nxt.fwd_s if nxt else 0.0
+                win_b = nxt.bwd_s if nxt else 0.0
+                exposed = max(0.0, d2h - win_f) + max(0.0, h2d - win_b)
+            opt = Option(
+                decision=d,
+                retained=r[i],
+                event=0,
+                seconds=comp + exposed,
+                compute_s=keep_c,
+                recompute_s=comp - keep_c,
+                copy_bytes=s.copy_bytes,
+                copy_s=d2h + h2d,
+                exposed_s=exposed,
+                fwd_event=s.fwd_peak - prof.base - prefix,
+                bwd_event=s.bwd_peak - prof.base - prefix,
+            )
+            if i == n - 1:
+                opt.head_event = prof.head_peak - prof.base - prefix
+            opt.event = max(opt.fwd_event, opt.bwd_event, opt.head_event)
+            blocks[i].options[d] = opt
+            prefix += r[i]
+    rest = max(0.0, keep.step_s - sum(compute["keep"]))
+    pre = max(p.pre_peak - p.base for p in profile.by_decision.values())
+    post = max(p.post_peak - p.base for p in profile.by_decision.values())
+    ekw = dict(engine_kwargs or {})
+    ahead = 0
+    if not hw.synchronous:
+        biggest = max((s.max_copy for p in profile.by_decision.values() for s in p.blocks), default=0)
+        ahead = ekw.get("prefetch_bytes")
+        if ahead is None:
+            ahead = ekw["prefetch_bytes"] = 2 * biggest
+    return CostModel(base=B, pre_event=pre, post_event=post, rest_s=rest, blocks=blocks, hardware=hw,
+                     copy_overhead_s=overhead, prefetch_bytes=int(ahead), engine_kwargs=ekw)

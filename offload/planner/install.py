@@ -1,0 +1,123 @@
+"""Installing per-block decisions on a model, and removing them exactly.
+
+Each candidate block's ``forward`` is replaced by an instance attribute that
+runs the original forward under the plan's decision:
+
+* ``keep``: inside the engine with ``engine.excluded()`` (saved tensors stay on
+  the device and are recorded in the ledger with reason ``excluded_region``).
+* ``offload``: inside the engine (everything it saves above
+  ``min_offload_size`` goes to the host pool).
+* ``recompute``: ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
+  inside ``engine.excluded()``: only the block's inputs are saved, on the device.
+* ``recompute_offload``: the same checkpoint inside the engine: the saved
+  inputs go to the host pool.
+
+The engine is *attached*: it is entered around each candidate block's forward
+only, so the user's training loop needs no ``with`` block, and nothing outside
+the candidate blocks (embedding, final norm, output head, loss) is touched:
+it is kept exactly as without a plan. Backward runs outside the engine, as in
+torchtune. ``remove()`` deletes the instance attribute (or puts back one that
+was there before), which restores the model exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["DECISIONS", "Installed", "install"]
+
+DECISIONS = ("keep", "offload", "recompute", "recompute_offload")
+"""Per-block decisions, cheapest in time first (keep) to least memory (recompute_offload)."""
+
+_EXCLUDED = ("keep", "recompute")
+_RECOMPUTE = ("recompute", "recompute_offload")
+
+
+class Installed:
+    """Handle of installed decisions: ``remove()`` restores every block's forward.
+
+    Attributes:
+        engine: the attached ``OffloadActivations`` (its ledger records every
+            save of the candidate blocks).
+        decisions: the live decision per block FQN; changing an entry takes
+            effect at the next forward (the profiler uses this).
+        probe: optional observer of block boundaries (``profile.Probe``).
+    """
+
+    def __init__(self, engine: Any, decisions: dict[str, str]) -> None:
+        self.engine = engine
+        self.decisions = decisions
+        self.probe: Any = None
+        self._restore: list[Callable[[], None]] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._restore)
+
+    def remove(self) -> None:
+        """Restore every block's original forward (idempotent)."""
+        while self._restore:
+            self._restore.pop()()
+
+    def __enter__(self) -> "Installed":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def _block_forward(inst: Installed, index: int, name: str, orig: Callable) -> Callable:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return orig(*args, **kwargs)
+        decision = inst.decisions[name]
+        probe = inst.probe
+        if probe is not None:
+            args, kwargs = probe.fwd_pre(index, args, kwargs)
+        engine = inst.engine
+        with engine:
+            region = engine.excluded() if decision in _EXCLUDED else contextlib.nullcontext()
+            with region:
+                if decision in _RECOMPUTE:
+                    out = checkpoint(orig, *args, use_reentrant=False, **kwargs)
+                else:
+                    out = orig(*args, **kwargs)
+        if probe is not None:
+            out = probe.fwd_post(index, out)
+        return out
+
+    forward.__offload_plan__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+def install(blocks: list[tuple[str, nn.Module]], decisions: dict[str, str], engine: Any) -> Installed:
+    """Wrap each block's forward with its decision; returns the removable handle."""
+    for name, d in decisions.items():
+        if d not in DECISIONS:
+            raise ValueError(f"offload.plan: decision {d!r} for {name!r} is not one of {DECISIONS}")
+    inst = Installed(engine, dict(decisions))
+    for index, (name, mod) in enumerate(blocks):
+        current = mod.__dict__.get("forward")
+        if getattr(current, "__offload_plan__", False):
+            inst.remove()
+            raise RuntimeError(
+                f"offload.plan: block {name!r} already has a plan installed; call .remove() on the "
+                "previous plan's handle before applying another one."
+            )
+        had = "forward" in mod.__dict__
+        mod.forward = _block_forward(inst, index, name, mod.forward)  # type: ignore[method-assign]
+
+        def restore(m: nn.Module = mod, had: bool = had, old: Any = current) -> None:
+            if had:
+                m.forward = old  # type: ignore[method-assign]
+            else:
+                del m.forward
+
+        inst._restore.append(restore)
+    return inst

@@ -1,0 +1,400 @@
+"""Profile one training step per decision: memory levels, peaks and times per block.
+
+The planner runs the user's step (forward, then backward outside the engine)
+once per decision, with every candidate block set to that decision, and a
+:class:`Probe` watching block boundaries:
+
+* forward: the level just before a block runs (``A``), just after (``L``) and
+  the peak in between; the block's input and output bytes; whether the
+  block's input storage is still alive when its backward starts (``ret``:
+  something, usually the decision, retains it), read through a weak
+  reference to the storage (not to the tensor object: the engine may hold
+  the bytes through another tensor, a detached alias or a view);
+* backward: identity autograd markers on the block's output and input fire
+  when backward reaches the block (level ``D``) and leaves it; the peak in
+  between;
+* the windows before the first block (embedding), between the last block's
+  forward and its backward (head, loss, head backward) and after the first
+  block's backward (embedding backward);
+* times of the same boundaries in separate, untracked steps (on CPU this
+  thread's CPU time when torch uses one thread, else wall clock; device events
+  on accelerators), so that the memory tracker's dispatch
+  overhead does not pollute them;
+* from an engine observer: bytes saved per block, bytes and count of copies.
+
+Warm-up steps run first, so the host pool is filled and lazy state exists.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .install import DECISIONS, Installed
+from .meter import MemoryMeter, host_clock
+
+__all__ = ["BlockStats", "DecisionProfile", "StepProfile", "Probe", "profile_step"]
+
+
+class _Marker(torch.autograd.Function):
+    """Identity whose backward calls a callback (marks a block boundary in backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cb: Callable[[], None]) -> torch.Tensor:  # type: ignore[override]
+        ctx.cb = cb
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        ctx.cb()
+        return g, None
+
+
+def _first_grad_tensor(leaves: list[Any]) -> int:
+    for i, v in enumerate(leaves):
+        if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point():
+            return i
+    return -1
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+@dataclass
+class BlockStats:
+    """What one step showed about one block under one decision."""
+
+    A: int = 0
+    """Device bytes in use just before the block's forward."""
+    L: int = 0
+    """Device bytes in use just after the block's forward (its input still referenced)."""
+    fwd_peak: int = 0
+    """Peak device bytes during the block's forward."""
+    D: int = 0
+    """Device bytes in use when backward reaches the block's output."""
+    bwd_peak: int = 0
+    """Peak device bytes during the block's backward (recompute and reloads included)."""
+    in_bytes: int = 0
+    """Storage bytes of the block's input (what recompute keeps)."""
+    out_bytes: int = 0
+    """Storage bytes of the block's output."""
+    retains_input: bool = True
+    """The block's input tensor was still alive when its backward began."""
+    fwd_s: float = 0.0
+    """Forward seconds (fastest of the timed steps)."""
+    bwd_s: float = 0.0
+    """Backward seconds (fastest of the timed steps; includes recompute)."""
+    saved_bytes: int = 0
+    """Logical bytes the block saved for backward (engine ledger)."""
+    copy_bytes: int = 0
+    """Bytes copied to the host for this block (engine ledger)."""
+    copies: int = 0
+    """Number of host copies for this block."""
+    max_copy: int = 0
+    """Largest single host copy of this block (sizes the engine's prefetch)."""
+
+
+@dataclass
+class DecisionProfile:
+    """One step with every candidate block under ``decision``."""
+
+    decision: str
+    blocks: list[BlockStats]
+    base: int = 0
+    """Device bytes in use when the step began (parameters, gradients, buffers, inputs)."""
+    pre_peak: int = 0
+    """Peak before the first block (embedding forward)."""
+    head_peak: int = 0
+    """Peak between the last block's forward and its backward (head, loss, head backward)."""
+    post_peak: int = 0
+    """Peak after the first block's backward (embedding backward, end of step)."""
+    peak: int = 0
+    """Measured peak of the whole step."""
+    step_s: float = 0.0
+    """Fastest step seconds (untracked steps)."""
+
+
+@dataclass
+class StepProfile:
+    """Everything the cost model needs: one :class:`DecisionProfile` per decision."""
+
+    names: list[str]
+    device: str
+    by_decision: dict[str, DecisionProfile] = field(default_factory=dict)
+    unplanned_peak: int = 0
+    """Measured peak of the step without any plan installed."""
+    unplanned_step_s: float = 0.0
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    synchronous_copies: bool = True
+    """Copies block compute (CPU, or an engine without streams)."""
+
+
+class _Clock:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type != "cpu" and hasattr(torch, device.type)
+        self.device = device
+        self._host = host_clock()
+
+    def now(self) -> Any:
+        if self.cuda:
+            ev = torch.Event(device=self.device, enable_timing=True)
+            ev.record()
+            return ev
+        return self._host()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        if a is None or b is None:
+            return 0.0
+        if self.cuda:
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+
+class Probe:
+    """Records levels, peaks and times at block boundaries during one step."""
+
+    def __init__(self, n: int, clock: _Clock, meter: MemoryMeter | None) -> None:
+        self.n = n
+        self.clock = clock
+        self.meter = meter
+        self.stats = [BlockStats() for _ in range(n)]
+        self.t: dict[tuple[str, int], Any] = {}
+        self._inputs: list[weakref.ref | None] = [None] * n
+        self.windows: dict[str, int] = {}
+        self.base = 0
+        self._bwd_seen: set[int] = set()
+
+    def _level(self) -> int:
+        return self.meter.level() if self.meter is not None else 0
+
+    def _window(self) -> int:
+        return self.meter.window() if self.meter is not None else 0
+
+    def begin(self) -> None:
+        self.base = self._level()
+        self._window()
+        self.t[("step", 0)] = self.clock.now()
+
+    def fwd_pre(self, i: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        s = self.stats[i]
+        w = self._window()
+        if i == 0:
+            self.windows["pre"] = w
+        else:
+            s.fwd_peak = max(s.fwd_peak, w)  # the gap before this block (loop bookkeeping)
+        s.A = self._level()
+        leaves, spec = tree_flatten((args, kwargs))
+        k = _first_grad_tensor(leaves)
+        if k >= 0:
+            x = leaves[k]
+            s.in_bytes = _storage_bytes(x)
+            # Watch the storage, not the tensor object: the engine may hold a saved
+            # tensor's bytes through another tensor (a detached alias, a view).
+            try:
+                self._inputs[i] = weakref.ref(x.untyped_storage())
+            except (RuntimeError, TypeError, NotImplementedError):
+                self._inputs[i] = None
+            leaves[k] = _Marker.apply(x, lambda i=i: self.bwd_end(i))
+            args, kwargs = tree_unflatten(leaves, spec)
+        self.t[("fwd0", i)] = self.clock.now()
+        return args, kwargs
+
+    def fwd_post(self, i: int, out: Any) -> Any:
+        self.t[("fwd1", i)] = self.clock.now()
+        s = self.stats[i]
+        s.fwd_peak = max(s.fwd_peak, self._window())
+        s.L = self._level()
+        leaves, spec = tree_flatten(out)
+        k = _first_grad_tensor(leaves)
+        if k >= 0:
+            s.out_bytes = _storage_bytes(leaves[k])
+            leaves[k] = _Marker.apply(leaves[k], lambda i=i: self.bwd_start(i))
+            out = tree_unflatten(leaves, spec)
+        return out
+
+    def bwd_start(self, i: int) -> None:
+        self.t[("bwd0", i)] = self.clock.now()
+        w = self._window()
+        if i == self.n - 1:
+            self.windows["head"] = w
+        else:
+            self.stats[i].bwd_peak = max(self.stats[i].bwd_peak, w)  # gap after block i+1's backward
+        s = self.stats[i]
+        s.D = self._level()
+        ref = self._inputs[i]
+        s.retains_input = ref is None or ref() is not None
+        self._bwd_seen.add(i)
+
+    def bwd_end(self, i: int) -> None:
+        self.t[("bwd1", i)] = self.clock.now()
+        s = self.stats[i]
+        s.bwd_peak = max(s.bwd_peak, self._window())
+
+    def end(self) -> None:
+        self.t[("step", 1)] = self.clock.now()
+        self.windows["post"] = self._window()
+
+    def times(self) -> tuple[list[float], list[float], float]:
+        c = self.clock
+        fwd = [c.seconds(self.t.get(("fwd0", i)), self.t.get(("fwd1", i))) for i in range(self.n)]
+        bwd = [c.seconds(self.t.get(("bwd0", i)), self.t.get(("bwd1", i))) for i in range(self.n)]
+        return fwd, bwd, c.seconds(self.t.get(("step", 0)), self.t.get(("step", 1)))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def zero_grads_(model: nn.Module) -> None:
+    """Zero existing gradients in place (memory stays allocated, as in a training loop)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+
+
+def run_step(step: Callable[[], torch.Tensor]) -> None:
+    """One training step as the planner runs it: the user's forward, then backward."""
+    loss = step()
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise TypeError(
+            "offload.plan: step() must run one forward and return the scalar loss (a tensor that "
+            f"requires grad); it returned {type(loss).__name__}"
+            f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}."
+        )
+    loss.backward()
+
+
+def _one(inst: Installed, step: Callable, model: nn.Module, device: torch.device, meter: MemoryMeter | None,
+         n: int) -> Probe:
+    probe = Probe(n, _Clock(device), meter)
+    inst.probe = probe
+    try:
+        zero_grads_(model)
+        _sync(device)
+        probe.begin()
+        run_step(step)
+        probe.end()
+        _sync(device)
+    finally:
+        inst.probe = None
+    if len(probe._bwd_seen) != n:
+        missing = sorted(set(range(n)) - probe._bwd_seen)
+        raise RuntimeError(
+            f"offload.plan: backward never reached candidate block(s) {missing[:5]}: their outputs do not "
+            "flow into the loss through a floating-point tensor that requires grad. Pass blocks=[...] "
+            "naming the modules that do."
+        )
+    return probe
+
+
+def profile_decision(inst: Installed, decision: str | dict[str, str], step: Callable, model: nn.Module,
+                     device: torch.device, *, warmup: int, timed: int) -> DecisionProfile:
+    """Run warm-up, one tracked step and ``timed`` timed steps with every block under ``decision``
+    (or under the given per-block decisions)."""
+    names = list(inst.decisions)
+    for k in names:
+        inst.decisions[k] = decision if isinstance(decision, str) else decision[k]
+    n = len(names)
+    for _ in range(warmup):
+        zero_grads_(model)
+        run_step(step)
+    engine = inst.engine
+    # Saved/copied bytes per block, from the engine's own records.
+    saved = [0] * n
+    copied = [0] * n
+    copies = [0] * n
+    biggest = [0] * n
+    current = {"i": -1}
+
+    def on_pack(ev: Any) -> None:
+        i = current["i"]
+        if i < 0:
+            return
+        rec = ev.record
+        if rec.reason in ("parameter", "buffer"):
+            return
+        saved[i] += rec.nbytes
+        if rec.copy_bytes:
+            copied[i] += rec.copy_bytes
+            copies[i] += 1
+            biggest[i] = max(biggest[i], rec.copy_bytes)
+
+    meter = MemoryMeter(device, [engine.pool])
+    obs = engine.add_observer(on_pack)
+    # The probe tells the observer which block is packing.
+    orig_pre, orig_post = Probe.fwd_pre, Probe.fwd_post
+    try:
+        with meter.tracking(model):
+            probe = Probe(n, _Clock(device), meter)
+
+            def pre(i: int, a: tuple, k: dict, _p: Probe = probe) -> tuple[tuple, dict]:
+                current["i"] = i
+                return orig_pre(_p, i, a, k)
+
+            def post(i: int, out: Any, _p: Probe = probe) -> Any:
+                current["i"] = -1
+                return orig_post(_p, i, out)
+
+            probe.fwd_pre = pre  # type: ignore[method-assign]
+            probe.fwd_post = post  # type: ignore[method-assign]
+            inst.probe = probe
+            try:
+                zero_grads_(model)
+                probe.begin()
+                run_step(step)
+                probe.end()
+            finally:
+                inst.probe = None
+    finally:
+        obs.remove()
+    prof = DecisionProfile(decision=decision if isinstance(decision, str) else "mixed", blocks=probe.stats, base=probe.base,
+                           pre_peak=probe.windows.get("pre", 0), head_peak=probe.windows.get("head", 0),
+                           post_peak=probe.windows.get("post", 0), peak=meter.peak)
+    for i, s in enumerate(prof.blocks):
+        s.saved_bytes, s.copy_bytes, s.copies, s.max_copy = saved[i], copied[i], copies[i], biggest[i]
+    fwds, bwds, steps = [], [], []
+    for _ in range(timed):
+        p = _one(inst, step, model, device, None, n)
+        _sync(device)
+        f, b, t = p.times()
+        fwds.append(f)
+        bwds.append(b)
+        steps.append(t)
+    for i, s in enumerate(prof.blocks):
+        # Per boundary, the fastest step: the least-disturbed estimate on a shared machine.
+        s.fwd_s = min(f[i] for f in fwds) if fwds else 0.0
+        s.bwd_s = min(b[i] for b in bwds) if bwds else 0.0
+    prof.step_s = min(steps) if steps else 0.0
+    return prof
+
+
+def profile_step(inst: Installed, step: Callable, model: nn.Module, device: torch.device, *,
+                 make_engine: Callable[[], Any], warmup: int = 1, timed: int = 3,
+                 decisions: tuple[str, ...] = DECISIONS) -> dict[str, DecisionProfile]:
+    """Profile every decision in ``decisions`` (all blocks set to it in turn).
+
+    Each decision gets a fresh engine from ``make_engine``: the engine sizes
+    its prefetch from the largest copy it has made, so one decision's copies
+    must not change another's backward.
+    """
+    saved = dict(inst.decisions)
+    out = {}
+    try:
+        for d in decisions:
+            inst.engine = make_engine()
+            out[d] = profile_decision(inst, d, step, model, device, warmup=warmup, timed=timed)
+        return out
+    finally:
+        inst.decisions.update(saved)

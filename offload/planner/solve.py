@@ -1,0 +1,186 @@
+"""Choose one option per block: least predicted time with every predicted peak under the cap.
+
+The problem (from :mod:`offload.planner.cost`): blocks ``i = 0..n-1`` in
+forward order; option ``d`` of block ``i`` has retained bytes ``r``, a peak
+constant ``e`` and seconds ``t``. A choice is feasible when, for every block,
+``P_i + e_i(d_i) <= cap`` with ``P_i = sum_{j<i} r_j(d_j)``; its cost is
+``sum t_i(d_i)``.
+
+Exact solver: a dynamic program over blocks whose state is the prefix sum
+``P``. Two partial choices with ``P' <= P`` and ``T' <= T`` leave the first
+dominated (every completion feasible for it is feasible for the other, and
+cheaper), so keeping the Pareto front of (P, T) after each block is exact. The
+front holds at most one entry per distinct prefix sum; for repeated blocks it
+stays polynomial (O(n^3) with four options), which is why a DP, and not a
+MILP (scipy/HiGHS would be a new dependency for a problem this structured),
+is the right tool. When the front grows past ``max_states`` (many unequal
+blocks), :func:`solve_greedy` takes over.
+
+Greedy fallback: from all ``keep``, repeatedly apply the single change with
+the best (peak reduction, else retained-bytes reduction) per added second
+until feasible, then undo changes that are no longer needed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Choice", "Solution", "solve", "solve_exact", "solve_greedy", "solve_brute_force", "min_peak"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One option of one block for the solver (bytes are relative to the step's base)."""
+
+    decision: str
+    retained: int
+    event: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Solution:
+    decisions: tuple[str, ...]
+    peak: int
+    """Largest ``P_i + e_i`` (relative to the base)."""
+    seconds: float
+    solver: str
+
+
+def _evaluate(blocks: Sequence[Sequence[Choice]], idx: Sequence[int]) -> tuple[int, float]:
+    prefix, peak, secs = 0, -(1 << 62), 0.0
+    for opts, k in zip(blocks, idx):
+        c = opts[k]
+        peak = max(peak, prefix + c.event)
+        prefix += c.retained
+        secs += c.seconds
+    return peak, secs
+
+
+def _solution(blocks: Sequence[Sequence[Choice]], idx: Sequence[int], solver: str) -> Solution:
+    peak, secs = _evaluate(blocks, idx)
+    return Solution(tuple(blocks[i][k].decision for i, k in enumerate(idx)), peak, secs, solver)
+
+
+def solve_brute_force(blocks: Sequence[Sequence[Choice]], cap: int) -> Solution | None:
+    """Every combination (tests only: |options|^n)."""
+    best = None
+    for idx in itertools.product(*(range(len(o)) for o in blocks)):
+        peak, secs = _evaluate(blocks, idx)
+        if peak <= cap and (best is None or secs < best[1] - 1e-15):
+            best = (idx, secs)
+    return None if best is None else _solution(blocks, best[0], "brute_force")
+
+
+class _TooManyStates(Exception):
+    pass
+
+
+def _pareto(states: list[tuple[int, float, tuple[int, ...]]]) -> list[tuple[int, float, tuple[int, ...]]]:
+    states.sort(key=lambda s: (s[0], s[1]))
+    front: list[tuple[int, float, tuple[int, ...]]] = []
+    for s in states:
+        if not front or s[1] < front[-1][1] - 1e-15:
+            front.append(s)
+    return front
+
+
+def solve_exact(blocks: Sequence[Sequence[Choice]], cap: int, max_states: int = 200_000) -> Solution | None:
+    """Pareto DP over (prefix bytes, seconds); None when nothing fits under ``cap``."""
+    states: list[tuple[int, float, tuple[int, ...]]] = [(0, 0.0, ())]
+    for opts in blocks:
+        nxt = []
+        for prefix, secs, idx in states:
+            for k, c in enumerate(opts):
+                if prefix + c.event <= cap:
+                    nxt.append((prefix + c.retained, secs + c.seconds, idx + (k,)))
+        if not nxt:
+            return None
+        states = _pareto(nxt)
+        if len(states) > max_states:
+            raise _TooManyStates(len(states))
+    best = min(states, key=lambda s: s[1])
+    return _solution(blocks, best[2], "exact")
+
+
+def solve_greedy(blocks: Sequence[Sequence[Choice]], cap: int) -> Solution | None:
+    """Heuristic for large problems (see the module docstring); None when it finds nothing feasible."""
+    n = len(blocks)
+    idx = [min(range(len(o)), key=lambda k: o[k].seconds) for o in blocks]
+
+    def total_retained(ix: Sequence[int]) -> int:
+        return sum(blocks[i][k].retained for i, k in enumerate(ix))
+
+    peak, secs = _evaluate(blocks, idx)
+    while peak > cap:
+        best, best_key = None, None
+        for i in range(n):
+            for k in range(len(blocks[i])):
+                if k == idx[i]:
+                    continue
+                trial = list(idx)
+                trial[i] = k
+                p, s = _evaluate(blocks, trial)
+                dt = max(s - secs, 1e-12)
+                gain = peak - p
+                rgain = total_retained(idx) - total_retained(trial)
+                if gain <= 0 and rgain <= 0:
+                    continue
+                key = (gain > 0, (gain if gain > 0 else rgain) / dt)
+                if best_key is None or key > best_key:
+                    best, best_key = trial, key
+        if best is None:
+            return None
+        idx = best
+        peak, secs = _evaluate(blocks, idx)
+    # Undo what is no longer needed: cheaper options that stay feasible.
+    improved = True
+    while improved:
+        improved = False
+        for i in range(n):
+            for k in sorted(range(len(blocks[i])), key=lambda k: blocks[i][k].seconds):
+                if blocks[i][k].seconds >= blocks[i][idx[i]].seconds:
+                    break
+                trial = list(idx)
+                trial[i] = k
+                p, _ = _evaluate(blocks, trial)
+                if p <= cap:
+                    idx = trial
+                    improved = True
+                    break
+    return _solution(blocks, idx, "greedy")
+
+
+def solve(blocks: Sequence[Sequence[Choice]], cap: int, *, method: str = "auto",
+          max_states: int = 200_000) -> Solution | None:
+    """``method``: "auto" (exact, greedy when the front explodes), "exact", "greedy" or "brute_force"."""
+    if method == "brute_force":
+        return solve_brute_force(blocks, cap)
+    if method == "greedy":
+        return solve_greedy(blocks, cap)
+    if method not in ("auto", "exact"):
+        raise ValueError(f"offload.plan: solver={method!r} is not one of 'auto', 'exact', 'greedy', 'brute_force'")
+    try:
+        return solve_exact(blocks, cap, max_states=max_states if method == "auto" else 1 << 62)
+    except _TooManyStates:
+        return solve_greedy(blocks, cap)
+
+
+def min_peak(blocks: Sequence[Sequence[Choice]]) -> Solution:
+    """The smallest reachable peak (time ignored, then least time among equals): Pareto DP on (prefix, max)."""
+    states: list[tuple[int, int, float, tuple[int, ...]]] = [(0, -(1 << 62), 0.0, ())]
+    for opts in blocks:
+        nxt = []
+        for prefix, m, secs, idx in states:
+            for k, c in enumerate(opts):
+                nxt.append((prefix + c.retained, max(m, prefix + c.event), secs + c.seconds, idx + (k,)))
+        nxt.sort(key=lambda s: (s[0], s[1], s[2]))
+        front = []
+        for s in nxt:
+            if not front or s[1] < front[-1][1]:
+                front.append(s)
+        states = front[:200_000]
+    best = min(states, key=lambda s: (s[1], s[2]))
+    return _solution(blocks, best[3], "min_peak")
