@@ -149,6 +149,7 @@ def _count_saves(model: nn.Module, x: torch.Tensor) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x).sum().backward()
     model.zero_grad(set_to_none=True)
+    x.grad = None
     return n[0]
 
 
