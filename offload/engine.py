@@ -480,6 +480,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # time is step time. Each fact about ``t`` is read once; no system call.
         seq = next(self._seq)
         nbytes = t.numel() * t.element_size()
+        try:
+            st = t.untyped_storage()
+            ptr, storage_nbytes = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+            ptr, storage_nbytes = None, nbytes  # no plain storage: zero tensors, wrappers
         if not self.enabled:
             reason = policy.DISABLED
         else:
@@ -491,19 +496,19 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 static_ptrs=self._static_ptrs,
                 stack_modules=current_modules,
                 nbytes=nbytes,
+                ptr=ptr,
             )
-        if reason == policy.UNSUPPORTED_TYPE:
+        dev = policy.device_name(t.device)
+        if reason == policy.UNSUPPORTED_TYPE or not ptr:
             # Nested tensors have no single shape, subclasses and zero tensors
-            # no plain storage: record what can be read, never crash (each
-            # such save counts once, keyed by the tensor itself).
-            ident, storage_nbytes = ("id", id(t)), nbytes
+            # no plain storage, empty storages all sit at address 0: record
+            # what can be read, never crash, and count each such save once,
+            # keyed by the tensor itself (see policy.storage_identity).
+            ident, key, storage_nbytes = ("id", id(t)), ("", 0), nbytes if ptr is None else storage_nbytes
             shape = policy.shape_of(t)
-            dev = policy.device_name(t.device)
         else:
-            ident, storage_nbytes = policy.storage_identity(t)
+            ident = key = (dev, ptr)
             shape = tuple(t.shape)
-            dev = ident[0] if ident[0] != "id" else policy.device_name(t.device)
-        key = ident if ident[0] != "id" else ("", 0)
         # Positional: a keyword call of this dataclass costs 2.5x as much.
         rec = PackRecord(seq, self.ledger.current_step, nbytes, shape, policy.dtype_name(t.dtype),
                          dev, current_module_name(), KEPT, reason, key[1], storage_nbytes)

@@ -234,6 +234,9 @@ class StorageSet:
         self._seen.clear()
 
 
+_UNREAD = object()
+
+
 def _owns_storage(modules: Iterable[nn.Module], ptr: int) -> str:
     """PARAMETER / BUFFER when a direct parameter / buffer of one of ``modules`` lives on ``ptr``, else ""."""
     for m in modules:
@@ -255,6 +258,7 @@ def classify(
     static_ptrs: set[int],
     stack_modules: Iterable[nn.Module] | Callable[[], Iterable[nn.Module]],
     nbytes: int | None = None,
+    ptr: int | None | object = _UNREAD,
 ) -> str:
     """Return "" to offload ``t`` or the reason to keep it on its device.
 
@@ -264,8 +268,9 @@ def classify(
     engine up front; ``stack_modules`` are the modules whose forward is running
     now (or a function returning them, called only for a tensor that would
     otherwise be offloaded), so buffers such as RoPE tables are caught without
-    knowing the model in advance. ``nbytes`` (numel x element size) saves
-    recomputing it when the caller has it.
+    knowing the model in advance. ``nbytes`` (numel x element size) and
+    ``ptr`` (``storage_ptr(t)``; None for a tensor without a storage) save
+    reading them again when the caller has them.
 
     Runs once per saved tensor on the kernel-launching thread, so the cheap
     tests come first and the storage walks only for offload candidates.
@@ -277,7 +282,10 @@ def classify(
         base = t._base
         if base is not None and _is_param(base):
             return PARAMETER
-        if t.layout != _STRIDED or t.is_nested or t.is_quantized or t._is_zerotensor():
+        if ptr is _UNREAD:
+            ptr = storage_ptr(t)
+        # No storage: efficient zero tensors, functional / functorch wrappers.
+        if ptr is None or t.layout != _STRIDED or t.is_nested or t.is_quantized:
             return UNSUPPORTED_TYPE
     elif is_static_tensor(t):
         return PARAMETER
@@ -291,9 +299,6 @@ def classify(
         nbytes = t.numel() * t.element_size()
     if nbytes == 0 or nbytes < min_offload_size:
         return TOO_SMALL
-    ptr = storage_ptr(t)
-    if ptr is None:
-        return UNSUPPORTED_TYPE  # a plain-looking tensor without a storage (e.g. a functional wrapper)
     if ptr in static_ptrs:
         return PARAMETER
     if callable(stack_modules):
