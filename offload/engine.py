@@ -499,15 +499,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 ptr=ptr,
             )
         dev = policy.device_name(t.device)
-        if reason == policy.UNSUPPORTED_TYPE or not ptr:
-            # Nested tensors have no single shape, subclasses and zero tensors
-            # no plain storage, empty storages all sit at address 0: record
-            # what can be read, never crash, and count each such save once,
-            # keyed by the tensor itself (see policy.storage_identity).
-            ident, key, storage_nbytes = ("id", id(t)), ("", 0), nbytes if ptr is None else storage_nbytes
-            shape = policy.shape_of(t)
-        else:
+        if ptr:
             ident = key = (dev, ptr)
+        else:
+            # No storage (zero tensors, wrappers) or an empty one (all at
+            # address 0): keyed by the tensor itself, so each save counts once.
+            ident, key = ("id", id(t)), ("", 0)
+        if reason == policy.UNSUPPORTED_TYPE or reason == policy.DISABLED:
+            shape = policy.shape_of(t)  # strided nested tensors have no single shape
+        else:
             shape = tuple(t.shape)
         # Positional: a keyword call of this dataclass costs 2.5x as much.
         rec = PackRecord(seq, self.ledger.current_step, nbytes, shape, policy.dtype_name(t.dtype),

@@ -2,7 +2,11 @@
 
 The policy only classifies: it returns "" for "offload" or one short reason
 string for "keep". Reasons are stable strings because the ledger, the
-profilers and users' dashboards key on them.
+profilers and users' dashboards key on them. The host-RAM ceiling that turns
+an offload into a ``host_budget`` keep is here too (``RamCeiling``).
+
+Everything here runs inside the pack hook, once per saved tensor, on the
+thread that launches kernels: cheap checks first, no system call per tensor.
 """
 
 from __future__ import annotations
@@ -319,7 +323,7 @@ class RamCeiling:
     Bound: the engine's own allocations can never take system RAM above the
     ceiling; memory that *other* allocators (the rest of the process, other
     processes) take is seen at most ``max_age_s`` late. A refusal based on an
-    estimate that includes granted bytes is re-checked against a fresh sample,
+    estimate that includes granted bytes is re-checked against a fresh sample
     (at most every ``max_age_s / 10``), so pool reuse does not cause lasting
     false refusals.
     """
@@ -358,8 +362,3 @@ class RamCeiling:
                 return False
         self._granted += nbytes
         return True
-
-    def percent(self) -> float:
-        """System RAM use in percent, freshly read (for error messages)."""
-        self._sample(time.monotonic())
-        return self._used * 100.0 / self._total

@@ -249,3 +249,32 @@ def test_buffer_found_through_the_running_module_stack():
     y.sum().backward()
     assert torch.equal(x.grad, m.table)
     assert _reasons(ctx).get("buffer") == 1, _reasons(ctx)
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pass-through needs a machine without an accelerator")
+@pytest.mark.parametrize("name", ["zero_tensor", "quantized_per_tensor", "functional_wrapper", "subclass"])
+def test_pass_through_engine_records_exotics(name):
+    """A pass-through engine (no accelerator, device=None) records exotic saves as "disabled", never crashes."""
+    make, checksum, _ = CASES[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx = OffloadActivations(min_offload_size=0)
+        other = make()
+    x = torch.randn(16, requires_grad=True)
+    with ctx:
+        y = _SaveOther.apply(x, other, checksum)
+    y.sum().backward()
+    assert [r.reason for r in ctx.ledger.records] == ["disabled"]
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pass-through needs a machine without an accelerator")
+def test_pass_through_engine_nested():
+    """A pass-through engine records strided nested saves without reading their (missing) shape."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx = OffloadActivations(min_offload_size=0)
+        nt = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], requires_grad=True)
+    with ctx:
+        y = nt.sin()
+    torch.nested.to_padded_tensor(y, 0.0).sum().backward()
+    assert [r.reason for r in ctx.ledger.records] == ["disabled"] and ctx.ledger.records[0].shape == ()
