@@ -90,17 +90,21 @@ class StepTotals:
     device_peak_allocated_bytes: int | None = None
 
     def add(self, rec: PackRecord, new_storage: bool) -> None:
+        """Count one decision (runs once per saved tensor: kept lean)."""
+        nbytes = rec.nbytes
         self.packed_count += 1
-        self.packed_bytes += rec.nbytes
+        self.packed_bytes += nbytes
         if rec.decision == OFFLOADED:
             self.offloaded_count += 1
-            self.offloaded_bytes += rec.nbytes
+            self.offloaded_bytes += nbytes
             self.d2h_bytes += rec.copy_bytes
         else:
+            reason = rec.reason
             self.kept_count += 1
-            self.kept_bytes += rec.nbytes
-            self.kept_by_reason[rec.reason] = self.kept_by_reason.get(rec.reason, 0) + rec.nbytes
-            self.kept_count_by_reason[rec.reason] = self.kept_count_by_reason.get(rec.reason, 0) + 1
+            self.kept_bytes += nbytes
+            by_bytes, by_count = self.kept_by_reason, self.kept_count_by_reason
+            by_bytes[reason] = by_bytes.get(reason, 0) + nbytes
+            by_count[reason] = by_count.get(reason, 0) + 1
         if new_storage:
             self.unique_bytes += rec.storage_nbytes
 
@@ -165,24 +169,7 @@ class Ledger:
     def add(self, rec: PackRecord, new_storage: bool) -> None:
         """Record one decision; ``new_storage`` adds its storage to ``unique_bytes``."""
         with self._lock:
-            # StepTotals.add, inlined: this runs once per saved tensor.
-            o = self._open
-            nbytes = rec.nbytes
-            o.packed_count += 1
-            o.packed_bytes += nbytes
-            if rec.decision == OFFLOADED:
-                o.offloaded_count += 1
-                o.offloaded_bytes += nbytes
-                o.d2h_bytes += rec.copy_bytes
-            else:
-                reason = rec.reason
-                o.kept_count += 1
-                o.kept_bytes += nbytes
-                by_bytes, by_count = o.kept_by_reason, o.kept_count_by_reason
-                by_bytes[reason] = by_bytes.get(reason, 0) + nbytes
-                by_count[reason] = by_count.get(reason, 0) + 1
-            if new_storage:
-                o.unique_bytes += rec.storage_nbytes
+            self._open.add(rec, new_storage)
             self._open_used = True
             self.records.append(rec)
 
@@ -200,13 +187,7 @@ class Ledger:
                 self._open_used = True
             secs = copy.seconds
             if secs is not None and copy.done is None and not self._pending:
-                # Synchronous copy, duration known now: the common CPU path, inlined.
-                if kind == "d2h":
-                    self._open.d2h_seconds += secs
-                    if rec is not None:
-                        rec.d2h_s = secs
-                else:
-                    self._add_seconds(rec, kind, secs, self._open)
+                self._add_seconds(rec, kind, secs, self._open)  # synchronous: known now
                 return
             self._pending.append((rec, kind, copy, self._open))
             if copy.done is None or len(self._pending) > 64:
