@@ -179,6 +179,9 @@ CASES = {
     "complex32": (lambda: torch.randn(16, dtype=torch.complex64).to(torch.complex32), _dense_sum, ""),
     "conj": (lambda: torch.randn(16, dtype=torch.complex64).conj(), _dense_sum, ""),
     "expanded": (lambda: torch.randn(1, 8).expand(4, 8), _dense_sum, ""),
+    "neg_view": (lambda: torch.randn(16, dtype=torch.complex64).conj().imag, _dense_sum, ""),
+    "scalar_0d": (lambda: torch.tensor(3.25), _dense_sum, ""),
+    "uint64": (lambda: torch.arange(16).mul(3).to(torch.uint64), lambda o: o.to(torch.float64).sum().float(), ""),
     "odd_storage_bytes": (_odd_storage, _dense_sum, ""),
     "zero_elements": (lambda: torch.empty(0, 3), _dense_sum, "too_small"),
 }
