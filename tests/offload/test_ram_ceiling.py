@@ -32,8 +32,9 @@ def fake_ram(monkeypatch):
     return ram
 
 
-def test_engine_reads_system_ram_rarely(fake_ram):
-    """1,000 offloaded tensors under a RAM ceiling read system RAM a handful of times, not 1,000."""
+def test_engine_reads_system_ram_rarely(fake_ram, monkeypatch):
+    """500 offloaded tensors under a RAM ceiling read system RAM once, not 500 times."""
+    monkeypatch.setattr(policy.time, "monotonic", lambda: 0.0)  # a fast machine: no sample ages out
     ctx = OffloadActivations(device="cpu", min_offload_size=0, virtual_memory_safe_pct=90)
     x = torch.randn(256, requires_grad=True)
     with ctx:
@@ -43,7 +44,7 @@ def test_engine_reads_system_ram_rarely(fake_ram):
     y.sum().backward()
     s = ctx.ledger.summary()
     assert s["offloaded_count"] >= 500
-    assert fake_ram.calls <= 5, f"{fake_ram.calls} reads of system RAM for {s['offloaded_count']} offloads"
+    assert fake_ram.calls == 1, f"{fake_ram.calls} reads of system RAM for {s['offloaded_count']} offloads"
 
 
 def test_own_grants_never_pass_the_ceiling_between_samples(fake_ram, monkeypatch):
