@@ -28,7 +28,7 @@ class _FakeRam:
 @pytest.fixture
 def fake_ram(monkeypatch):
     ram = _FakeRam(total=100 * GiB, used=50 * GiB)
-    monkeypatch.setattr(policy.psutil, "virtual_memory", ram)
+    monkeypatch.setattr(psutil, "virtual_memory", ram)
     return ram
 
 
