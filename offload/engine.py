@@ -730,7 +730,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return reason
 
     def _pack(self, t: torch.Tensor) -> Any:
+        # Runs for every saved tensor on the kernel-launching thread: its CPU
+        # time is step time. Each fact about ``t`` is read once; no system call.
         seq = next(self._seq)
+        nbytes = t.numel() * t.element_size()
+        try:
+            st = t.untyped_storage()
+            ptr, storage_nbytes = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+            ptr, storage_nbytes = None, nbytes  # no plain storage: zero tensors, wrappers
         if not self.enabled:
             reason = policy.DISABLED
         else:
@@ -740,37 +748,35 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 min_offload_size=self.min_offload_size,
                 excluded=self._excluded_depth > 0,
                 static_ptrs=self._static_ptrs,
-                stack_modules=current_modules(),
+                stack_modules=current_modules,
+                nbytes=nbytes,
+                ptr=ptr,
             )
             if not reason or reason == policy.TOO_SMALL:
                 reason = self._region_reason(reason)
-        nbytes = t.numel() * t.element_size()
-        try:
-            key = policy.storage_key(t)
-            storage_nbytes = t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError, TypeError):
-            key, storage_nbytes = ("", 0), nbytes  # subclasses without a plain storage
-        rec = PackRecord(
-            seq=seq,
-            step=self.ledger.current_step,
-            nbytes=nbytes,
-            shape=tuple(t.shape),
-            dtype=str(t.dtype),
-            device=str(t.device),
-            module=current_module_name(),
-            decision=KEPT,
-            reason=reason,
-            storage_key=key[1],
-            storage_nbytes=storage_nbytes,
-        )
+        dev = policy.device_name(t.device)
+        if ptr:
+            ident = key = (dev, ptr)
+        else:
+            # No storage (zero tensors, wrappers) or an empty one (all at
+            # address 0): keyed by the tensor itself, so each save counts once.
+            ident, key = ("id", id(t)), ("", 0)
+        if reason == policy.UNSUPPORTED_TYPE or reason == policy.DISABLED:
+            shape = policy.shape_of(t)  # strided nested tensors have no single shape
+        else:
+            shape = tuple(t.shape)
+        # Positional: a keyword call of this dataclass costs 2.5x as much.
+        rec = PackRecord(seq, self.ledger.current_step, nbytes, shape, policy.dtype_name(t.dtype),
+                         dev, current_module_name(), KEPT, reason, key[1], storage_nbytes)
         handle: Any = None
         if not reason:
             handle = self._offload(t, rec, key)
         if handle is None:
             handle = _Kept(t, self)
         counts_unique = rec.reason not in (policy.PARAMETER, policy.BUFFER, policy.UNSUPPORTED_TYPE)
-        self.ledger.add(rec, counts_unique and self._seen.first_save(t) > 0)
-        self._notify(t, rec)
+        self.ledger.add(rec, counts_unique and self._seen.first_save_of(t, ident, storage_nbytes) > 0)
+        if self._observers or _global_observers():
+            self._notify(t, rec)
         return handle
 
     def _notify(self, t: torch.Tensor, rec: PackRecord) -> None:
@@ -915,8 +921,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         pct = self.virtual_memory_safe_pct
         if pct is None or pct >= 100:
             return True
-        vm = psutil.virtual_memory()
-        return (vm.total - vm.available + nbytes) * 100.0 <= pct * vm.total
+        # Sampled, not read per tensor: see policy.RamCeiling for the bound.
+        try:
+            gauge = self._ram_ceiling
+        except AttributeError:
+            gauge = self._ram_ceiling = policy.RamCeiling()
+        return gauge.allows(nbytes, pct)
 
     # -- the stash of in-flight sources (Rule 2) ----------------------------------
 

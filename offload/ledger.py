@@ -90,17 +90,21 @@ class StepTotals:
     device_peak_allocated_bytes: int | None = None
 
     def add(self, rec: PackRecord, new_storage: bool) -> None:
+        """Count one decision (runs once per saved tensor: kept lean)."""
+        nbytes = rec.nbytes
         self.packed_count += 1
-        self.packed_bytes += rec.nbytes
+        self.packed_bytes += nbytes
         if rec.decision == OFFLOADED:
             self.offloaded_count += 1
-            self.offloaded_bytes += rec.nbytes
+            self.offloaded_bytes += nbytes
             self.d2h_bytes += rec.copy_bytes
         else:
+            reason = rec.reason
             self.kept_count += 1
-            self.kept_bytes += rec.nbytes
-            self.kept_by_reason[rec.reason] = self.kept_by_reason.get(rec.reason, 0) + rec.nbytes
-            self.kept_count_by_reason[rec.reason] = self.kept_count_by_reason.get(rec.reason, 0) + 1
+            self.kept_bytes += nbytes
+            by_bytes, by_count = self.kept_by_reason, self.kept_count_by_reason
+            by_bytes[reason] = by_bytes.get(reason, 0) + nbytes
+            by_count[reason] = by_count.get(reason, 0) + 1
         if new_storage:
             self.unique_bytes += rec.storage_nbytes
 
@@ -121,13 +125,25 @@ _ADDITIVE = tuple(
 )
 """StepTotals counters that add up across steps."""
 
+_SECONDS_ATTR = {"d2h": "d2h_seconds", "h2d": "h2d_seconds", "stall": "stall_seconds"}
+"""Copy kind -> the StepTotals field its duration adds to."""
+
 
 class Ledger:
-    """Per-decision records (a bounded ring) and per-step totals (never dropped)."""
+    """Per-decision records and per-step totals, both in bounded rings; the
+    running totals (``totals()``, ``summary()``) still cover every step.
 
-    def __init__(self, max_records: int = 10_000, pool_stats: Callable[[], dict] | None = None) -> None:
+    The recording methods run inside the pack hook, once per saved tensor, on
+    the thread that launches kernels: they do O(1) work and no system call.
+    """
+
+    def __init__(self, max_records: int = 10_000, pool_stats: Callable[[], dict] | None = None,
+                 max_steps: int = 1000) -> None:
         self.max_records = max_records
         """How many recent records ``records`` keeps; totals count every record."""
+        self.max_steps = max_steps
+        """How many recent closed steps ``step_totals`` keeps (each holds a pool snapshot,
+        ~1 KB); ``totals()`` and ``summary()`` count every step."""
         self._pool_stats = pool_stats
         self._lock = threading.Lock()
         self.reset()
@@ -136,17 +152,19 @@ class Ledger:
         """Forget every record and total (the engine's pool is not touched)."""
         with self._lock:
             self.records: deque[PackRecord] = deque(maxlen=self.max_records)
-            self.step_totals: list[StepTotals] = []
+            self.step_totals: deque[StepTotals] = deque(maxlen=self.max_steps)
+            """The last ``max_steps`` closed steps, oldest first (``step_totals[-1]`` is the latest)."""
+            self.steps_closed = 0
+            """Steps closed since the last reset (``summary()["steps"]``), retained or not."""
             self._closed = StepTotals(step=-1)
             self._open = StepTotals(step=0)
+            self.current_step = 0
+            """Index of the open step (the step a pack now belongs to)."""
             self._open_used = False
-            self._pending: list[tuple[PackRecord | None, str, Any, StepTotals]] = []
+            # Copies whose duration is not known yet, in issue order.
+            self._pending: deque[tuple[PackRecord | None, str, Any, StepTotals]] = deque()
 
     # -- recording (called by the engine) ------------------------------------
-
-    @property
-    def current_step(self) -> int:
-        return self._open.step
 
     def add(self, rec: PackRecord, new_storage: bool) -> None:
         """Record one decision; ``new_storage`` adds its storage to ``unique_bytes``."""
@@ -156,11 +174,21 @@ class Ledger:
             self.records.append(rec)
 
     def add_copy_time(self, rec: PackRecord | None, kind: str, copy: Any, nbytes: int = 0) -> None:
-        """Account a copy's duration now if known, or when its event completes."""
+        """Account a copy's duration now if known, or when its event completes.
+
+        Amortized O(1): pending copies are resolved in issue order and the
+        scan stops at the first one still running (copies on one stream finish
+        in order; a later one finished early just waits its turn), so a deep
+        queue of in-flight copies is not re-polled on every new copy.
+        """
         with self._lock:
             if kind == "h2d":
                 self._open.h2d_bytes += nbytes
                 self._open_used = True
+            secs = copy.seconds
+            if secs is not None and copy.done is None and not self._pending:
+                self._add_seconds(rec, kind, secs, self._open)  # synchronous: known now
+                return
             self._pending.append((rec, kind, copy, self._open))
             if copy.done is None or len(self._pending) > 64:
                 self._resolve_locked(block=False)
@@ -174,30 +202,34 @@ class Ledger:
             if nbytes > self._open.peak_inflight_bytes:
                 self._open.peak_inflight_bytes = nbytes
 
+    def _add_seconds(self, rec: PackRecord | None, kind: str, secs: float, owner: StepTotals) -> None:
+        attr = _SECONDS_ATTR.get(kind, "h2d_seconds")
+        setattr(owner, attr, getattr(owner, attr) + secs)
+        if owner is not self._open:
+            setattr(self._closed, attr, getattr(self._closed, attr) + secs)
+        if rec is not None:
+            if kind == "d2h":
+                rec.d2h_s = secs
+            elif kind == "h2d":
+                rec.h2d_s = secs
+
     def _resolve_locked(self, block: bool) -> None:
         # Device copies finish after the host moved on; their times are added
         # to the step they belong to whenever they resolve, so closing a step
         # never forces a host synchronize.
-        still = []
-        for item in self._pending:
-            rec, kind, copy, owner = item
+        pending = self._pending
+        while pending:
+            rec, kind, copy, owner = pending[0]
             if block and copy.done is not None:
                 copy.done.synchronize()
             secs = copy.elapsed()
             if secs is None:
-                if copy.query() and copy.start is None:
-                    continue  # finished, but timing was off: nothing to add
-                still.append(item)
-                continue
-            targets = (owner,) if owner is self._open else (owner, self._closed)
-            attr = {"d2h": "d2h_seconds", "stall": "stall_seconds"}.get(kind, "h2d_seconds")
-            for tot in targets:
-                setattr(tot, attr, getattr(tot, attr) + secs)
-            if rec is not None and kind == "d2h":
-                rec.d2h_s = secs
-            elif rec is not None and kind == "h2d":
-                rec.h2d_s = secs
-        self._pending = still
+                if not (copy.query() and copy.start is None):
+                    return  # still running: so are (or will be seen as) the ones after it
+                # finished, but timing was off: nothing to add
+            else:
+                self._add_seconds(rec, kind, secs, owner)
+            pending.popleft()
 
     def close_step(self, *, pool: dict | None = None, host_rss_bytes: int | None = None,
                    device_peak_allocated_bytes: int | None = None) -> StepTotals | None:
@@ -211,8 +243,10 @@ class Ledger:
             done.host_rss_bytes = host_rss_bytes
             done.device_peak_allocated_bytes = device_peak_allocated_bytes
             self.step_totals.append(done)
+            self.steps_closed += 1
             self._closed.merge(done)
             self._open = StepTotals(step=done.step + 1)
+            self.current_step = done.step + 1
             self._open_used = False
             return done
 
@@ -240,7 +274,7 @@ class Ledger:
         t = self.totals(synchronize)
         out = asdict(t)
         del out["step"], out["host_rss_bytes"], out["device_peak_allocated_bytes"]
-        out["steps"] = len(self.step_totals)
+        out["steps"] = self.steps_closed
         if pool is None and self._pool_stats is not None:
             pool = self._pool_stats()
         out["pool"] = dict(pool or {})

@@ -25,7 +25,7 @@ __all__ = [
 
 def engine_closed_steps(engine: Any) -> int:
     """How many steps the engine's ledger has closed (one per backward that used it)."""
-    return len(engine.ledger.step_totals)
+    return engine.ledger.steps_closed  # not len(step_totals): that ring is bounded
 
 
 def engine_totals(engine: Any) -> dict[str, Any]:

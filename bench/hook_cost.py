@@ -1,0 +1,533 @@
+"""CPU cost of the saved-tensor hooks, per pack and per unpack, against peers.
+
+On a GPU the pack and unpack hooks run on the thread that launches kernels,
+so what they cost on the CPU is step time. This bench runs one chain of small
+layers (each ``sin`` then ``* w``: two activations and one parameter saved per
+layer, ~1,000 saves a step) under each variant below and reports the hooks'
+cost as the difference to the same step with no hooks, divided by the number
+of packs (forward) or unpacks (backward):
+
+  none            no saved-tensor hooks (the baseline every delta is taken from)
+  identity        ``saved_tensors_hooks(lambda t: t, lambda t: t)``
+  torchtune_keep  a re-statement of what torchtune's offloading pack does for a
+                  tensor it keeps: count an id, compute the byte size, test
+                  device / size / Parameter, store ``(tensor, False)`` in a dict
+                  under the id; unpack looks the id up and pops it
+  save_on_cpu     ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: on a CPU
+                  tensor it allocates an (unpinnable) host tensor and copies
+  ours_keep       ``OffloadActivations(device="cpu", min_offload_size=2**40)``:
+                  every tensor classified, recorded and kept
+  ours_offload    ``OffloadActivations(device="cpu", min_offload_size=0)``: every
+                  activation copied into the host pool and back
+  modules_only    just the engine's module-tracking hooks (``track_modules``),
+                  no saved-tensor hooks: cost per module call, not per pack
+
+Two measures, in one run:
+  * CPU time on one thread (``time.process_time``, ``torch.set_num_threads(1)``),
+    variants interleaved round by round, paired against ``none`` in the same
+    round; median and quartiles over ``--rounds``.
+  * Instruction counts (``--instructions``, on by default when valgrind and a
+    C compiler are found): the same steps re-run in a child process under
+    callgrind, collection toggled on around each measured forward/backward
+    by a two-function C helper compiled at run time. Deterministic, so it is
+    the measure to compare across machines and commits.
+
+Plus an emulated side-stream measurement: the engine's stream backend on fake
+events that complete in order, K copies behind the newest, giving the pack
+cost as a function of copies in flight (it must not grow with K).
+
+Runbook (from the repo root):
+    python -m bench.hook_cost                      # writes bench/results/cpu/hook_cost.json
+    python -m bench.hook_cost --no-instructions    # CPU time only (seconds)
+    python -m bench.hook_cost --baseline old.json  # embed an earlier run as "before"
+    python -m bench.hook_cost --layers 8 --rounds 3 --no-instructions --out /tmp/h.json   # tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload import OffloadActivations
+from offload.modules import track_modules
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cpu" / "hook_cost.json"
+
+VARIANTS = ("none", "identity", "torchtune_keep", "save_on_cpu", "ours_keep", "ours_offload", "modules_only")
+RATIOS = {
+    "ours_offload/save_on_cpu": ("ours_offload", "save_on_cpu"),
+    "ours_keep/torchtune_keep": ("ours_keep", "torchtune_keep"),
+    "ours_keep/identity": ("ours_keep", "identity"),
+}
+"""Ratio name -> (numerator, denominator) of per-pack costs; the goal is <= 2 for the first two."""
+
+
+class _Layer(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) * self.w  # saves x, sin(x) and w
+
+
+class _Chain(nn.Module):
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _torchtune_keep_hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """The keep path of torchtune's offloading hooks, re-stated (see the module docstring)."""
+    tracker: dict[int, tuple[torch.Tensor, bool]] = {}
+    next_id = [0]
+    min_bytes = 1024
+
+    def pack(t: torch.Tensor) -> int:
+        nbytes = t.numel() * t.element_size()
+        next_id[0] += 1
+        tid = next_id[0]
+        if t.is_cuda and nbytes >= min_bytes and not isinstance(t, nn.Parameter):
+            raise AssertionError("the bench runs on CPU: the keep path only")
+        tracker[tid] = (t, False)
+        return tid
+
+    def unpack(tid: int) -> torch.Tensor:
+        t, _modified = tracker.pop(tid)
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _contexts() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """Variant name -> factory of the context one forward runs in (one object reused across steps)."""
+    identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    tt = _torchtune_keep_hooks()
+    soc = torch.autograd.graph.save_on_cpu(pin_memory=True)
+    keep = OffloadActivations(device="cpu", min_offload_size=1 << 40)
+    off = OffloadActivations(device="cpu", min_offload_size=0)
+    return {
+        "none": contextlib.nullcontext,
+        "identity": lambda: identity,
+        "torchtune_keep": lambda: tt,
+        "save_on_cpu": lambda: soc,
+        "ours_keep": lambda: keep,
+        "ours_offload": lambda: off,
+        "modules_only": track_modules,
+    }
+
+
+def _count_saves(model: nn.Module, x: torch.Tensor) -> int:
+    n = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        n[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    return n[0]
+
+
+def _setup(layers: int, width: int) -> tuple[nn.Module, torch.Tensor, int]:
+    torch.manual_seed(0)
+    model = _Chain(layers, width)
+    x = torch.randn(width).requires_grad_()
+    return model, x, _count_saves(model, x)
+
+
+def _step(model: nn.Module, x: torch.Tensor, ctx: contextlib.AbstractContextManager,
+          clock: Callable[[str], None]) -> None:
+    """One forward inside ``ctx`` and one backward outside it; ``clock(phase)`` brackets each."""
+    clock("fwd")
+    with ctx:
+        out = model(x)
+    clock("fwd")
+    loss = out.sum()
+    clock("bwd")
+    loss.backward()
+    clock("bwd")
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+
+
+# -- CPU time ------------------------------------------------------------------------------
+
+
+def _quartiles(xs: list[float]) -> dict[str, float]:
+    if len(xs) < 2:
+        v = xs[0] if xs else float("nan")
+        return {"median": v, "p25": v, "p75": v}
+    q = statistics.quantiles(xs, n=4)
+    return {"median": statistics.median(xs), "p25": q[0], "p75": q[2]}
+
+
+def measure_cpu_time(layers: int, width: int, rounds: int, warmup: int,
+                     variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+    """Per-pack / per-unpack (per module call for modules_only) CPU time in ns, paired against none."""
+    model, x, saves = _setup(layers, width)
+    ctxs = _contexts()
+    names = [v for v in variants if v in ctxs]
+    samples: dict[str, dict[str, list[float]]] = {v: {"fwd": [], "bwd": []} for v in names}
+    for rnd in range(warmup + rounds):
+        gc.collect()
+        k = rnd % len(names)
+        for name in names[k:] + names[:k]:
+            marks: dict[str, float] = {}
+
+            def clock(phase: str) -> None:
+                now = time.process_time()
+                marks[phase] = now - marks[phase] if phase in marks else now
+
+            _step(model, x, ctxs[name](), clock)
+            if rnd >= warmup:
+                for phase in ("fwd", "bwd"):
+                    samples[name][phase].append(marks[phase])
+    out: dict[str, Any] = {"saves_per_step": saves, "module_calls_per_step": layers + 1, "variants": {}}
+    for name in names:
+        base = samples["none"]
+        per = saves if name != "modules_only" else layers + 1
+        row = {"fwd_step_ms": _quartiles([s * 1e3 for s in samples[name]["fwd"]]),
+               "bwd_step_ms": _quartiles([s * 1e3 for s in samples[name]["bwd"]])}
+        for phase, key in (("fwd", "per_pack_ns"), ("bwd", "per_unpack_ns")):
+            deltas = [(a - b) * 1e9 / per for a, b in zip(samples[name][phase], base[phase])]
+            row[key] = _quartiles(deltas)
+        if name == "modules_only":
+            row["per_module_call_ns"] = row.pop("per_pack_ns")
+            row.pop("per_unpack_ns")
+        elif name.startswith("ours") and "modules_only" in samples:
+            # The engine turns on module tracking: its cost is per module call, not per pack.
+            row["per_pack_net_of_module_hooks_ns"] = _quartiles(
+                [(a - b) * 1e9 / saves for a, b in zip(samples[name]["fwd"], samples["modules_only"]["fwd"])])
+        out["variants"][name] = row
+    out["ratios_per_pack"] = _ratios({n: r.get("per_pack_ns", {}).get("median") for n, r in out["variants"].items()})
+    out["ratios_per_pack_net_of_module_hooks"] = _ratios(
+        {n: r.get("per_pack_net_of_module_hooks_ns", r.get("per_pack_ns", {})).get("median")
+         for n, r in out["variants"].items()})
+    return out
+
+
+def _ratios(per_pack: dict[str, float | None]) -> dict[str, float | None]:
+    res = {}
+    for name, (a, b) in RATIOS.items():
+        va, vb = per_pack.get(a), per_pack.get(b)
+        res[name] = round(va / vb, 2) if va is not None and vb else None
+    return res
+
+
+# -- instruction counts (callgrind) ----------------------------------------------------------
+
+_CG_SRC = r"""
+#include <valgrind/callgrind.h>
+void cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void cg_dump(const char *what) { CALLGRIND_DUMP_STATS_AT(what); }
+"""
+
+
+def _callgrind_available() -> str | None:
+    """Why instruction counts cannot be taken here, or None when they can."""
+    if shutil.which("valgrind") is None:
+        return "valgrind not found (apt-get install valgrind)"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return "no C compiler for the callgrind client-request helper"
+    if not any(Path(p, "valgrind", "callgrind.h").exists() for p in ("/usr/include", "/usr/local/include")):
+        return "valgrind/callgrind.h not found"
+    return None
+
+
+def _build_helper(tmp: Path) -> Path:
+    src, lib = tmp / "cg.c", tmp / "libcg.so"
+    src.write_text(_CG_SRC)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True)
+    return lib
+
+
+def _callgrind_child(lib: Path, layers: int, width: int, steps: int, variants: tuple[str, ...]) -> None:
+    """Run under callgrind: collect only inside each measured forward / backward, dump per phase."""
+    cg = ctypes.CDLL(str(lib))
+    cg.cg_dump.argtypes = [ctypes.c_char_p]
+    model, x, _ = _setup(layers, width)
+    ctxs = _contexts()
+    for name in variants:
+        ctx = ctxs[name]
+        _step(model, x, ctx(), lambda phase: None)  # warm-up: first-step allocations
+        gc.collect()
+        state = {"fwd": False, "bwd": False}
+
+        def clock(phase: str) -> None:
+            cg.cg_toggle()
+            state[phase] = not state[phase]
+            if not state[phase]:
+                cg.cg_dump(f"{name}|{phase}".encode())
+
+        for _ in range(steps):
+            _step(model, x, ctx(), clock)
+
+
+def measure_instructions(layers: int, width: int, steps: int,
+                         variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+    """Per-pack / per-unpack instruction counts (Ir) from a callgrind child process."""
+    why = _callgrind_available()
+    if why is not None:
+        return {"skipped": why}
+    model, x, saves = _setup(layers, width)
+    del model, x
+    with tempfile.TemporaryDirectory(prefix="hook_cost_") as d:
+        tmp = Path(d)
+        lib = _build_helper(tmp)
+        cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={tmp}/cg.%p",
+               sys.executable, "-m", "bench.hook_cost", "--_callgrind-child", str(lib),
+               "--layers", str(layers), "--width", str(width), "--cg-steps", str(steps),
+               "--variants", ",".join(variants)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
+        if proc.returncode != 0:
+            return {"skipped": f"callgrind child failed: {proc.stderr[-2000:]}"}
+        totals: dict[str, dict[str, int]] = {}
+        for f in tmp.glob("cg.*"):
+            what, ir = None, None
+            for line in f.read_text(errors="replace").splitlines():
+                if line.startswith("desc: Trigger: Client Request: "):
+                    what = line.split("Client Request: ", 1)[1].strip()
+                elif line.startswith("summary:") or line.startswith("totals:"):
+                    ir = int(line.split()[1])
+            if what and "|" in what and ir is not None:
+                v, phase = what.split("|")
+                totals.setdefault(v, {"fwd": 0, "bwd": 0})[phase] += ir
+    out: dict[str, Any] = {"steps": steps, "saves_per_step": saves, "module_calls_per_step": layers + 1,
+                           "variants": {}}
+    base = totals.get("none")
+    for name, t in totals.items():
+        row: dict[str, Any] = {"fwd_ir_per_step": t["fwd"] // steps, "bwd_ir_per_step": t["bwd"] // steps}
+        if base is not None:
+            if name == "modules_only":
+                row["per_module_call_ir"] = round((t["fwd"] - base["fwd"]) / steps / (layers + 1))
+            else:
+                row["per_pack_ir"] = round((t["fwd"] - base["fwd"]) / steps / saves)
+                row["per_unpack_ir"] = round((t["bwd"] - base["bwd"]) / steps / saves)
+                if name.startswith("ours") and "modules_only" in totals:
+                    row["per_pack_net_of_module_hooks_ir"] = round(
+                        (t["fwd"] - totals["modules_only"]["fwd"]) / steps / saves)
+        out["variants"][name] = row
+    out["ratios_per_pack"] = _ratios({n: r.get("per_pack_ir") for n, r in out["variants"].items()})
+    out["ratios_per_pack_net_of_module_hooks"] = _ratios(
+        {n: r.get("per_pack_net_of_module_hooks_ir", r.get("per_pack_ir")) for n, r in out["variants"].items()})
+    return out
+
+
+# -- emulated side stream: copies in flight ----------------------------------------------------
+
+
+class _InOrderEvent:
+    """A fake device event that completes once ``lag`` later copies have been issued."""
+
+    clock = [0]
+
+    def __init__(self, enable_timing: bool = False, lag: int = 0) -> None:
+        self.lag = lag
+        self.ready_at: int | None = None
+
+    def record(self, stream: Any) -> None:
+        _InOrderEvent.clock[0] += 1
+        self.ready_at = _InOrderEvent.clock[0] + 2 * self.lag  # two events (start, done) per copy
+
+    def query(self) -> bool:
+        return self.ready_at is not None and _InOrderEvent.clock[0] >= self.ready_at
+
+    def synchronize(self) -> None:
+        self.ready_at = 0
+
+    def elapsed_time(self, other: "_InOrderEvent") -> float:
+        return 0.01
+
+
+class _FakeStream:
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, ev: Any) -> None:
+        pass
+
+
+class _FakeDeviceModule:
+    """The surface of torch.cuda that the stream backend uses."""
+
+    def __init__(self, lag: int) -> None:
+        self.lag = lag
+        self.current = _FakeStream()
+
+    def Stream(self, device: Any = None) -> _FakeStream:  # noqa: N802 (mirrors torch.cuda)
+        return _FakeStream()
+
+    def Event(self, enable_timing: bool = False) -> _InOrderEvent:  # noqa: N802
+        return _InOrderEvent(enable_timing, self.lag)
+
+    def current_stream(self, device: Any = None) -> _FakeStream:
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, s: _FakeStream) -> Iterator[None]:
+        yield
+
+
+def measure_stream_emulated(layers: int, width: int, rounds: int, in_flight: tuple[int, ...]) -> dict[str, Any]:
+    """Per-pack CPU time (ns) of the offloading engine on an emulated side stream, by copies in flight."""
+    from offload.streams import StreamBackend
+
+    model, x, saves = _setup(layers, width)
+    res: dict[str, Any] = {"saves_per_step": saves, "per_pack_ns_by_in_flight": {}}
+    for k in in_flight:
+        ctx = OffloadActivations(device="cpu", min_offload_size=0)
+        backend = StreamBackend(torch.device("cpu"))
+        backend._mod = _FakeDeviceModule(k)
+        ctx._backend = backend
+        fwd = []
+        base = []
+        for rnd in range(rounds + 1):
+            for which in ("none", "engine"):
+                c = ctx if which == "engine" else contextlib.nullcontext()
+                marks: dict[str, float] = {}
+
+                def clock(phase: str) -> None:
+                    now = time.process_time()
+                    marks[phase] = now - marks[phase] if phase in marks else now
+
+                _step(model, x, c, clock)
+                if rnd:
+                    (fwd if which == "engine" else base).append(marks["fwd"])
+        deltas = [(a - b) * 1e9 / saves for a, b in zip(fwd, base)]
+        res["per_pack_ns_by_in_flight"][str(k)] = _quartiles(deltas)
+    return res
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=334, help="layers in the chain (3 saves each)")
+    p.add_argument("--width", type=int, default=256, help="elements per activation (float32)")
+    p.add_argument("--rounds", type=int, default=40, help="measured rounds of CPU time per variant")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cg-steps", type=int, default=3, help="steps per variant under callgrind")
+    p.add_argument("--instructions", action=argparse.BooleanOptionalAction, default=True,
+                   help="also count instructions under callgrind (skipped with a reason when unavailable)")
+    p.add_argument("--stream-in-flight", default="0,64,500",
+                   help="copies in flight for the emulated side-stream measurement ('' to skip)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="an earlier run's JSON, embedded under 'before' (e.g. the same bench on the old engine)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--_callgrind-child", dest="cg_child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    variants = tuple(v for v in args.variants.split(",") if v)
+    if "none" not in variants:
+        variants = ("none",) + variants
+    if args.cg_child:
+        _callgrind_child(Path(args.cg_child), args.layers, args.width, args.cg_steps, variants)
+        return {}
+
+    load = os.getloadavg()
+    result: dict[str, Any] = {
+        "command": "python -m bench.hook_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "config": {"layers": args.layers, "width": args.width, "dtype": "float32", "rounds": args.rounds,
+                   "warmup": args.warmup, "threads": 1},
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_before": load},
+        "variants": {v: d.strip() for v, d in _variant_docs().items() if v in variants},
+    }
+    result["cpu_time"] = measure_cpu_time(args.layers, args.width, args.rounds, args.warmup, variants)
+    ks = tuple(int(k) for k in args.stream_in_flight.split(",") if k.strip())
+    if ks:
+        result["stream_emulated"] = measure_stream_emulated(args.layers, args.width, max(3, args.rounds // 4), ks)
+    if args.instructions:
+        result["instructions"] = measure_instructions(args.layers, args.width, args.cg_steps, variants)
+    result["machine"]["loadavg_after"] = os.getloadavg()
+    if args.baseline is not None:
+        before = json.loads(args.baseline.read_text())
+        result["before"] = {k: before[k] for k in ("command", "cpu_time", "stream_emulated", "instructions",
+                                                   "commit") if k in before}
+    result["commit"] = _commit()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(_table(result))
+    print(f"wrote {args.out}")
+    return result
+
+
+def _variant_docs() -> dict[str, str]:
+    docs = {}
+    for line in __doc__.splitlines():
+        parts = line.strip().split(None, 1)
+        if len(parts) == 2 and parts[0] in VARIANTS and line.startswith("  ") and not line.startswith("    "):
+            docs[parts[0]] = parts[1]
+    return docs
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _table(result: dict[str, Any]) -> str:
+    cpu = result["cpu_time"]["variants"]
+    ins = result.get("instructions", {}).get("variants", {})
+    nan = float("nan")
+    lines = [f"{'variant':16} {'pack ns':>10} {'(net) ns':>10} {'unpack ns':>10} {'pack Ir':>10} {'(net) Ir':>10} "
+             f"{'unpack Ir':>10}"]
+    for name, row in cpu.items():
+        if name in ("none", "modules_only"):
+            continue
+        i = ins.get(name, {})
+        net = row.get("per_pack_net_of_module_hooks_ns", {}).get("median", nan)
+        lines.append(f"{name:16} {row['per_pack_ns']['median']:10.0f} {net:10.0f} {row['per_unpack_ns']['median']:10.0f} "
+                     f"{i.get('per_pack_ir', nan):10} {i.get('per_pack_net_of_module_hooks_ir', nan):10} "
+                     f"{i.get('per_unpack_ir', nan):10}")
+    lines.append("(net) = minus the engine's module-tracking hooks, which cost per module call, not per pack")
+    if "modules_only" in cpu:
+        lines.append(f"module hooks: {cpu['modules_only']['per_module_call_ns']['median']:.0f} ns per module call"
+                     + (f", {ins['modules_only']['per_module_call_ir']} Ir" if "modules_only" in ins else ""))
+    lines.append(f"ratios (CPU time): {result['cpu_time']['ratios_per_pack']}")
+    lines.append(f"ratios (CPU time, net): {result['cpu_time']['ratios_per_pack_net_of_module_hooks']}")
+    if ins:
+        lines.append(f"ratios (Ir): {result['instructions']['ratios_per_pack']}")
+        lines.append(f"ratios (Ir, net): {result['instructions']['ratios_per_pack_net_of_module_hooks']}")
+    if "stream_emulated" in result:
+        em = result["stream_emulated"]["per_pack_ns_by_in_flight"]
+        lines.append("emulated stream, ns per pack by copies in flight: "
+                     + ", ".join(f"{k}: {v['median']:.0f}" for k, v in em.items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

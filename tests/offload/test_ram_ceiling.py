@@ -1,0 +1,102 @@
+"""The system RAM ceiling is enforced without a system call per saved tensor (policy.RamCeiling)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import torch
+
+from offload import OffloadActivations
+from offload import policy
+from offload.policy import RamCeiling
+
+GiB = 1 << 30
+
+
+class _FakeRam:
+    def __init__(self, total: int, used: int) -> None:
+        self.total, self.used, self.calls = total, used, 0
+
+    def __call__(self):
+        self.calls += 1
+        return SimpleNamespace(total=self.total, available=self.total - self.used,
+                               percent=100.0 * self.used / self.total)
+
+
+@pytest.fixture
+def fake_ram(monkeypatch):
+    ram = _FakeRam(total=100 * GiB, used=50 * GiB)
+    monkeypatch.setattr(psutil, "virtual_memory", ram)
+    return ram
+
+
+def test_engine_reads_system_ram_rarely(fake_ram, monkeypatch):
+    """500 offloaded tensors under a RAM ceiling read system RAM once, not 500 times."""
+    monkeypatch.setattr(policy.time, "monotonic", lambda: 0.0)  # a fast machine: no sample ages out
+    ctx = OffloadActivations(device="cpu", min_offload_size=0, virtual_memory_safe_pct=90)
+    x = torch.randn(256, requires_grad=True)
+    with ctx:
+        y = x
+        for _ in range(500):
+            y = y.sin() * 1.0001  # sin saves its input; mul by a scalar saves nothing
+    y.sum().backward()
+    s = ctx.ledger.summary()
+    assert s["offloaded_count"] >= 500
+    assert fake_ram.calls == 1, f"{fake_ram.calls} reads of system RAM for {s['offloaded_count']} offloads"
+
+
+def test_own_grants_never_pass_the_ceiling_between_samples(fake_ram, monkeypatch):
+    """Between samples every granted byte counts as used, so the gauge alone cannot overshoot."""
+    clock = [0.0]
+    monkeypatch.setattr(policy.time, "monotonic", lambda: clock[0])
+    g = RamCeiling(max_age_s=10.0, slack_bytes=100 * GiB)
+    granted = 0
+    while g.allows(GiB, pct=60):  # ceiling 60 GiB, 50 GiB used at the sample
+        granted += GiB
+        assert granted <= 10 * GiB
+    assert granted == 10 * GiB
+    assert fake_ram.calls == 1  # refused from the estimate: a re-check waits max_age_s / 10
+    clock[0] += 1.5
+    assert g.allows(GiB, pct=60)  # re-read: the grants were pool reuse, RAM did not grow
+    assert fake_ram.calls == 2
+
+
+def test_growth_by_others_seen_after_max_age(fake_ram, monkeypatch):
+    """RAM taken by someone else is seen once the sample is older than max_age_s."""
+    clock = [0.0]
+    monkeypatch.setattr(policy.time, "monotonic", lambda: clock[0])
+    g = RamCeiling(max_age_s=0.05)
+    assert g.allows(1, pct=60)
+    fake_ram.used = 70 * GiB
+    clock[0] += 0.01
+    assert g.allows(1, pct=60)  # within the documented staleness bound
+    clock[0] += 0.05
+    assert not g.allows(1, pct=60)
+    fake_ram.used = 10 * GiB
+    clock[0] += 0.06
+    assert g.allows(1, pct=60)
+
+
+def test_slack_bytes_force_a_new_sample(fake_ram, monkeypatch):
+    """Granting more than slack_bytes since the last sample forces a fresh read."""
+    monkeypatch.setattr(policy.time, "monotonic", lambda: 0.0)
+    g = RamCeiling(max_age_s=10.0, slack_bytes=4 * GiB)
+    for _ in range(4):
+        assert g.allows(GiB, pct=99)
+    assert fake_ram.calls == 1
+    assert g.allows(GiB, pct=99)
+    assert fake_ram.calls == 2
+
+
+def test_real_psutil_still_enforced():
+    """With real system RAM, a ceiling below current use keeps everything (reason host_budget)."""
+    assert psutil.virtual_memory().percent > 0.01
+    ctx = OffloadActivations(device="cpu", min_offload_size=0, virtual_memory_safe_pct=0.01)
+    x = torch.randn(256, requires_grad=True)
+    with ctx:
+        y = (x.sin() * x).sum()
+    y.backward()
+    s = ctx.ledger.summary()
+    assert s["offloaded_count"] == 0 and s["kept_count_by_reason"].get("host_budget", 0) >= 1
