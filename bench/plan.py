@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.env import results_dir, run_metadata
+from bench.env import default_run_dir, run_metadata
 from bench.harness import build_model
 from bench.model import make_batch
 from bench.strategies import BenchEnv, Skip
@@ -428,7 +428,7 @@ def main_plan(workload: Workload, device: str, args: Any, argv: list[str] | None
     if not args.no_write:
         meta = run_metadata(device, argv if argv is not None else sys.argv[1:])
         meta["command"] = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
-        out = args.out if args.out is not None else results_dir(device)
+        out = args.out if args.out is not None else default_run_dir("plan", str(workload.run_id))
         for p in _write(f"plan_{workload.run_id}", res, text, out, meta,
                         None if args.no_plot else write_frontier_png):
             print(f"wrote {p}")
@@ -443,7 +443,7 @@ def main_max_seq(workload: Workload, device: str, args: Any, argv: list[str] | N
     if not args.no_write:
         meta = run_metadata(device, argv if argv is not None else sys.argv[1:])
         meta["command"] = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
-        out = args.out if args.out is not None else results_dir(device)
+        out = args.out if args.out is not None else default_run_dir("plan_maxseq", str(workload.run_id))
         for p in _write(f"plan_maxseq_{workload.run_id}", res, text, out, meta, None):
             print(f"wrote {p}")
     return 0

@@ -1,7 +1,8 @@
 """Replay recorded host-pool request traces through candidate pool designs.
 
 Runbook (from the repo root, with ``PYTHONPATH=.``):
-    python -m bench.pool_replay                 # replay bench/traces/*.json.gz, write bench/results/cpu/pool_replay.json
+    python -m bench.pool_replay                 # replay bench/traces/*.json.gz into ./bench_runs/<run>/pool_replay.json
+    python -m bench.pool_replay --out bench/results/cpu/pool_replay.json   # the file the README cites
     python -m bench.pool_replay --record        # first re-record the traces from the toy Llama (a few minutes on CPU)
     python -m bench.pool_replay --out /tmp/replay.json
 
@@ -56,6 +57,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from bench.env import default_run_dir
 
 from offload.pool import HostBuffer, HostPool
 
@@ -433,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--record", action="store_true", help="re-record the traces from the toy Llama first")
     ap.add_argument("--repeat", type=int, default=5, help="replays per design; µs/call is the best (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results JSON (default: a fresh run folder ./bench_runs/<time>_pool_replay_cpu/; "
+                         f"the README cites {DEFAULT_OUT.relative_to(ROOT.parent)})")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     traces = record_all() if args.record else load_all()
@@ -447,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[0]["us_per_call"] = min(r["us_per_call"] for r in runs)
             rows.append(runs[0])
     print(_table(rows))
+    if args.out is None:
+        args.out = default_run_dir("pool_replay", "cpu") / "pool_replay.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "pool_replay",
