@@ -630,6 +630,20 @@ class HostPool:
         """Bytes of the buffers taken and not given back (requested sizes)."""
         return self._in_use
 
+    def storage_bytes(self) -> int:
+        """Bytes of the host memory the pool holds now, read from its allocations themselves.
+
+        The sum of the distinct storages behind every live chunk (free or in use),
+        not the pool's own counters: what a footprint measurement should use.
+        """
+        with self._lock:
+            seen: dict[int, int] = {}
+            for c in self._arena.chunks.values():
+                if c.tensor is not None:
+                    st = c.tensor.untyped_storage()
+                    seen[st.data_ptr()] = st.nbytes()
+            return sum(seen.values())
+
     def stats(self) -> dict[str, int | None]:
         """Snapshot of the pool's counters (bytes and counts).
 

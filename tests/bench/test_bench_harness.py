@@ -101,9 +101,10 @@ def test_micro_run_counts_every_arms_host_copies_alike(micro_run):
         assert s["activation_bytes"] >= 0.9 * s["host_copy_bytes"], (name, s["activation_bytes"],
                                                                       s["host_copy_bytes"])
     off = by["offload"]["engine"]
-    # The host footprint is measured outside the pool: allocator bytes == the ledger's bytes held in one step.
-    assert off["host_bytes_measured"] == by["offload"]["host_copy_bytes"]
-    assert off["held_bytes_last_step"] > 0 and off["host_footprint_ratio"] == pytest.approx(1.0, abs=0.01)
+    # The host footprint is read from the pool's allocations (not its counters) after a step that re-grew
+    # it from empty: a static loop holds at most 1.05x the bytes the ledger says one step holds.
+    assert off["held_bytes_last_step"] > 0 and off["host_bytes_measured"] >= off["held_bytes_last_step"]
+    assert off["host_footprint_ratio"] <= 1.05, off
     assert by["account_only"]["host_copy_bytes"] == 0  # its pack hook runs but moves nothing
     # Every measured step is timed in wall clock and in process CPU time.
     assert all(len(s["times"]["cpu_seconds"]) == len(s["times"]["seconds"]) == 2 for s in by.values())
