@@ -83,16 +83,17 @@ def version_tracker(t: torch.Tensor) -> torch.Tensor | None:
     hooks, and the engine must raise autograd's in-place error even when every
     Python reference to the saved tensor is gone (a temporary). A detached
     alias shares the version counter; ``set_()`` then drops its storage (so
-    the source memory can still be freed), and because ``set_`` itself bumps
-    the shared counter, ``_unsafe_set_version_counter`` puts the value back.
+    the source memory can still be freed). ``set_`` is dispatched below the
+    ADInplaceOrView key, where in-place ops do not bump the version: a bump
+    and a reset would be seen, in between, by another thread saving the same
+    tensor (a shared batch) as a spurious in-place modification.
     Returns None when the tensor does not allow it (the caller falls back to
     a weak reference to the tensor).
     """
     try:
-        version = t._version
         tracker = t.detach()
-        tracker.set_()
-        torch._C._autograd._unsafe_set_version_counter((tracker,), (version,))
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            tracker.set_()
     except (RuntimeError, TypeError, AttributeError, NotImplementedError):
         return None
     return tracker

@@ -521,3 +521,29 @@ def test_pageable_overflow_is_accounted():
     assert p["overflow_bytes"] > 0 and p["overflow_count"] > 0, p
     assert s["d2h_bytes"] == p["received_bytes"] + p["overflow_bytes"], (s["d2h_bytes"], p)
     assert p["reserved_bytes"] <= 64 << 10
+
+
+def test_version_tracker_never_changes_the_tensors_version(monkeypatch):
+    """Following a tensor's version counter never bumps it, not even transiently.
+
+    Another thread saving the same tensor (a shared batch) would otherwise read a
+    bumped version and later report a spurious in-place modification. Any reset
+    of the counter is intercepted and the version seen at that moment recorded.
+    """
+    from offload import _torch_private
+
+    x = torch.randn(8, requires_grad=True).exp()
+    seen = []
+    real = torch._C._autograd._unsafe_set_version_counter
+
+    def spy(tensors, versions):
+        seen.extend(int(t._version) for t in tensors)
+        return real(tensors, versions)
+
+    monkeypatch.setattr(torch._C._autograd, "_unsafe_set_version_counter", spy)
+    for _ in range(100):
+        tr = _torch_private.version_tracker(x)
+        assert tr is not None and tr._version == 0 and tr.untyped_storage().nbytes() == 0
+    assert x._version == 0 and all(v == 0 for v in seen), seen
+    x.mul_(2)
+    assert tr._version == 1  # still follows the counter
