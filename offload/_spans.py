@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from offload.policy import live_base, span_elems, storage_identity
+from .policy import live_base, span_elems, storage_identity
 
 __all__ = ["SpanSet"]
 
@@ -29,6 +29,7 @@ def _weak(t: torch.Tensor) -> Callable[[], torch.Tensor | None]:
         return weakref.ref(t)
     except TypeError:  # subclasses that refuse weakrefs: alive for the step
         return lambda: t
+
 
 
 class _Ranges:
@@ -73,24 +74,21 @@ class SpanSet:
     """Per step: bytes each save adds to the union of saved spans of its storage."""
 
     def __init__(self) -> None:
-        self._seen: dict[tuple[Any, int], _Ranges] = {}
+        # key -> the first save's (weak base, lo, hi) while one range covers every
+        # save of that storage (the common case, no object built), else _Ranges.
+        self._seen: dict[tuple[Any, int], _Ranges | tuple[Callable[[], torch.Tensor | None], int, int]] = {}
 
     def add(self, t: torch.Tensor) -> int:
         """Bytes of ``t``'s span not covered by an earlier save of the same storage this step."""
         key, _size = storage_identity(t)
-        nbytes = t.numel() * t.element_size()
-        ranges = self._seen.get(key)
-        if ranges is None or live_base(ranges.base, key) is None:
-            base = t._base if t._base is not None else t
-            ranges = self._seen[key] = _Ranges(_weak(base))
         if key[0] == "id":  # no plain storage: the tensor itself, once
-            return ranges.add(0, nbytes)
+            return self.add_span(t, key, 0, t.numel() * t.element_size())
         try:
             lo, hi = span_elems(t)
         except (RuntimeError, NotImplementedError, TypeError):
-            return ranges.add(0, nbytes)
+            return self.add_span(t, key, 0, t.numel() * t.element_size())
         es = t.element_size()
-        return ranges.add(lo * es, hi * es)
+        return self.add_span(t, key, lo * es, hi * es)
 
     def add_span(self, t: torch.Tensor, key: tuple[Any, int], lo: int, hi: int) -> int:
         """``add`` for a caller that already has ``t``'s storage key and byte span [lo, hi).
@@ -99,16 +97,24 @@ class SpanSet:
         seen this step, or seen through the same base object, is settled
         without re-reading the storage pointer.
         """
-        ranges = self._seen.get(key)
+        entry = self._seen.get(key)
         base = t._base
         if base is None:
             base = t
-        if ranges is not None:
-            b = ranges.base()
-            if b is not None and (b is base or live_base(ranges.base, key) is not None):
-                return ranges.add(lo, hi)
-        self._seen[key] = _Ranges.first(_weak(base), lo, hi)
-        return hi - lo if hi > lo else 0
+        if entry is not None:
+            single = type(entry) is tuple
+            ref = entry[0] if single else entry.base
+            b = ref()
+            if b is not None and (b is base or live_base(ref, key) is not None):
+                if single:
+                    if entry[1] <= lo and hi <= entry[2]:
+                        return 0  # within the first save's span (a repeated save)
+                    entry = self._seen[key] = _Ranges.first(ref, entry[1], entry[2])
+                return entry.add(lo, hi)
+        if hi <= lo:
+            lo = hi = 0
+        self._seen[key] = (_weak(base), lo, hi)
+        return hi - lo
 
     def clear(self) -> None:
         self._seen.clear()
