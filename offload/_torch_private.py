@@ -76,6 +76,10 @@ def neg_view(t: torch.Tensor) -> torch.Tensor:
     return torch._neg_view(t)
 
 
+_unsafe_set_version_counter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+"""Looked up once: ``version_tracker`` runs once per offloaded tensor (None: trackers unavailable)."""
+
+
 def version_tracker(t: torch.Tensor) -> torch.Tensor | None:
     """An empty tensor that shares ``t``'s version counter but not its storage.
 
@@ -92,7 +96,7 @@ def version_tracker(t: torch.Tensor) -> torch.Tensor | None:
         version = t._version
         tracker = t.detach()
         tracker.set_()
-        torch._C._autograd._unsafe_set_version_counter((tracker,), (version,))
+        _unsafe_set_version_counter((tracker,), (version,))
     except (RuntimeError, TypeError, AttributeError, NotImplementedError):
         return None
     return tracker
