@@ -113,7 +113,11 @@ class SpanSet:
                 return entry.add(lo, hi)
         if hi <= lo:
             lo = hi = 0
-        self._seen[key] = (_weak(base), lo, hi)
+        try:
+            ref = weakref.ref(base)
+        except TypeError:  # subclasses that refuse weakrefs
+            ref = _weak(base)
+        self._seen[key] = (ref, lo, hi)
         return hi - lo
 
     def clear(self) -> None:

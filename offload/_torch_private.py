@@ -120,3 +120,12 @@ def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     BaseException); it may only pop the hooks if they are still the engine's.
     """
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+# The hooks run once per saved tensor: they call the C functions themselves
+# (the same calls as ``graph_task_id`` / ``profiler_enabled`` above, which say
+# why each is private), without a Python frame around them.
+graph_task_id_c: Callable[[], int] = torch._C._current_graph_task_id
+"""``graph_task_id`` without its Python frame."""
+profiler_enabled_c: Callable[[], bool] = torch._C._autograd._profiler_enabled
+"""``profiler_enabled`` without its Python frame."""

@@ -108,6 +108,10 @@ if TYPE_CHECKING:
 __all__ = ["OffloadActivations", "PackEvent", "add_pack_observer", "active_engine"]
 
 _ON_HOST_BUDGET = ("keep", "pageable", "raise")
+_graph_task_id = _torch_private.graph_task_id_c
+_profiler_enabled = _torch_private.profiler_enabled_c
+_DEVICE_NAMES = policy._DEVICE_NAMES
+_DTYPE_NAMES = policy._DTYPE_NAMES
 _MiB = 1 << 20
 IN_BACKWARD = getattr(policy, "IN_BACKWARD", "in_backward")
 AFTER_HEAD = getattr(policy, "AFTER_HEAD", "after_head")
@@ -212,7 +216,7 @@ class _Kept:
     __slots__ = ("tensor", "version", "engine", "__weakref__")
 
     def __init__(self, t: torch.Tensor, engine: "OffloadActivations | None" = None) -> None:
-        self.tensor = _saved_alias(t)
+        self.tensor = t.detach() if t.requires_grad else t  # _saved_alias, inlined (Rule 10)
         self.version = t._version
         self.engine = engine
         if engine is not None:
@@ -302,7 +306,7 @@ def _unpack_handle(handle: Any) -> torch.Tensor:
     """The engine's unpack hook: handles know their engine (the hook holds none)."""
     if not isinstance(handle, (_Kept, _Offloaded)):  # message built only when it fails
         _internal_assert(False, f"unpack got a {type(handle).__name__}")
-    if _torch_private.profiler_enabled():
+    if _profiler_enabled():
         with torch.autograd.profiler.record_function("offload::unpack"):
             return handle.unpack()
     return handle.unpack()
@@ -315,7 +319,7 @@ def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
     def pack(t: torch.Tensor) -> Any:
         eng = ref()
         _internal_assert(eng is not None, "pack hook ran for an engine that was freed")
-        if _torch_private.profiler_enabled():
+        if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::pack"):
                 return eng._pack(t)
         return eng._pack(t)
@@ -734,14 +738,6 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     # -- pack --------------------------------------------------------------------
 
-    def _region_reason(self, reason: str, ts: _ThreadState | None = None) -> str:
-        """Where the tensor was saved, for a tensor the policy would move or found too small."""
-        if _torch_private.graph_task_id() >= 0:
-            return IN_BACKWARD  # Rule 11
-        if (ts if ts is not None else self._thread()).after_head:
-            return AFTER_HEAD  # Rule 8
-        return reason
-
     def _pack(self, t: torch.Tensor) -> Any:
         # Runs for every saved tensor on the kernel-launching thread: its CPU
         # time is step time. Each fact about ``t`` is read once; no system call.
@@ -753,15 +749,20 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             ptr, storage_nbytes = st.data_ptr(), st.nbytes()
         except (RuntimeError, NotImplementedError, TypeError, AttributeError):
             ptr, storage_nbytes = None, nbytes  # no plain storage: zero tensors, wrappers
-        ts = self._thread()
+        ts = getattr(self._tls, "state", None) or self._thread()
         if not self.enabled:
             reason = policy.DISABLED
         else:
             reason = policy._classify(t, self.device, self.min_offload_size, ts.excluded_depth > 0,
                                       self._static_ptrs, current_modules, nbytes, ptr)
             if not reason or reason == policy.TOO_SMALL:
-                reason = self._region_reason(reason, ts)
-        dev = policy.device_name(t.device)
+                # Where it was saved decides for a tensor the policy would move or found too small.
+                if _graph_task_id() >= 0:
+                    reason = IN_BACKWARD  # Rule 11
+                elif ts.after_head:
+                    reason = AFTER_HEAD  # Rule 8
+        device = t.device
+        dev = _DEVICE_NAMES.get(device) or policy.device_name(device)
         if ptr:
             ident = key = (dev, ptr)
         else:
@@ -773,7 +774,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         else:
             shape = tuple(t.shape)
         # Positional: a keyword call of this dataclass costs 2.5x as much.
-        rec = PackRecord(seq, self.ledger.current_step, nbytes, shape, policy.dtype_name(t.dtype),
+        dtype = t.dtype
+        rec = PackRecord(seq, self.ledger.current_step, nbytes, shape,
+                         _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype),
                          dev, current_module_name(), KEPT, reason, key[1], storage_nbytes)
         handle: Any = None
         if not reason:
@@ -881,7 +884,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if src is None:
                 src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
                     t.untyped_storage(), lo_b, (nbytes,), (1,))
-            if _torch_private.profiler_enabled():
+            if _profiler_enabled():
                 with torch.autograd.profiler.record_function("offload::d2h"):
                     copy = backend.d2h(src, buf.tensor)
             else:
@@ -1001,7 +1004,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _begin_backward_pass(self) -> _Pass | None:
         """This graph task's pass state, created (and its end queued) at its first unpack."""
-        gid = _torch_private.graph_task_id()
+        gid = _graph_task_id()
         if gid < 0:
             return None  # unpacked outside backward (e.g. grad_fn._saved_*): nothing to track
         last = self._last_pass  # (gid, weak _Pass): skips the WeakValueDictionary per unpack
@@ -1083,7 +1086,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _load(self, hc: _HostCopy, rec: PackRecord | None) -> tuple[torch.Tensor, Copy]:
         backend = self._backend
-        if _torch_private.profiler_enabled():
+        if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::h2d"):
                 dev, copy = backend.h2d(hc.buf.tensor)
         else:
