@@ -318,7 +318,8 @@ def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
 
     def pack(t: torch.Tensor) -> Any:
         eng = ref()
-        _internal_assert(eng is not None, "pack hook ran for an engine that was freed")
+        if eng is None:
+            _internal_assert(False, "pack hook ran for an engine that was freed")
         if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::pack"):
                 return eng._pack(t)
@@ -838,7 +839,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _offload(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int],
                  ts: _ThreadState | None = None) -> _Offloaded | None:
-        base = _base_of(t)
+        base = t._base
+        if base is None:
+            base = t
         es = t.element_size()
         hc = self._shared_copy(t, key) if (self.dedupe and key in self._dedupe) else None
         entry = None
