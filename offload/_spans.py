@@ -31,7 +31,6 @@ def _weak(t: torch.Tensor) -> Callable[[], torch.Tensor | None]:
         return lambda: t
 
 
-
 class _Ranges:
     """Sorted, disjoint [lo, hi) byte ranges of one storage."""
 

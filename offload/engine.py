@@ -166,11 +166,14 @@ def add_pack_observer(fn: Callable[[PackEvent], None]) -> RemovableHandle:
     return h
 
 
+_NO_SPAN = nullcontext()  # stateless: one instance serves every caller
+
+
 def _span(name: str) -> Any:
     """A ``record_function`` range when a profiler is recording, else a no-op (cheap)."""
-    if _torch_private.profiler_enabled():
+    if _profiler_enabled():
         return torch.autograd.profiler.record_function(name)
-    return nullcontext()
+    return _NO_SPAN
 
 
 # -- handles -----------------------------------------------------------------
@@ -377,11 +380,6 @@ class _ThreadState:
         self.enter_depth = 0
         self.modules_cms: list[Any] = []
         self.saved: tuple[int, int] = (0, 0)
-
-
-def _base_of(t: torch.Tensor) -> torch.Tensor:
-    b = t._base
-    return t if b is None else b
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
