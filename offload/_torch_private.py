@@ -76,8 +76,8 @@ def neg_view(t: torch.Tensor) -> torch.Tensor:
     return torch._neg_view(t)
 
 
-_unsafe_set_version_counter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-"""Looked up once: ``version_tracker`` runs once per offloaded tensor (None: trackers unavailable)."""
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+"""One empty tensor per device: what a version tracker's data is swapped for."""
 
 
 def version_tracker(t: torch.Tensor) -> torch.Tensor | None:
@@ -86,17 +86,23 @@ def version_tracker(t: torch.Tensor) -> torch.Tensor | None:
     Why private: autograd keeps no version counter for tensors saved through
     hooks, and the engine must raise autograd's in-place error even when every
     Python reference to the saved tensor is gone (a temporary). A detached
-    alias shares the version counter; ``set_()`` then drops its storage (so
-    the source memory can still be freed), and because ``set_`` itself bumps
-    the shared counter, ``_unsafe_set_version_counter`` puts the value back.
-    Returns None when the tensor does not allow it (the caller falls back to
-    a weak reference to the tensor).
+    alias shares the version counter; assigning its ``.data`` an empty tensor
+    then drops its storage (so the source memory can still be freed) and keeps
+    the shared counter: ``set_data`` shallow-copies the new data into the alias
+    without touching its version counter (an implementation detail of
+    ``Tensor.data``'s setter). Unlike ``set_()`` it never bumps the counter, so
+    the version that another thread (or autograd's own check of a tensor saved
+    without hooks) reads at the same time is never off by one. Returns None
+    when the tensor does not allow it (the caller falls back to a weak
+    reference to the tensor).
     """
     try:
-        version = t._version
+        device = t.device
+        empty = _EMPTY.get(device)
+        if empty is None:
+            empty = _EMPTY[device] = torch.empty(0, device=device)
         tracker = t.detach()
-        tracker.set_()
-        _unsafe_set_version_counter((tracker,), (version,))
+        tracker.data = empty
     except (RuntimeError, TypeError, AttributeError, NotImplementedError):
         return None
     return tracker
