@@ -89,7 +89,7 @@ class StepTotals:
     host_rss_bytes: int | None = None
     device_peak_allocated_bytes: int | None = None
 
-    def add(self, rec: PackRecord, unique_bytes: int) -> None:
+    def add(self, rec: PackRecord, unique_bytes: int | bool) -> None:
         """Count one decision, which adds ``unique_bytes`` to the step's distinct saved bytes.
 
         The ledger's own ``Ledger.add`` inlines this (it runs once per saved tensor).
@@ -108,6 +108,8 @@ class StepTotals:
             by_bytes, by_count = self.kept_by_reason, self.kept_count_by_reason
             by_bytes[reason] = by_bytes.get(reason, 0) + nbytes
             by_count[reason] = by_count.get(reason, 0) + 1
+        if unique_bytes is True:  # the older bool form: its whole storage
+            unique_bytes = rec.storage_nbytes
         self.unique_bytes += unique_bytes
 
     def merge(self, other: "StepTotals") -> None:
