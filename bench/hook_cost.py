@@ -37,7 +37,8 @@ events that complete in order, K copies behind the newest, giving the pack
 cost as a function of copies in flight (it must not grow with K).
 
 Runbook (from the repo root):
-    python -m bench.hook_cost                      # writes bench/results/cpu/hook_cost.json
+    python -m bench.hook_cost                      # writes ./bench_runs/<time>_hook_cost_cpu/hook_cost.json
+    python -m bench.hook_cost --baseline bench/results/cpu/hook_cost.json --out bench/results/cpu/hook_cost.json
     python -m bench.hook_cost --no-instructions    # CPU time only (seconds)
     python -m bench.hook_cost --baseline old.json  # embed an earlier run as "before"
     python -m bench.hook_cost --layers 8 --rounds 3 --no-instructions --out /tmp/h.json   # tiny
@@ -65,10 +66,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench.env import default_run_dir
 from offload import OffloadActivations
 from offload.modules import track_modules
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cpu" / "hook_cost.json"
+
+
+def default_out() -> Path:
+    """``./bench_runs/<UTC time>_hook_cost_cpu/hook_cost.json``: a plain run never modifies tracked files."""
+    return default_run_dir("hook_cost", "cpu") / "hook_cost.json"
+
 
 VARIANTS = ("none", "identity", "torchtune_keep", "save_on_cpu", "ours_keep", "ours_offload", "modules_only")
 RATIOS = {
@@ -443,9 +450,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--baseline", type=Path, default=None,
                    help="an earlier run's JSON, embedded under 'before' (e.g. the same bench on the old engine)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON to write (default: ./bench_runs/<UTC time>_hook_cost_cpu/hook_cost.json; the "
+                        "committed results are made with --out bench/results/cpu/hook_cost.json)")
     p.add_argument("--_callgrind-child", dest="cg_child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = default_out()
     torch.set_num_threads(1)
     variants = tuple(v for v in args.variants.split(",") if v)
     if "none" not in variants:

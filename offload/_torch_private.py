@@ -76,24 +76,33 @@ def neg_view(t: torch.Tensor) -> torch.Tensor:
     return torch._neg_view(t)
 
 
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+"""One empty tensor per device: what a version tracker's data is swapped for."""
+
+
 def version_tracker(t: torch.Tensor) -> torch.Tensor | None:
     """An empty tensor that shares ``t``'s version counter but not its storage.
 
     Why private: autograd keeps no version counter for tensors saved through
     hooks, and the engine must raise autograd's in-place error even when every
     Python reference to the saved tensor is gone (a temporary). A detached
-    alias shares the version counter; ``set_()`` then drops its storage (so
-    the source memory can still be freed). ``set_`` is dispatched below the
-    ADInplaceOrView key, where in-place ops do not bump the version: a bump
-    and a reset would be seen, in between, by another thread saving the same
-    tensor (a shared batch) as a spurious in-place modification.
-    Returns None when the tensor does not allow it (the caller falls back to
-    a weak reference to the tensor).
+    alias shares the version counter; assigning its ``.data`` an empty tensor
+    then drops its storage (so the source memory can still be freed) and keeps
+    the shared counter: ``set_data`` shallow-copies the new data into the alias
+    without touching its version counter (an implementation detail of
+    ``Tensor.data``'s setter). Unlike ``set_()`` it never bumps the counter, so
+    the version that another thread (or autograd's own check of a tensor saved
+    without hooks) reads at the same time is never off by one. Returns None
+    when the tensor does not allow it (the caller falls back to a weak
+    reference to the tensor).
     """
     try:
+        device = t.device
+        empty = _EMPTY.get(device)
+        if empty is None:
+            empty = _EMPTY[device] = torch.empty(0, device=device)
         tracker = t.detach()
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            tracker.set_()
+        tracker.data = empty
     except (RuntimeError, TypeError, AttributeError, NotImplementedError):
         return None
     return tracker
@@ -117,3 +126,12 @@ def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     BaseException); it may only pop the hooks if they are still the engine's.
     """
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+# The hooks run once per saved tensor: they call the C functions themselves
+# (the same calls as ``graph_task_id`` / ``profiler_enabled`` above, which say
+# why each is private), without a Python frame around them.
+graph_task_id_c: Callable[[], int] = torch._C._current_graph_task_id
+"""``graph_task_id`` without its Python frame."""
+profiler_enabled_c: Callable[[], bool] = torch._C._autograd._profiler_enabled
+"""``profiler_enabled`` without its Python frame."""

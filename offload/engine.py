@@ -92,6 +92,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _torch_private, policy
 from . import config as _config
+from ._spans import SpanSet
 from ._warn import user_stacklevel
 from .config import OffloadConfig
 from .errors import OffloadError, _internal_assert
@@ -107,6 +108,10 @@ if TYPE_CHECKING:
 __all__ = ["OffloadActivations", "PackEvent", "add_pack_observer", "active_engine"]
 
 _ON_HOST_BUDGET = ("keep", "pageable", "raise")
+_graph_task_id = _torch_private.graph_task_id_c
+_profiler_enabled = _torch_private.profiler_enabled_c
+_DEVICE_NAMES = policy._DEVICE_NAMES
+_DTYPE_NAMES = policy._DTYPE_NAMES
 _MiB = 1 << 20
 IN_BACKWARD = getattr(policy, "IN_BACKWARD", "in_backward")
 AFTER_HEAD = getattr(policy, "AFTER_HEAD", "after_head")
@@ -161,11 +166,14 @@ def add_pack_observer(fn: Callable[[PackEvent], None]) -> RemovableHandle:
     return h
 
 
+_NO_SPAN = nullcontext()  # stateless: one instance serves every caller
+
+
 def _span(name: str) -> Any:
     """A ``record_function`` range when a profiler is recording, else a no-op (cheap)."""
-    if _torch_private.profiler_enabled():
+    if _profiler_enabled():
         return torch.autograd.profiler.record_function(name)
-    return nullcontext()
+    return _NO_SPAN
 
 
 # -- handles -----------------------------------------------------------------
@@ -211,7 +219,7 @@ class _Kept:
     __slots__ = ("tensor", "version", "engine", "__weakref__")
 
     def __init__(self, t: torch.Tensor, engine: "OffloadActivations | None" = None) -> None:
-        self.tensor = _saved_alias(t)
+        self.tensor = t.detach() if t.requires_grad else t  # _saved_alias, inlined (Rule 10)
         self.version = t._version
         self.engine = engine
         if engine is not None:
@@ -299,8 +307,9 @@ class _Offloaded:
 
 def _unpack_handle(handle: Any) -> torch.Tensor:
     """The engine's unpack hook: handles know their engine (the hook holds none)."""
-    _internal_assert(isinstance(handle, (_Kept, _Offloaded)), f"unpack got a {type(handle).__name__}")
-    if _torch_private.profiler_enabled():
+    if not isinstance(handle, (_Kept, _Offloaded)):  # message built only when it fails
+        _internal_assert(False, f"unpack got a {type(handle).__name__}")
+    if _profiler_enabled():
         with torch.autograd.profiler.record_function("offload::unpack"):
             return handle.unpack()
     return handle.unpack()
@@ -312,8 +321,9 @@ def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
 
     def pack(t: torch.Tensor) -> Any:
         eng = ref()
-        _internal_assert(eng is not None, "pack hook ran for an engine that was freed")
-        if _torch_private.profiler_enabled():
+        if eng is None:
+            _internal_assert(False, "pack hook ran for an engine that was freed")
+        if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::pack"):
                 return eng._pack(t)
         return eng._pack(t)
@@ -372,9 +382,14 @@ class _ThreadState:
         self.saved: tuple[int, int] = (0, 0)
 
 
-def _base_of(t: torch.Tensor) -> torch.Tensor:
-    b = t._base
-    return t if b is None else b
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[lo, hi) bytes of its storage that ``t`` can touch; (0, its bytes) when it has no single span."""
+    try:
+        lo, hi = policy.span_elems(t)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0, t.numel() * t.element_size()
+    es = t.element_size()
+    return lo * es, hi * es
 
 
 # -- argument checks -----------------------------------------------------------
@@ -577,12 +592,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._stash: deque[_StashEntry] = deque()
         self._stash_bytes = 0
         self._dedupe: dict[tuple[str, int], weakref.ref] = {}
-        self._seen = policy.StorageSet()
+        self._seen = SpanSet()  # unique bytes: the union of saved spans, as the profilers count
         # Per-thread forward state and per-graph-task backward state (Rule 12).
         self._tls = threading.local()
         self._orders: list[list[weakref.ref]] = []
         self._order_compact_at = 1024
         self._passes: "weakref.WeakValueDictionary[int, _Pass]" = weakref.WeakValueDictionary()
+        self._last_pass: tuple[int, weakref.ref] | None = None
         self._live_handles = 0
         self._process = psutil.Process()
         # Rule 10: the pack hook holds the engine weakly; handles hold it.
@@ -721,40 +737,31 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     # -- pack --------------------------------------------------------------------
 
-    def _region_reason(self, reason: str) -> str:
-        """Where the tensor was saved, for a tensor the policy would move or found too small."""
-        if _torch_private.graph_task_id() >= 0:
-            return IN_BACKWARD  # Rule 11
-        if self._thread().after_head:
-            return AFTER_HEAD  # Rule 8
-        return reason
-
     def _pack(self, t: torch.Tensor) -> Any:
         # Runs for every saved tensor on the kernel-launching thread: its CPU
         # time is step time. Each fact about ``t`` is read once; no system call.
         seq = next(self._seq)
-        nbytes = t.numel() * t.element_size()
+        es = t.element_size()
+        nbytes = t.numel() * es
         try:
             st = t.untyped_storage()
             ptr, storage_nbytes = st.data_ptr(), st.nbytes()
         except (RuntimeError, NotImplementedError, TypeError, AttributeError):
             ptr, storage_nbytes = None, nbytes  # no plain storage: zero tensors, wrappers
+        ts = getattr(self._tls, "state", None) or self._thread()
         if not self.enabled:
             reason = policy.DISABLED
         else:
-            reason = policy.classify(
-                t,
-                device=self.device,
-                min_offload_size=self.min_offload_size,
-                excluded=self._excluded_depth > 0,
-                static_ptrs=self._static_ptrs,
-                stack_modules=current_modules,
-                nbytes=nbytes,
-                ptr=ptr,
-            )
+            reason = policy._classify(t, self.device, self.min_offload_size, ts.excluded_depth > 0,
+                                      self._static_ptrs, current_modules, nbytes, ptr)
             if not reason or reason == policy.TOO_SMALL:
-                reason = self._region_reason(reason)
-        dev = policy.device_name(t.device)
+                # Where it was saved decides for a tensor the policy would move or found too small.
+                if _graph_task_id() >= 0:
+                    reason = IN_BACKWARD  # Rule 11
+                elif ts.after_head:
+                    reason = AFTER_HEAD  # Rule 8
+        device = t.device
+        dev = _DEVICE_NAMES.get(device) or policy.device_name(device)
         if ptr:
             ident = key = (dev, ptr)
         else:
@@ -766,16 +773,30 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         else:
             shape = tuple(t.shape)
         # Positional: a keyword call of this dataclass costs 2.5x as much.
-        rec = PackRecord(seq, self.ledger.current_step, nbytes, shape, policy.dtype_name(t.dtype),
+        dtype = t.dtype
+        rec = PackRecord(seq, self.ledger.current_step, nbytes, shape,
+                         _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype),
                          dev, current_module_name(), KEPT, reason, key[1], storage_nbytes)
         handle: Any = None
         if not reason:
-            handle = self._offload(t, rec, key)
+            handle = self._offload(t, rec, key, ts)
         if handle is None:
             handle = _Kept(t, self)
-        counts_unique = rec.reason not in (policy.PARAMETER, policy.BUFFER, policy.UNSUPPORTED_TYPE)
-        self.ledger.add(rec, counts_unique and self._seen.first_save_of(t, ident, storage_nbytes) > 0)
-        if self._observers or _global_observers():
+        unique = 0
+        r = rec.reason
+        if r != policy.PARAMETER and r != policy.BUFFER and r != policy.UNSUPPORTED_TYPE:
+            # The bytes this save's span adds to the step's union of saved spans
+            # (offload._spans: what the profilers count too).
+            if ident[0] == "id":
+                lo_b, hi_b = 0, nbytes
+            elif reason == policy.DISABLED:
+                lo_b, hi_b = _byte_span(t)
+            else:
+                lo_b = t.storage_offset() * es
+                hi_b = lo_b + nbytes if t.is_contiguous() else _byte_span(t)[1]
+            unique = self._seen.add_span(t, ident, lo_b, hi_b)
+        self.ledger.add(rec, unique)
+        if self._observers or _tls.__dict__.get("observers"):
             self._notify(t, rec)
         return handle
 
@@ -814,18 +835,28 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 return None
         return hc
 
-    def _offload(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int]) -> _Offloaded | None:
-        base = _base_of(t)
+    def _offload(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int],
+                 ts: _ThreadState | None = None) -> _Offloaded | None:
+        base = t._base
+        if base is None:
+            base = t
         es = t.element_size()
-        hc = self._shared_copy(t, key) if self.dedupe else None
+        hc = self._shared_copy(t, key) if (self.dedupe and key in self._dedupe) else None
         entry = None
+        offset = t.storage_offset()
+        conj, neg = t.is_conj(), t.is_neg()
         if hc is not None:
             rec.reason = policy.DUPLICATE_STORAGE
         else:
-            storage = t.untyped_storage()
-            whole = storage.nbytes()
-            lo, hi = policy.span_elems(t)
-            lo_b, hi_b = lo * es, hi * es
+            whole = rec.storage_nbytes
+            contiguous = t.is_contiguous()
+            if contiguous:
+                lo_b = offset * es
+                hi_b = lo_b + rec.nbytes
+            else:
+                lo, hi = policy.span_elems(t)
+                lo_b, hi_b = lo * es, hi * es
+            flat = contiguous and hi_b - lo_b == whole and t.dim() == 1 and not conj and not neg
             if 2 * (hi_b - lo_b) >= whole:
                 # Most of the storage: copy all of it so sibling views (q, k, v
                 # of one qkv projection) share this copy instead of re-copying.
@@ -838,23 +869,36 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if nbytes > self._max_copy_bytes:
                 self._max_copy_bytes = nbytes
             hc = _HostCopy(buf, self.pool, lo_b, nbytes)
-            hc.release = self._backend.release_after
+            backend = self._backend
+            hc.release = backend.release_after
             hc.version = t._version
             hc.base_ref = policy._weak(base)
-            hc.synchronous = self._backend.name == "sync"
-            src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, lo_b, (nbytes,), (1,))
-            with _span("offload::d2h"):
-                copy = self._backend.d2h(src, buf.tensor)
+            hc.synchronous = synchronous = backend.name == "sync"
+            src = None
+            if flat:
+                # The whole storage through a 1-D contiguous tensor: reinterpreting
+                # it is a third of the cost of a new uint8 tensor set_ on the storage.
+                try:
+                    src = t.view(torch.uint8)
+                except RuntimeError:  # a dtype view(uint8) refuses
+                    src = None
+            if src is None:
+                src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                    t.untyped_storage(), lo_b, (nbytes,), (1,))
+            if _profiler_enabled():
+                with torch.autograd.profiler.record_function("offload::d2h"):
+                    copy = backend.d2h(src, buf.tensor)
+            else:
+                copy = backend.d2h(src, buf.tensor)
             rec.decision = OFFLOADED
             rec.reason = ""
             rec.copy_bytes = nbytes
             rec.pinned = buf.pinned
             rec.note = note
-            self.ledger.add_copy_time(rec, "d2h", copy)
-            if hc.synchronous:
-                self.ledger.add_stall(copy.seconds or 0.0)
-                self.ledger.note_inflight(nbytes)
+            if synchronous:
+                self.ledger.add_sync_copy(rec, "d2h", copy.seconds or 0.0, nbytes)
             else:
+                self.ledger.add_copy_time(rec, "d2h", copy)
                 entry = _StashEntry(_saved_alias(t), copy, nbytes)
                 self._stash_push(entry)
             if self.dedupe:
@@ -866,16 +910,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         hc.users += 1
         h.shape = t.shape
         h.stride = t.stride()
-        h.offset = (t.storage_offset() * es - hc.lo) // es
+        h.offset = (offset * es - hc.lo) // es
         h.dtype = t.dtype
         h.device = t.device
         # Lazy conj/neg bits live on the view, not in the bytes (Rule 5).
-        h.conj = t.is_conj()
-        h.neg = t.is_neg()
+        h.conj = conj
+        h.neg = neg
         h.version = _Version(t)
         h.rec = rec
         h.stash = entry if rec.decision == OFFLOADED else None
-        order = self._thread().order
+        order = (ts if ts is not None else self._thread()).order
         with self._lock:
             if len(order) >= self._order_compact_at:
                 self._compact(order)
@@ -961,9 +1005,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _begin_backward_pass(self) -> _Pass | None:
         """This graph task's pass state, created (and its end queued) at its first unpack."""
-        gid = _torch_private.graph_task_id()
+        gid = _graph_task_id()
         if gid < 0:
             return None  # unpacked outside backward (e.g. grad_fn._saved_*): nothing to track
+        last = self._last_pass  # (gid, weak _Pass): skips the WeakValueDictionary per unpack
+        if last is not None and last[0] == gid:
+            p = last[1]()
+            if p is not None and not p.ended:
+                return p
         p = self._passes.get(gid)
         if p is None:
             with self._lock:
@@ -972,6 +1021,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                     p = _Pass(self, gid)
                     self._passes[gid] = p
                     _torch_private.queue_end_of_backward(p)
+        self._last_pass = (gid, weakref.ref(p))  # graph task ids are never reused
         return p
 
     def _reload(self, h: _Offloaded) -> torch.Tensor:
@@ -1006,6 +1056,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             # Views of one base share its version counter, so an in-place
             # write through one reloaded tensor is seen by the others (Rule 6).
             out = base.view(h.dtype).as_strided(h.shape, h.stride, h.offset)
+        elif h.offset == 0 and len(h.shape) == 1 and h.stride == (1,) and h.shape[0] * es == hc.nbytes:
+            # The whole reloaded base as a 1-D tensor: a dtype view of it is a
+            # third of the cost of set_ on a new tensor (the base has no other user).
+            out = base.view(h.dtype)
         else:
             out = torch.empty(0, dtype=h.dtype, device=h.device).set_(
                 base.untyped_storage(), h.offset, h.shape, h.stride)
@@ -1032,11 +1086,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return out
 
     def _load(self, hc: _HostCopy, rec: PackRecord | None) -> tuple[torch.Tensor, Copy]:
-        with _span("offload::h2d"):
-            dev, copy = self._backend.h2d(hc.buf.tensor)
-        self.ledger.add_copy_time(rec, "h2d", copy, hc.nbytes)
-        if self._backend.name == "sync":
-            self.ledger.add_stall(copy.seconds or 0.0)
+        backend = self._backend
+        if _profiler_enabled():
+            with torch.autograd.profiler.record_function("offload::h2d"):
+                dev, copy = backend.h2d(hc.buf.tensor)
+        else:
+            dev, copy = backend.h2d(hc.buf.tensor)
+        if backend.name == "sync":
+            self.ledger.add_sync_copy(rec, "h2d", copy.seconds or 0.0, hc.nbytes)
+        else:
+            self.ledger.add_copy_time(rec, "h2d", copy, hc.nbytes)
         return dev, copy
 
     def _wait(self, copy: Copy) -> None:

@@ -89,8 +89,11 @@ class StepTotals:
     host_rss_bytes: int | None = None
     device_peak_allocated_bytes: int | None = None
 
-    def add(self, rec: PackRecord, new_storage: bool) -> None:
-        """Count one decision (runs once per saved tensor: kept lean)."""
+    def add(self, rec: PackRecord, unique_bytes: int | bool) -> None:
+        """Count one decision, which adds ``unique_bytes`` to the step's distinct saved bytes.
+
+        The ledger's own ``Ledger.add`` inlines this (it runs once per saved tensor).
+        """
         nbytes = rec.nbytes
         self.packed_count += 1
         self.packed_bytes += nbytes
@@ -105,8 +108,9 @@ class StepTotals:
             by_bytes, by_count = self.kept_by_reason, self.kept_count_by_reason
             by_bytes[reason] = by_bytes.get(reason, 0) + nbytes
             by_count[reason] = by_count.get(reason, 0) + 1
-        if new_storage:
-            self.unique_bytes += rec.storage_nbytes
+        if unique_bytes is True:  # the older bool form: its whole storage
+            unique_bytes = rec.storage_nbytes
+        self.unique_bytes += unique_bytes
 
     def merge(self, other: "StepTotals") -> None:
         """Add ``other``'s counters into this one (the peak is a max, snapshots are not merged)."""
@@ -124,6 +128,23 @@ _ADDITIVE = tuple(
     and f.name != "peak_inflight_bytes"
 )
 """StepTotals counters that add up across steps."""
+
+class _Known:
+    """A finished copy whose duration is known (what ``add_sync_copy`` queues behind pending ones)."""
+
+    __slots__ = ("seconds",)
+    done = None
+    start = None
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def elapsed(self) -> float:
+        return self.seconds
+
+    def query(self) -> bool:
+        return True
+
 
 _SECONDS_ATTR = {"d2h": "d2h_seconds", "h2d": "h2d_seconds", "stall": "stall_seconds"}
 """Copy kind -> the StepTotals field its duration adds to."""
@@ -166,10 +187,32 @@ class Ledger:
 
     # -- recording (called by the engine) ------------------------------------
 
-    def add(self, rec: PackRecord, new_storage: bool) -> None:
-        """Record one decision; ``new_storage`` adds its storage to ``unique_bytes``."""
+    def add(self, rec: PackRecord, unique_bytes: int | bool = 0, new_storage: bool | None = None) -> None:
+        """Record one decision, which adds ``unique_bytes`` to the step's distinct saved bytes
+        (the bytes its span adds to the union of saved spans: ``offload._spans``). ``True``
+        (or the older ``new_storage=True``) counts its whole storage."""
+        if new_storage is not None:
+            unique_bytes = bool(new_storage)
+        if unique_bytes is True:
+            unique_bytes = rec.storage_nbytes
+        nbytes = rec.nbytes
         with self._lock:
-            self._open.add(rec, new_storage)
+            # StepTotals.add, inlined: this runs once per saved tensor.
+            o = self._open
+            o.packed_count += 1
+            o.packed_bytes += nbytes
+            if rec.decision == OFFLOADED:
+                o.offloaded_count += 1
+                o.offloaded_bytes += nbytes
+                o.d2h_bytes += rec.copy_bytes
+            else:
+                reason = rec.reason
+                o.kept_count += 1
+                o.kept_bytes += nbytes
+                by_bytes, by_count = o.kept_by_reason, o.kept_count_by_reason
+                by_bytes[reason] = by_bytes.get(reason, 0) + nbytes
+                by_count[reason] = by_count.get(reason, 0) + 1
+            o.unique_bytes += unique_bytes
             self._open_used = True
             self.records.append(rec)
 
@@ -192,6 +235,32 @@ class Ledger:
             self._pending.append((rec, kind, copy, self._open))
             if copy.done is None or len(self._pending) > 64:
                 self._resolve_locked(block=False)
+
+    def add_sync_copy(self, rec: PackRecord | None, kind: str, seconds: float, nbytes: int) -> None:
+        """A synchronous copy of ``nbytes`` that took ``seconds`` (all of it a stall), in one call.
+
+        The same as ``add_copy_time`` (its duration known now) + ``add_stall``,
+        + ``note_inflight(nbytes)`` for a D2H copy, with one lock instead of three.
+        """
+        with self._lock:
+            o = self._open
+            if kind == "h2d":
+                o.h2d_bytes += nbytes
+                self._open_used = True
+            if self._pending:  # keep issue order behind copies whose time is not known yet
+                self._pending.append((rec, kind, _Known(seconds), o))
+                self._resolve_locked(block=False)
+            elif kind == "d2h":
+                o.d2h_seconds += seconds
+                if rec is not None:
+                    rec.d2h_s = seconds
+            else:
+                o.h2d_seconds += seconds
+                if rec is not None:
+                    rec.h2d_s = seconds
+            o.stall_seconds += seconds
+            if kind == "d2h" and nbytes > o.peak_inflight_bytes:
+                o.peak_inflight_bytes = nbytes
 
     def add_stall(self, seconds: float) -> None:
         with self._lock:

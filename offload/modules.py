@@ -60,6 +60,20 @@ _tables: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKe
 """Root -> {id(submodule): name}; rebuilt when a lookup misses (the model may have changed)."""
 _cache: dict[int, tuple[weakref.ref, str]] = {}
 """id(module) -> (weak module, name); the hot-path lookup, cleared when roots change."""
+_generation = [0]
+"""Bumped whenever a ``_cache`` entry goes (roots changed, a module died): each thread's
+memo of its last answer (``current_module_name``) is valid only within one generation."""
+_is_compiling = torch.compiler.is_compiling  # one global lookup in the hooks instead of two
+
+
+def _clear_cache() -> None:
+    _cache.clear()
+    _generation[0] += 1
+
+
+def _forget(key: int) -> None:
+    _cache.pop(key, None)
+    _generation[0] += 1
 
 
 def _thread_stack() -> list[nn.Module]:
@@ -123,7 +137,7 @@ def register_model(model: nn.Module) -> None:
         _build_table(model)
         _roots[:] = [weakref.ref(r) for r in roots if not _contains(model, r)]
         _roots.append(weakref.ref(model))
-        _cache.clear()
+        _clear_cache()
 
 
 def _resolve(module: nn.Module, outermost: nn.Module | None) -> str:
@@ -144,7 +158,7 @@ def _resolve(module: nn.Module, outermost: nn.Module | None) -> str:
         table = _build_table(root)
         _implicit_roots[:] = [weakref.ref(r) for r in implicit if id(r) not in table]
         _implicit_roots.append(weakref.ref(root))
-        _cache.clear()
+        _clear_cache()
     return (_tables.get(root) or _build_table(root)).get(id(module), _root_label(module))
 
 
@@ -157,7 +171,7 @@ def module_name(module: nn.Module, outermost: nn.Module | None = None) -> str:
     with _lock:
         name = _resolve(module, outermost)
         key = id(module)
-        _cache[key] = (weakref.ref(module, lambda _r, k=key: _cache.pop(k, None)), name)
+        _cache[key] = (weakref.ref(module, lambda _r, k=key: _forget(k)), name)
     return name
 
 
@@ -165,15 +179,17 @@ def _pre_hook(module: nn.Module, args) -> None:
     # Under torch.compile tracing this is a constant no-op, so the hooks add
     # no graph breaks; saved tensors of a compiled region are packed after it
     # runs, in eager, and are attributed to the module that called it.
-    if _tls.__dict__.get("depth", 0) <= 0 or torch.compiler.is_compiling():
+    d = _tls.__dict__
+    if d.get("depth", 0) <= 0 or _is_compiling():
         return
-    _tls.stack.append(module)
+    d["stack"].append(module)
 
 
 def _post_hook(module: nn.Module, args, output) -> None:
-    if _tls.__dict__.get("depth", 0) <= 0 or torch.compiler.is_compiling():
+    d = _tls.__dict__
+    if d.get("depth", 0) <= 0 or _is_compiling():
         return
-    stack = _tls.stack
+    stack = d["stack"]
     if stack and stack[-1] is module:
         stack.pop()
         return
@@ -212,18 +228,28 @@ def track_modules() -> Iterator[None]:
 
 def current_module_name() -> str:
     """Stable name of the innermost running module on this thread (NOTE [ Module names ]), "" if none."""
-    stack = getattr(_tls, "stack", None)
+    d = _tls.__dict__
+    stack = d.get("stack")
     if not stack:
         return ""
     module = stack[-1]
     outer = stack[0]
+    # Several saves per module call: the last answer holds while the same
+    # module runs under the same outermost one and no cached name went.
+    memo = d.get("memo")
+    gen = _generation[0]
+    if memo is not None and memo[0] == id(module) and memo[1] == id(outer) and memo[2] == gen:
+        return memo[3]
     hit = _cache.get(id(outer))
     if hit is None or hit[0]() is not outer:  # a new outermost module may be a new implicit root
         module_name(outer, outer)
     hit = _cache.get(id(module))
     if hit is not None and hit[0]() is module:
-        return hit[1]
-    return module_name(module, outer)
+        name = hit[1]
+    else:
+        name = module_name(module, outer)
+    d["memo"] = (id(module), id(outer), gen, name)  # gen as read first: a bump meanwhile misses next time
+    return name
 
 
 def current_modules() -> list[nn.Module]:

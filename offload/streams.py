@@ -25,7 +25,7 @@ import torch
 __all__ = ["Copy", "SyncBackend", "StreamBackend", "make_backend"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Copy:
     """One issued copy: its completion event (None when synchronous) and timing."""
 

@@ -11,7 +11,7 @@ Three numbers per pack, because each answers a different question:
 - ``unique``: the distinct bytes behind the logical saves in a step: per
   storage, the union of the byte ranges the saved views span. Repeated saves
   and overlapping views count once; a slice ``data[:4]`` counts the bytes it
-  spans, not its whole storage (``profiling._spans``).
+  spans, not its whole storage (``offload._spans``).
 
 Under an engine each pack also carries the engine's decision, so every figure
 is split into ``offloaded_bytes`` and ``kept_by_reason`` (the engine's
@@ -61,7 +61,7 @@ from offload.modules import register_model
 from torch import nn
 
 from . import _engine
-from ._spans import SpanSet
+from offload._spans import SpanSet
 from ._torch_private import queue_end_of_backward
 from .errors import ProfilingError
 from .report import format_table, plot_module_bytes, plot_step_memory, write_json

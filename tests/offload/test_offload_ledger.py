@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from offload import (
+    OffloadActivations,
     REASONS,
     PackEvent,
     PackRecord,
@@ -193,3 +195,28 @@ def test_step_totals_carry_pool_and_rss():
     for t in ctx.ledger.step_totals:
         assert POOL_KEYS <= set(t.pool)
         assert t.host_rss_bytes is None or t.host_rss_bytes > 0
+
+
+@pytest.mark.parametrize("min_offload_size", [0, 1 << 40], ids=["offloaded", "kept"])
+def test_unique_bytes_count_the_saved_span_as_the_tracker_does(min_offload_size):
+    """A saved batch slice adds only the bytes it spans to unique_bytes, as PackedBytesTracker counts."""
+    from profiling import PackedBytesTracker
+
+    data = torch.randn(1000, 640)  # 2.5 MB storage
+    w = torch.randn(640, 2, requires_grad=True)
+    w2 = torch.randn(2, 2, requires_grad=True)
+    ctx = OffloadActivations(device="cpu", min_offload_size=min_offload_size)
+    with ctx, PackedBytesTracker() as tracker:
+        a = data[:4] @ w  # saves data[:4]: 4 rows
+        b = data[2:6] @ w  # overlaps rows 2..3: adds rows 4..5 only
+        c = data[8:10, :2] @ w2  # not contiguous: spans row 8 and the first 2 elements of row 9
+    (a.sum() + b.sum() + c.sum()).backward()
+    row = 640 * 4
+    led = ctx.ledger.summary()
+    assert led["unique_bytes"] == 6 * row + (640 + 2) * 4, led["unique_bytes"]
+    assert led["unique_bytes"] == tracker.summary()["unique_bytes"]
+    assert led["unique_bytes"] < data.untyped_storage().nbytes()
+    # The grads are those of plain autograd.
+    ref_w, ref_w2 = w.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+    ((data[:4] @ ref_w).sum() + (data[2:6] @ ref_w).sum() + (data[8:10, :2] @ ref_w2).sum()).backward()
+    assert torch.equal(w.grad, ref_w.grad) and torch.equal(w2.grad, ref_w2.grad)
