@@ -552,17 +552,7 @@ def test_gpu_inplace_write_racing_the_d2h_copy_raises():
     settle(ctx)
 
 
-class _ZeroInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * 3
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        x.mul_(0)
-        return g * 3
+from test_hardening import _ZeroInBackward  # noqa: E402  (the CPU test's Function, reused)
 
 
 def test_gpu_shared_reload_inplace_in_backward_raises():
