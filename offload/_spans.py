@@ -19,16 +19,19 @@ from typing import Any
 
 import torch
 
-from .policy import live_base, span_elems, storage_identity
+from .policy import _weak, live_base, span_elems, storage_identity
 
-__all__ = ["SpanSet"]
+__all__ = ["SpanSet", "byte_span"]
 
 
-def _weak(t: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[lo, hi) bytes of its storage that ``t`` can touch; (0, its bytes) when it has no single span."""
     try:
-        return weakref.ref(t)
-    except TypeError:  # subclasses that refuse weakrefs: alive for the step
-        return lambda: t
+        lo, hi = span_elems(t)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0, t.numel() * t.element_size()
+    es = t.element_size()
+    return lo * es, hi * es
 
 
 class _Ranges:
@@ -82,12 +85,8 @@ class SpanSet:
         key, _size = storage_identity(t)
         if key[0] == "id":  # no plain storage: the tensor itself, once
             return self.add_span(t, key, 0, t.numel() * t.element_size())
-        try:
-            lo, hi = span_elems(t)
-        except (RuntimeError, NotImplementedError, TypeError):
-            return self.add_span(t, key, 0, t.numel() * t.element_size())
-        es = t.element_size()
-        return self.add_span(t, key, lo * es, hi * es)
+        lo, hi = byte_span(t)
+        return self.add_span(t, key, lo, hi)
 
     def add_span(self, t: torch.Tensor, key: tuple[Any, int], lo: int, hi: int) -> int:
         """``add`` for a caller that already has ``t``'s storage key and byte span [lo, hi).

@@ -92,7 +92,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _torch_private, policy
 from . import config as _config
-from ._spans import SpanSet
+from ._spans import SpanSet, byte_span
 from ._warn import user_stacklevel
 from .config import OffloadConfig
 from .errors import OffloadError, _internal_assert
@@ -107,14 +107,11 @@ if TYPE_CHECKING:
 
 __all__ = ["OffloadActivations", "PackEvent", "add_pack_observer", "active_engine"]
 
-_ON_HOST_BUDGET = ("keep", "pageable", "raise")
 _graph_task_id = _torch_private.graph_task_id_c
 _profiler_enabled = _torch_private.profiler_enabled_c
 _DEVICE_NAMES = policy._DEVICE_NAMES
 _DTYPE_NAMES = policy._DTYPE_NAMES
 _MiB = 1 << 20
-IN_BACKWARD = getattr(policy, "IN_BACKWARD", "in_backward")
-AFTER_HEAD = getattr(policy, "AFTER_HEAD", "after_head")
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,16 +377,6 @@ class _ThreadState:
         self.enter_depth = 0
         self.modules_cms: list[Any] = []
         self.saved: tuple[int, int] = (0, 0)
-
-
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """[lo, hi) bytes of its storage that ``t`` can touch; (0, its bytes) when it has no single span."""
-    try:
-        lo, hi = policy.span_elems(t)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return 0, t.numel() * t.element_size()
-    es = t.element_size()
-    return lo * es, hi * es
 
 
 # -- argument checks -----------------------------------------------------------
@@ -757,9 +744,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if not reason or reason == policy.TOO_SMALL:
                 # Where it was saved decides for a tensor the policy would move or found too small.
                 if _graph_task_id() >= 0:
-                    reason = IN_BACKWARD  # Rule 11
+                    reason = policy.IN_BACKWARD  # Rule 11
                 elif ts.after_head:
-                    reason = AFTER_HEAD  # Rule 8
+                    reason = policy.AFTER_HEAD  # Rule 8
         device = t.device
         dev = _DEVICE_NAMES.get(device) or policy.device_name(device)
         if ptr:
@@ -790,10 +777,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if ident[0] == "id":
                 lo_b, hi_b = 0, nbytes
             elif reason == policy.DISABLED:
-                lo_b, hi_b = _byte_span(t)
+                lo_b, hi_b = byte_span(t)
             else:
                 lo_b = t.storage_offset() * es
-                hi_b = lo_b + nbytes if t.is_contiguous() else _byte_span(t)[1]
+                hi_b = lo_b + nbytes if t.is_contiguous() else byte_span(t)[1]
             unique = self._seen.add_span(t, ident, lo_b, hi_b)
         self.ledger.add(rec, unique)
         if self._observers or _tls.__dict__.get("observers"):
@@ -1177,11 +1164,6 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             for order in self._orders:
                 self._compact(order)
         self.close_step()
-
-    # Kept for callers of the previous name (profilers, tests).
-    def _end_of_backward(self) -> None:
-        for p in list(self._passes.values()):
-            self._end_pass(p)
 
     def close_step(self) -> None:
         """Close the ledger's open step now (done automatically at the end of each backward)."""
