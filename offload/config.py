@@ -87,7 +87,7 @@ class OffloadConfig:
     max_inflight_bytes: int = 1024 * _MiB
     """Bound on bytes of in-flight device-to-host copies (their sources stay alive)."""
     prefetch_bytes: int | None = None
-    """Bytes backward loads ahead of need; None = twice the largest copy, 0 = off."""
+    """Bytes backward loads ahead of need; None = twice the largest copy (off with synchronous copies), 0 = off."""
     host_budget_bytes: int | None = None
     """Cap on host pool bytes; None = no fixed cap."""
     on_host_budget: str = "keep"

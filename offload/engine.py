@@ -97,7 +97,7 @@ from ._warn import user_stacklevel
 from .config import OffloadConfig
 from .errors import OffloadError, _internal_assert
 from .ledger import KEPT, OFFLOADED, Ledger, PackRecord
-from .modules import current_module_name, current_modules, register_model, track_modules
+from .modules import current_module_name, current_modules, current_modules_view, register_model, track_modules
 from .pool import PIN_ALLOCATORS, HostBuffer, HostPool
 from .streams import Copy, make_backend
 
@@ -111,6 +111,13 @@ _graph_task_id = _torch_private.graph_task_id_c
 _profiler_enabled = _torch_private.profiler_enabled_c
 _DEVICE_NAMES = policy._DEVICE_NAMES
 _DTYPE_NAMES = policy._DTYPE_NAMES
+_is_param = policy._is_param
+_Tensor = torch.Tensor
+_Parameter = nn.Parameter
+# The reasons, as module globals: the pack hook compares them by identity.
+_PARAMETER, _BUFFER, _OTHER_DEVICE = policy.PARAMETER, policy.BUFFER, policy.OTHER_DEVICE
+_EXCLUDED_REGION, _TOO_SMALL = policy.EXCLUDED_REGION, policy.TOO_SMALL
+_IN_BACKWARD, _AFTER_HEAD = policy.IN_BACKWARD, policy.AFTER_HEAD
 _MiB = 1 << 20
 
 
@@ -186,24 +193,6 @@ def _inplace_error(shape: torch.Size, dtype: torch.dtype, now: int, expected: in
     )
 
 
-class _Version:
-    """Follows one saved tensor's version counter without keeping its storage (Rule 6)."""
-
-    __slots__ = ("tracker", "ref", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.version = t._version
-        self.tracker = _torch_private.version_tracker(t)
-        # Fallback for tensors that refuse it: a weak reference (checks only
-        # while the object lives, the old behaviour).
-        self.ref = policy._weak(t) if self.tracker is None else None
-
-    def check(self, shape: torch.Size, dtype: torch.dtype) -> None:
-        t = self.tracker if self.tracker is not None else self.ref()
-        if t is not None and t._version != self.version:
-            raise _inplace_error(shape, dtype, t._version, self.version)
-
-
 def _saved_alias(t: torch.Tensor) -> torch.Tensor:
     # Rule 10: a detached alias shares storage and version counter but not the
     # autograd history, so holding it cannot close a cycle through grad_fn.
@@ -211,30 +200,40 @@ def _saved_alias(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Kept:
-    """A tensor left where it is; only its version is checked at unpack (Rule 6)."""
+    """A tensor left where it is; only its version is checked at unpack (Rule 6).
 
-    __slots__ = ("tensor", "version", "engine", "__weakref__")
+    ``NoOpManager``'s handle. The engine's own kept handle is the cheaper tuple
+    ``(alias, version, step)`` (see ``_pack``); both unpack the same way.
+    """
 
-    def __init__(self, t: torch.Tensor, engine: "OffloadActivations | None" = None) -> None:
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
         self.tensor = t.detach() if t.requires_grad else t  # _saved_alias, inlined (Rule 10)
         self.version = t._version
-        self.engine = engine
-        if engine is not None:
-            engine._live_handles += 1
-
-    def __del__(self) -> None:
-        eng = self.engine
-        if eng is not None:
-            eng._live_handles -= 1
 
     def unpack(self) -> torch.Tensor:
-        eng = self.engine
-        if eng is not None:
-            eng._begin_backward_pass()
         t = self.tensor
         if t._version != self.version:
             raise _inplace_error(t.shape, t.dtype, t._version, self.version)
         return t
+
+
+class _Step:
+    """Held by every handle packed in one ledger step (Rule 10: no ``__del__`` per handle).
+
+    The engine holds it weakly: once it is gone, every graph of the step was
+    freed, so a forward-only step can close (``_close_finished_step``).
+    """
+
+    __slots__ = ("engine", "__weakref__")
+
+    def __init__(self, engine: "OffloadActivations") -> None:
+        self.engine = engine
+
+
+def _dead() -> None:
+    return None
 
 
 class _HostCopy:
@@ -290,26 +289,43 @@ class _StashEntry:
 class _Offloaded:
     """Handle returned by pack for an offloaded tensor (holds its engine: Rule 10)."""
 
-    __slots__ = ("hc", "shape", "stride", "offset", "dtype", "device", "version",
-                 "rec", "index", "order", "stash", "conj", "neg", "engine", "__weakref__")
-
-    def __del__(self) -> None:
-        eng = self.engine
-        if eng is not None:
-            eng._live_handles -= 1
+    __slots__ = ("hc", "shape", "stride", "offset", "dtype", "device", "version", "tracker",
+                 "rec", "index", "order", "stash", "conj", "neg", "engine", "step", "__weakref__")
 
     def unpack(self) -> torch.Tensor:
         return self.engine._reload(self)
 
 
+def _unpack_kept(handle: tuple) -> torch.Tensor:
+    t, version, step = handle
+    step.engine._begin_backward_pass()
+    if t._version != version:
+        raise _inplace_error(t.shape, t.dtype, t._version, version)
+    return t
+
+
 def _unpack_handle(handle: Any) -> torch.Tensor:
     """The engine's unpack hook: handles know their engine (the hook holds none)."""
-    if not isinstance(handle, (_Kept, _Offloaded)):  # message built only when it fails
-        _internal_assert(False, f"unpack got a {type(handle).__name__}")
     if _profiler_enabled():
         with torch.autograd.profiler.record_function("offload::unpack"):
-            return handle.unpack()
-    return handle.unpack()
+            return _unpack_any(handle)
+    if type(handle) is tuple:  # _unpack_kept, inlined: once per kept tensor
+        t, version, step = handle
+        step.engine._begin_backward_pass()
+        if t._version != version:
+            raise _inplace_error(t.shape, t.dtype, t._version, version)
+        return t
+    return _unpack_any(handle)
+
+
+def _unpack_any(handle: Any) -> torch.Tensor:
+    cls = type(handle)
+    if cls is tuple:
+        return _unpack_kept(handle)
+    if cls is _Offloaded or cls is _Kept:
+        return handle.unpack()
+    _internal_assert(False, f"unpack got a {cls.__name__}")
+    raise AssertionError  # unreachable
 
 
 def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
@@ -446,7 +462,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             None (default) = twice the largest single copy made so far: enough
             to keep the next copies in flight while compute uses the current
             one, without reloading the whole step at the first unpack (which
-            would give the memory back). 0 turns prefetch off.
+            would give the memory back); off with synchronous copies (CPU,
+            ``use_streams=False``), where loading ahead overlaps nothing.
+            0 turns prefetch off.
         host_budget_bytes: cap on host pool bytes; None = no fixed cap.
         on_host_budget: what happens to a tensor that does not fit: "keep" it on
             the device, copy it to unpooled "pageable" memory, or "raise" OffloadError.
@@ -586,7 +604,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._order_compact_at = 1024
         self._passes: "weakref.WeakValueDictionary[int, _Pass]" = weakref.WeakValueDictionary()
         self._last_pass: tuple[int, weakref.ref] | None = None
-        self._live_handles = 0
+        # The open step's _Step, weakly (Rule 10): handles hold it, so it dies with their graphs.
+        self._step_ref: Callable[[], _Step | None] = _dead
+        # Running module -> storages of the parameters and buffers of it and its
+        # running ancestors (buffer detection for offload candidates), per step.
+        self._owner_memo: dict[tuple[int, int, int], frozenset[int]] = {}
         self._process = psutil.Process()
         # Rule 10: the pack hook holds the engine weakly; handles hold it.
         super().__init__(_weak_pack(self), _unpack_handle)
@@ -627,6 +649,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 # may have left half-done is restored when the outermost exit runs.
                 st.saved = (st.excluded_depth, len(st.region_stack))
                 st.after_head = False
+                self._owner_memo = {}  # parameters may live on new storages (FSDP2 gathers)
                 self._close_finished_step()
             model = self._model_ref() if self._model_ref is not None else None
             if model is not None:
@@ -686,7 +709,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         never reach an end of backward; without this their step would never
         close, and the pool would never trim (Rule 1, item: bounded bookkeeping).
         """
-        if self._live_handles == 0 and not self._passes and getattr(self.ledger, "_open_used", True):
+        if self._step_ref() is None and not self._passes and getattr(self.ledger, "_open_used", True):
             self.close_step()
 
     # -- regions ---------------------------------------------------------------
@@ -726,7 +749,140 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, t: torch.Tensor) -> Any:
         # Runs for every saved tensor on the kernel-launching thread: its CPU
-        # time is step time. Each fact about ``t`` is read once; no system call.
+        # time is step time. A plain tensor with a storage takes this path:
+        # each fact about it read once, classification inlined (the same order
+        # as policy.classify), the decision appended to the ledger's logs
+        # (NOTE [ Ledger logs ]), no system call and no lock for a kept tensor.
+        # Everything else (subclasses, sparse, nested, quantized, zero tensors,
+        # pass-through) goes through _pack_other.
+        cls = type(t)
+        if (cls is not _Tensor and cls is not _Parameter) or not self.enabled:
+            return self._pack_other(t)
+        try:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return self._pack_other(t)  # no plain storage: sparse, mkldnn, efficient zeros
+        if t.is_nested or t.is_quantized:
+            return self._pack_other(t)
+        seq = next(self._seq)
+        ts = getattr(self._tls, "state", None) or self._thread()
+        device = t.device
+        nbytes = t.nbytes
+        if cls is _Parameter or getattr(t, "_is_param", False):
+            reason = _PARAMETER  # a weight saved as is (``x * self.w``)
+        elif (base := t._base) is not None and _is_param(base):
+            reason = _PARAMETER
+        elif device != self.device:
+            reason = _OTHER_DEVICE
+        elif ts.excluded_depth > 0:
+            reason = _EXCLUDED_REGION
+        else:
+            if nbytes == 0 or nbytes < self.min_offload_size:
+                reason = _TOO_SMALL
+            elif ptr in self._static_ptrs:
+                reason = _PARAMETER
+            else:
+                reason = self._running_owner(ptr)
+            if not reason or reason is _TOO_SMALL:
+                # Where it was saved decides for a tensor the policy would move or found too small.
+                if _graph_task_id() >= 0:
+                    reason = _IN_BACKWARD  # Rule 11
+                elif ts.after_head:
+                    reason = _AFTER_HEAD  # Rule 8
+        dev = _DEVICE_NAMES.get(device) or policy.device_name(device)
+        dtype = t.dtype
+        ledger = self.ledger
+        step = self._step_ref()
+        if step is None:
+            step = _Step(self)
+            self._step_ref = weakref.ref(step)
+        if reason:
+            # Kept: a tuple handle (no object, no __del__) holding a detached
+            # alias (Rule 10) and the version to check at unpack (Rule 6).
+            handle: Any = (t.detach() if t.requires_grad else t, t._version, step)
+            rec: Any = (seq, ledger.current_step, nbytes, t.shape,
+                        _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype), dev, current_module_name(),
+                        KEPT, reason, ptr, st.nbytes())
+            log = ledger.kept_log.get(reason)
+            if log is None:
+                ledger.log_kept(reason, nbytes)
+            else:
+                log.append(nbytes)
+        else:
+            rec = PackRecord(seq, ledger.current_step, nbytes, tuple(t.shape),
+                             _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype), dev, current_module_name(),
+                             KEPT, reason, ptr, st.nbytes())
+            handle = self._offload(t, rec, (dev, ptr), ts, step)
+            reason = rec.reason
+            if handle is None:  # no room on the host (Rule 9)
+                handle = (t.detach() if t.requires_grad else t, t._version, step)
+            if rec.decision == OFFLOADED:
+                ledger.offloaded_log.append(nbytes)
+                ledger.d2h_log.append(rec.copy_bytes)
+            else:
+                ledger.log_kept(reason, nbytes)
+        ledger._open_used = True
+        if reason is not _PARAMETER and reason is not _BUFFER and ptr:
+            # The bytes this save's span adds to the step's union of saved spans
+            # (offload._spans: what the profilers count too).
+            lo_b = t.storage_offset() * dtype.itemsize
+            hi_b = lo_b + nbytes if t.is_contiguous() else byte_span(t)[1]
+            unique = self._seen.add_span(t, (dev, ptr), lo_b, hi_b)
+            if unique:
+                ledger.unique_log.append(unique)
+        elif not ptr and reason is not _PARAMETER and reason is not _BUFFER:
+            # An empty storage (all at address 0): keyed by the tensor itself.
+            unique = self._seen.add_span(t, ("id", id(t)), 0, nbytes)
+            if unique:
+                ledger.unique_log.append(unique)
+        if self._observers or _tls.__dict__.get("observers"):
+            if type(rec) is tuple:
+                rec = PackRecord(*rec[:3], tuple(rec[3]), *rec[4:])
+            ledger.records_log.append(rec)
+            self._notify(t, rec)
+        else:
+            ledger.records_log.append(rec)
+        return handle
+
+    def _running_owner(self, ptr: int) -> str:
+        """PARAMETER / BUFFER when a parameter or buffer of a running module lives on ``ptr``.
+
+        Catches buffers (RoPE tables) and parameters saved through storage
+        aliases without knowing the model in advance. The storages of the
+        running modules' parameters and buffers are collected once per step
+        for each (innermost, outermost, depth) of the module stack, so an
+        offload candidate costs one set lookup (the memo is dropped at every
+        outermost enter: FSDP2 re-gathers parameters into new storages).
+        """
+        stack = current_modules_view()
+        if not stack:
+            return ""
+        key = (id(stack[-1]), id(stack[0]), len(stack))
+        owned = self._owner_memo.get(key)
+        if owned is None:
+            params: set[int] = set()
+            bufs: set[int] = set()
+            for m in stack:
+                for p in m._parameters.values():
+                    if p is not None:
+                        q = policy.storage_ptr(p)
+                        if q:
+                            params.add(q)
+                for b in m._buffers.values():
+                    if b is not None:
+                        q = policy.storage_ptr(b)
+                        if q:
+                            bufs.add(q)
+            owned = self._owner_memo[key] = (frozenset(params), frozenset(bufs - params))
+        if ptr in owned[0]:
+            return _PARAMETER
+        if ptr in owned[1]:
+            return _BUFFER
+        return ""
+
+    def _pack_other(self, t: torch.Tensor) -> Any:
+        """``_pack`` for everything but a plain tensor with a storage (and for pass-through)."""
         seq = next(self._seq)
         es = t.element_size()
         nbytes = t.numel() * es
@@ -742,7 +898,6 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             reason = policy._classify(t, self.device, self.min_offload_size, ts.excluded_depth > 0,
                                       self._static_ptrs, current_modules, nbytes, ptr)
             if not reason or reason == policy.TOO_SMALL:
-                # Where it was saved decides for a tensor the policy would move or found too small.
                 if _graph_task_id() >= 0:
                     reason = policy.IN_BACKWARD  # Rule 11
                 elif ts.after_head:
@@ -759,21 +914,22 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             shape = policy.shape_of(t)  # strided nested tensors have no single shape
         else:
             shape = tuple(t.shape)
-        # Positional: a keyword call of this dataclass costs 2.5x as much.
         dtype = t.dtype
         rec = PackRecord(seq, self.ledger.current_step, nbytes, shape,
                          _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype),
                          dev, current_module_name(), KEPT, reason, key[1], storage_nbytes)
+        step = self._step_ref()
+        if step is None:
+            step = _Step(self)
+            self._step_ref = weakref.ref(step)
         handle: Any = None
         if not reason:
-            handle = self._offload(t, rec, key, ts)
+            handle = self._offload(t, rec, key, ts, step)
         if handle is None:
-            handle = _Kept(t, self)
+            handle = (t.detach() if t.requires_grad else t, t._version, step)
         unique = 0
         r = rec.reason
         if r != policy.PARAMETER and r != policy.BUFFER and r != policy.UNSUPPORTED_TYPE:
-            # The bytes this save's span adds to the step's union of saved spans
-            # (offload._spans: what the profilers count too).
             if ident[0] == "id":
                 lo_b, hi_b = 0, nbytes
             elif reason == policy.DISABLED:
@@ -823,7 +979,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return hc
 
     def _offload(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int],
-                 ts: _ThreadState | None = None) -> _Offloaded | None:
+                 ts: _ThreadState, step: _Step) -> _Offloaded | None:
         base = t._base
         if base is None:
             base = t
@@ -892,7 +1048,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 self._dedupe[key] = weakref.ref(hc)
         h = _Offloaded()
         h.engine = self
-        self._live_handles += 1
+        h.step = step
         h.hc = hc
         hc.users += 1
         h.shape = t.shape
@@ -903,10 +1059,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # Lazy conj/neg bits live on the view, not in the bytes (Rule 5).
         h.conj = conj
         h.neg = neg
-        h.version = _Version(t)
+        # Rule 6: an empty alias sharing t's version counter, not its storage
+        # (a weak reference where the tensor refuses one).
+        h.version = t._version
+        tracker = _torch_private.version_tracker(t)
+        h.tracker = tracker if tracker is not None else policy._weak(t)
         h.rec = rec
         h.stash = entry if rec.decision == OFFLOADED else None
-        order = (ts if ts is not None else self._thread()).order
+        order = ts.order
         with self._lock:
             if len(order) >= self._order_compact_at:
                 self._compact(order)
@@ -1013,7 +1173,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _reload(self, h: _Offloaded) -> torch.Tensor:
         p = self._begin_backward_pass()
-        h.version.check(h.shape, h.dtype)
+        tracker = h.tracker
+        now = tracker._version if type(tracker) is _Tensor else getattr(tracker(), "_version", h.version)
+        if now != h.version:
+            raise _inplace_error(h.shape, h.dtype, now, h.version)
         entry = h.stash
         if entry is not None and entry.src is not None:
             # The source is still alive (its copy may be in flight): use it as is.
@@ -1068,7 +1231,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                     hc.held = held if held is not None else (base, copy, base._version)
                 else:
                     hc.held = None
-            if self.prefetch_bytes != 0:
+            if self.prefetch_bytes != 0 and (self.prefetch_bytes is not None or self._backend.name != "sync"):
                 self._prefetch_after(h, p)
         return out
 
@@ -1104,9 +1267,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     @property
     def prefetch_budget(self) -> int:
-        """Bytes backward may load ahead of need (``prefetch_bytes`` resolved)."""
+        """Bytes backward may load ahead of need (``prefetch_bytes`` resolved).
+
+        The default (None) is twice the largest copy on a side stream, and 0
+        with synchronous copies (CPU, ``use_streams=False``): a load ahead
+        cannot overlap anything there, it only holds the bytes longer.
+        """
         if self.prefetch_bytes is not None:
             return self.prefetch_bytes
+        if self._backend is None or self._backend.name == "sync":
+            return 0
         return 2 * self._max_copy_bytes
 
     def _prefetch_after(self, h: _Offloaded, p: _Pass) -> None:
@@ -1186,6 +1356,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         with self._lock:
             self._dedupe.clear()
             self._seen.clear()
+            # The next pack starts a new _Step: a graph retained from this step
+            # must not stop a later forward-only step from closing.
+            self._step_ref = _dead
 
     def __repr__(self) -> str:
         return (

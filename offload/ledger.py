@@ -11,6 +11,20 @@ engine copies the storage span a view can touch (the whole storage when the
 view covers at least half of it, so sibling views such as q, k, v of one
 fused projection share one copy); later saves of that storage are kept with
 reason ``duplicate_storage`` and move nothing.
+
+NOTE [ Ledger logs ]
+The pack hook runs once per saved tensor on the thread that launches kernels,
+so recording a decision must cost next to nothing and take no lock. A decision
+is therefore appended, not summed: its logical bytes go to one list per kept
+reason (or to the offloaded list), the bytes it adds to the step's distinct
+saved bytes to another, and its record to the records ring, as the tuple of
+``PackRecord``'s first eleven fields when nothing will change it later (a kept
+decision; ``PackRecord`` objects are built from those tuples when ``records``
+is read). ``list.append`` is atomic, so packs on several threads need no lock.
+The per-step totals are the sums of those lists: ``close_step`` (and
+``totals()``, without consuming them) adds them up, taking exactly the first
+``len()`` items of each list, so an append that races a close lands whole in
+the next step.
 """
 
 from __future__ import annotations
@@ -20,6 +34,8 @@ import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
+
+from .policy import REASONS
 
 __all__ = ["PackRecord", "StepTotals", "Ledger"]
 
@@ -92,7 +108,7 @@ class StepTotals:
     def add(self, rec: PackRecord, unique_bytes: int | bool) -> None:
         """Count one decision, which adds ``unique_bytes`` to the step's distinct saved bytes.
 
-        The ledger's own ``Ledger.add`` inlines this (it runs once per saved tensor).
+        (The ledger itself logs decisions and sums them at the end of a step: NOTE [ Ledger logs ].)
         """
         nbytes = rec.nbytes
         self.packed_count += 1
@@ -172,7 +188,9 @@ class Ledger:
     def reset(self) -> None:
         """Forget every record and total (the engine's pool is not touched)."""
         with self._lock:
-            self.records: deque[PackRecord] = deque(maxlen=self.max_records)
+            # PackRecord objects, or tuples of a kept record's first 11 fields (NOTE [ Ledger logs ]).
+            self._records: deque[PackRecord | tuple] = deque(maxlen=self.max_records)
+            self._built: dict[int, tuple[tuple, PackRecord]] = {}
             self.step_totals: deque[StepTotals] = deque(maxlen=self.max_steps)
             """The last ``max_steps`` closed steps, oldest first (``step_totals[-1]`` is the latest)."""
             self.steps_closed = 0
@@ -184,6 +202,41 @@ class Ledger:
             self._open_used = False
             # Copies whose duration is not known yet, in issue order.
             self._pending: deque[tuple[PackRecord | None, str, Any, StepTotals]] = deque()
+            # The open step's logs (NOTE [ Ledger logs ]): appended by the pack hook.
+            self.kept_log: dict[str, list[int]] = {r: [] for r in REASONS}
+            """Reason -> logical bytes of each decision kept for it in the open step."""
+            self.offloaded_log: list[int] = []
+            """Logical bytes of each decision offloaded in the open step."""
+            self.d2h_log: list[int] = []
+            """Bytes copied to the host by each offloaded decision of the open step."""
+            self.unique_log: list[int] = []
+            """Bytes each save of the open step added to its distinct saved bytes (non-zero only)."""
+            self.records_log = self._records
+            """The records ring, for the pack hook's appends (``records`` is the read side)."""
+
+    @property
+    def records(self) -> deque[PackRecord]:
+        """The last ``max_records`` decisions, oldest first (a snapshot: read it again for newer ones).
+
+        Kept decisions are logged as tuples and built into ``PackRecord`` objects
+        here, once each (NOTE [ Ledger logs ]).
+        """
+        snap = list(self._records)  # one atomic copy: packs may append meanwhile
+        built = self._built
+        out: deque[PackRecord] = deque(maxlen=self.max_records)
+        fresh: dict[int, tuple[tuple, PackRecord]] = {}
+        for r in snap:
+            if type(r) is tuple:
+                hit = built.get(id(r))
+                if hit is not None and hit[0] is r:
+                    rec = hit[1]
+                else:  # (the shape is logged as the tensor's torch.Size)
+                    rec = PackRecord(r[0], r[1], r[2], tuple(r[3]), *r[4:])
+                fresh[id(r)] = (r, rec)
+                r = rec
+            out.append(r)
+        self._built = fresh  # only what the ring still holds
+        return out
 
     # -- recording (called by the engine) ------------------------------------
 
@@ -195,26 +248,51 @@ class Ledger:
             unique_bytes = bool(new_storage)
         if unique_bytes is True:
             unique_bytes = rec.storage_nbytes
-        nbytes = rec.nbytes
-        with self._lock:
-            # StepTotals.add, inlined: this runs once per saved tensor.
-            o = self._open
-            o.packed_count += 1
-            o.packed_bytes += nbytes
-            if rec.decision == OFFLOADED:
-                o.offloaded_count += 1
-                o.offloaded_bytes += nbytes
-                o.d2h_bytes += rec.copy_bytes
-            else:
-                reason = rec.reason
-                o.kept_count += 1
-                o.kept_bytes += nbytes
-                by_bytes, by_count = o.kept_by_reason, o.kept_count_by_reason
-                by_bytes[reason] = by_bytes.get(reason, 0) + nbytes
-                by_count[reason] = by_count.get(reason, 0) + 1
-            o.unique_bytes += unique_bytes
-            self._open_used = True
-            self.records.append(rec)
+        if rec.decision == OFFLOADED:
+            self.offloaded_log.append(rec.nbytes)
+            self.d2h_log.append(rec.copy_bytes)
+        else:
+            self.log_kept(rec.reason, rec.nbytes)
+        if unique_bytes:
+            self.unique_log.append(unique_bytes)
+        self._open_used = True
+        self._records.append(rec)
+
+    def log_kept(self, reason: str, nbytes: int) -> None:
+        """Count one kept decision of ``nbytes`` for ``reason`` in the open step (no record)."""
+        log = self.kept_log.get(reason)
+        if log is None:
+            log = self.kept_log.setdefault(reason, [])  # atomic: one list per reason
+        log.append(nbytes)
+
+    def _sum_logs(self, into: StepTotals, consume: bool) -> None:
+        """Add the open step's logs into ``into``; ``consume`` removes what was added (lock held)."""
+
+        def take(log: list[int]) -> tuple[int, int]:
+            n = len(log)
+            if not n:
+                return 0, 0
+            items = log[:n]
+            if consume:
+                del log[:n]  # appends racing this land after index n: kept for the next step
+            return n, sum(items)
+
+        for reason, log in self.kept_log.items():
+            n, b = take(log)
+            if n:
+                into.kept_count += n
+                into.kept_bytes += b
+                into.packed_count += n
+                into.packed_bytes += b
+                into.kept_by_reason[reason] = into.kept_by_reason.get(reason, 0) + b
+                into.kept_count_by_reason[reason] = into.kept_count_by_reason.get(reason, 0) + n
+        n, b = take(self.offloaded_log)
+        into.offloaded_count += n
+        into.offloaded_bytes += b
+        into.packed_count += n
+        into.packed_bytes += b
+        into.d2h_bytes += take(self.d2h_log)[1]
+        into.unique_bytes += take(self.unique_log)[1]
 
     def add_copy_time(self, rec: PackRecord | None, kind: str, copy: Any, nbytes: int = 0) -> None:
         """Account a copy's duration now if known, or when its event completes.
@@ -308,6 +386,7 @@ class Ledger:
             if not self._open_used:
                 return None
             done = self._open
+            self._sum_logs(done, consume=True)
             done.pool = dict(pool or {})
             done.host_rss_bytes = host_rss_bytes
             done.device_peak_allocated_bytes = device_peak_allocated_bytes
@@ -332,6 +411,7 @@ class Ledger:
             t = StepTotals(step=-1)
             t.merge(self._closed)
             t.merge(self._open)
+            self._sum_logs(t, consume=False)
             return t
 
     def summary(self, pool: dict | None = None, synchronize: bool = False) -> dict[str, Any]:

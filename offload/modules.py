@@ -42,7 +42,8 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
-__all__ = ["track_modules", "current_module_name", "current_modules", "register_model", "module_name"]
+__all__ = ["track_modules", "current_module_name", "current_modules", "current_modules_view", "register_model",
+           "module_name"]
 
 _lock = threading.Lock()
 _global_users = 0
@@ -256,3 +257,8 @@ def current_modules() -> list[nn.Module]:
     """The running modules on this thread, outermost first."""
     stack = getattr(_tls, "stack", None)
     return list(stack) if stack else []
+
+
+def current_modules_view() -> list[nn.Module]:
+    """``current_modules()`` without the copy: this thread's live stack (read it, never change it)."""
+    return _tls.__dict__.get("stack") or []

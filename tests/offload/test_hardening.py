@@ -193,7 +193,7 @@ def test_forward_only_steps_free_everything_without_gc():
             del loss
             assert out() is None
             assert ctx.pool.in_use_bytes == 0, ctx.pool.stats()
-            assert ctx._live_handles == 0
+            assert ctx._step_ref() is None, "a handle of the freed graph is still alive"
 
 
 @pytest.mark.parametrize("manager", ["noop", "passthrough", "kept"])
@@ -485,7 +485,7 @@ def test_profiler_trace_shows_pack_and_copy_ranges():
     """A torch.profiler trace of an offloaded step names the pack, D2H, H2D, unpack and prefetch ranges."""
     model = _toy()
     batch = make_batch(TINY, 2, 16, seed=0)
-    ctx = cpu_ctx()
+    ctx = cpu_ctx(prefetch_bytes=1 << 20)  # synchronous copies load nothing ahead by default
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with ctx:
             loss = _lm_loss(model, batch)
