@@ -343,13 +343,22 @@ def write_frontier_png(res: dict[str, Any], path: Path) -> bool:
         ax.plot([px, mx], [py, my], "-", color="tab:blue", alpha=0.4, lw=1)
         ax.plot([px], [py], "o", mfc="none", color="tab:blue", ms=8)
         ax.plot([mx], [my], "o", color="tab:blue", ms=6)
-        ax.axhline(p["budget_bytes"] / _MiB, color="tab:red", lw=0.6, ls=":", alpha=0.7)
         ax.annotate(f"plan @{p['fraction']:.2f}", (mx, my), textcoords="offset points", xytext=(6, -10),
                     fontsize=8, color="tab:blue")
     if pts:
         s = sorted(pts, key=lambda p: p["measured_peak_bytes"])
         ax.plot([p["measured_step_s"] * 1e3 for p in s], [p["measured_peak_bytes"] / _MiB for p in s], "-",
                 color="tab:blue", lw=1.5, label="planner, measured (filled) / predicted (hollow)")
+    for p in res["planned"]:  # every budget, labelled, whether or not an arm reached it
+        y = p["budget_bytes"] / _MiB
+        ax.axhline(y, color="tab:red", lw=0.6, ls=":", alpha=0.7)
+        ax.annotate(f"budget {p['fraction']:.2f}", (1, y), xycoords=("axes fraction", "data"), xytext=(-3, 2),
+                    textcoords="offset points", ha="right", fontsize=7, color="tab:red")
+    for p in (res.get("ilp") or {}).get("points", []):
+        if p["status"] != "ok":  # say on the plot where torch's ILP has no point
+            ax.annotate(f"ILP @{p['fraction']:.2f}: {p['status']}", (0, p["budget_bytes"] / _MiB),
+                        xycoords=("axes fraction", "data"), xytext=(3, 2), textcoords="offset points",
+                        fontsize=7, color="tab:green")
     ilp = [p for p in (res.get("ilp") or {}).get("points", []) if p["measured_peak_bytes"] is not None]
     for p in ilp:
         mx, my = p["measured_step_s"] * 1e3, p["measured_peak_bytes"] / _MiB
