@@ -11,9 +11,14 @@ buffers left out on CPU, ``max_memory_allocated`` on a GPU) and the fastest of
 steps, and the planner's profile uses the same statistic). Every arm runs the
 same loss (the planner's step), so peaks compare like for like. On a GPU, torch.compile's
 ``activation_memory_budget`` at 0.25/0.5/0.75 is added (not run on CPU).
-Writes ``plan_<run_id>.{json,md,png}``: the PNG is peak memory vs step time,
-fixed strategies as points, planned points measured (filled) and predicted
-(hollow), joined per budget.
+torch's module-wise auto-AC ILP runs at the same budgets as the arm
+``torch_ilp`` (``bench/ilp_arm.py``; JSON ``"ilp"``), measured by the same
+meter; a budget it cannot meet is recorded as ``infeasible`` with its reason,
+and without ``offload[ilp]`` (pulp, pwlf) the arm is ``skipped`` with the
+import error. Writes ``plan_<run_id>.{json,md,png}``: the PNG is peak memory
+vs step time, fixed strategies as points, planned points measured (filled) and
+predicted (hollow), joined per budget, and the ILP's points measured (filled
+diamonds) over its own peak bound (hollow).
 
 ``--max-seq``: for a fixed budget (default: the no-plan peak at ``--seq``),
 the longest sequence (doubling from ``--seq``, then one bisection step) each
