@@ -37,14 +37,14 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ILP_ARM", "IlpPoint", "IlpProfile", "profile_for_ilp", "solve", "op_policies", "apply_ilp",
-           "AppliedIlp", "run_ilp_arm"]
+__all__ = ["ILP_ARM", "IlpPoint", "IlpProfile", "IlpInfeasible", "profile_for_ilp", "solve", "op_policies",
+           "apply_ilp", "AppliedIlp", "run_ilp_arm"]
 
 ILP_ARM = "torch_ilp"
 """The arm's name in tables and JSON."""
@@ -77,8 +77,6 @@ class IlpPoint:
         return self.predicted_peak_bytes / self.measured_peak_bytes - 1
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return {**asdict(self), "peak_error": self.peak_error}
 
 
