@@ -11,9 +11,14 @@ buffers left out on CPU, ``max_memory_allocated`` on a GPU) and the fastest of
 steps, and the planner's profile uses the same statistic). Every arm runs the
 same loss (the planner's step), so peaks compare like for like. On a GPU, torch.compile's
 ``activation_memory_budget`` at 0.25/0.5/0.75 is added (not run on CPU).
-Writes ``plan_<run_id>.{json,md,png}``: the PNG is peak memory vs step time,
-fixed strategies as points, planned points measured (filled) and predicted
-(hollow), joined per budget.
+torch's module-wise auto-AC ILP runs at the same budgets as the arm
+``torch_ilp`` (``bench/ilp_arm.py``; JSON ``"ilp"``), measured by the same
+meter; a budget it cannot meet is recorded as ``infeasible`` with its reason,
+and without ``offload[ilp]`` (pulp, pwlf) the arm is ``skipped`` with the
+import error. Writes ``plan_<run_id>.{json,md,png}``: the PNG is peak memory
+vs step time, fixed strategies as points, planned points measured (filled) and
+predicted (hollow), joined per budget, and the ILP's points measured (filled
+diamonds) over its own peak bound (hollow).
 
 ``--max-seq``: for a fixed budget (default: the no-plan peak at ``--seq``),
 the longest sequence (doubling from ``--seq``, then one bisection step) each
@@ -160,16 +165,21 @@ def _compile_arm(env: BenchEnv, budget: float, step: Callable[[], torch.Tensor])
     return run
 
 
-def _measure_arm(name: str, env: BenchEnv, steps: int, warmup: int) -> ArmPoint:
+def _measure(env: BenchEnv, run: Callable[[], None], steps: int, warmup: int, pools: list[Any] | None = None) -> Any:
+    """The frontier's one meter: peak of one tracked step, fastest of ``steps`` timed steps (every arm)."""
     from offload.planner.meter import measure_step
 
+    return measure_step(run, device=env.device, model=env.model, pools=pools or [], warmup=warmup, timed=steps,
+                        before_each=lambda: _zero(env.model))
+
+
+def _measure_arm(name: str, env: BenchEnv, steps: int, warmup: int) -> ArmPoint:
     try:
         run, engine = _arm_run(name, env, _loss_step(env))
     except Skip as e:
         return ArmPoint(name, status="skipped", reason=str(e))
     try:
-        m = measure_step(run, device=env.device, model=env.model, pools=[engine.pool] if engine else [],
-                         warmup=warmup, timed=steps, before_each=lambda: _zero(env.model))
+        m = _measure(env, run, steps, warmup, [engine.pool] if engine else [])
     except Exception as e:  # one broken arm must not take the others down
         return ArmPoint(name, status="error", reason=f"{type(e).__name__}: {e}")
     finally:
@@ -225,6 +235,11 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
         pt.measured_peak_bytes, pt.measured_step_s = p.measured_peak_bytes, p.measured_step_seconds
         pt.report = p.report()
         planned.append(pt)
+    from bench.ilp_arm import run_ilp_arm
+
+    ilp = run_ilp_arm(env.model, step, [(p.fraction, p.budget_bytes) for p in planned],
+                      measure=lambda run: _measure(env, run, steps, warmup), before_each=lambda: _zero(env.model),
+                      say=say)
     return {
         "workload": {**asdict(workload), "run_id": workload.run_id},
         "device": str(dev),
@@ -234,9 +249,11 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
         "hardware": asdict(cost.hardware),
         "arms": [asdict(a) for a in arms],
         "planned": [{**asdict(p), "peak_error": p.peak_error, "time_error": p.time_error} for p in planned],
-        "unverified": ("GPU arms (compile activation_memory_budget), torch's auto-AC ILP (not run) and the "
-                       "streams cost model (hidden copies) were not run on this machine"
-                       if dev.type == "cpu" else "torch's auto-AC ILP arm is not implemented"),
+        "ilp": ilp,
+        "unverified": ("GPU arms (compile activation_memory_budget), the streams cost model (hidden copies) and "
+                       "torch's ILP with torch's own CUDA operator timer were not run on this machine (its ILP "
+                       "arm ran with operators timed on CPU)"
+                       if dev.type == "cpu" else "none: every arm ran on this device (see each arm's status)"),
     }
 
 
@@ -272,11 +289,41 @@ def format_frontier(res: dict[str, Any]) -> str:
         lines.append(f"| {p['fraction']:.2f} | {_mib(p['budget_bytes'])} | {_mib(p['predicted_peak_bytes'])} | "
                      f"{_mib(p['measured_peak_bytes'])} | {_pct(p['peak_error'])} | {_ms(p['predicted_step_s'])} | "
                      f"{_ms(p['measured_step_s'])} | {_pct(p['time_error'])} | {fits} | {dec} |")
+    lines += _format_ilp(res)
     hw = res["hardware"]
     lines += ["", f"Link model: D2H {hw['d2h_gb_s']:.1f} GB/s, H2D {hw['h2d_gb_s']:.1f} GB/s ({hw['source']}), "
               f"{'synchronous copies (time exposed)' if hw['synchronous'] else 'side streams'}. "
               f"Profiling took {res['profile_seconds']:.1f} s. Unverified: {res['unverified']}."]
     return "\n".join(lines)
+
+
+def _format_ilp(res: dict[str, Any]) -> list[str]:
+    """The torch auto-AC ILP arm: its own table (same budgets, same meter), or why it did not run."""
+    ilp = res.get("ilp")
+    if not ilp:
+        return []
+    if ilp["status"] != "ok":
+        return ["", f"torch auto-AC ILP (`{ilp['name']}`): {ilp['status']}: {ilp['reason']}"]
+    timer = ("operators timed on CPU by profiling's CpuOpTimer" if ilp["sac_mode"] == "cpu-benchmark"
+             else f"torch's {ilp['sac_mode']}")
+    lines = ["", f"torch auto-AC ILP (`{ilp['name']}`: MemTracker + SACEstimator with {timer}, "
+             f"`sac_milp` per budget, per-unit operator policy applied as selective AC; its model puts the no-AC "
+             f"peak at {_mib(ilp['baseline_peak_bytes'])} MiB, measured {_mib(res['unplanned_peak_bytes'])}; "
+             f"profile {ilp['profile_seconds']:.1f} s):", "",
+             "| budget (of activation mem) | budget MiB | ILP peak bound | measured peak | peak err | "
+             "ILP recompute ms | measured ms | fits | AC units: discarded fraction (saved ops) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for p in ilp["points"]:
+        fits = "—" if p["measured_peak_bytes"] is None else (
+            "yes" if p["measured_peak_bytes"] <= p["budget_bytes"] else "NO")
+        dec = ", ".join(f"{k.split('.', 1)[-1]}: {v:.2f} ({p['saved_ops'].get(k, '?')})"
+                        for k, v in p["decisions"].items())
+        note = dec if p["status"] == "ok" else f"{p['status']}: {p['reason']}"
+        rc = "—" if p["predicted_recompute_ms"] is None else f"{p['predicted_recompute_ms']:.1f}"
+        lines.append(f"| {p['fraction']:.2f} | {_mib(p['budget_bytes'])} | {_mib(p['predicted_peak_bytes'])} | "
+                     f"{_mib(p['measured_peak_bytes'])} | {_pct(p['peak_error'])} | {rc} | "
+                     f"{_ms(p['measured_step_s'])} | {fits} | {note} |")
+    return lines
 
 
 def write_frontier_png(res: dict[str, Any], path: Path) -> bool:
@@ -301,13 +348,35 @@ def write_frontier_png(res: dict[str, Any], path: Path) -> bool:
         ax.plot([px, mx], [py, my], "-", color="tab:blue", alpha=0.4, lw=1)
         ax.plot([px], [py], "o", mfc="none", color="tab:blue", ms=8)
         ax.plot([mx], [my], "o", color="tab:blue", ms=6)
-        ax.axhline(p["budget_bytes"] / _MiB, color="tab:red", lw=0.6, ls=":", alpha=0.7)
         ax.annotate(f"plan @{p['fraction']:.2f}", (mx, my), textcoords="offset points", xytext=(6, -10),
                     fontsize=8, color="tab:blue")
     if pts:
         s = sorted(pts, key=lambda p: p["measured_peak_bytes"])
         ax.plot([p["measured_step_s"] * 1e3 for p in s], [p["measured_peak_bytes"] / _MiB for p in s], "-",
                 color="tab:blue", lw=1.5, label="planner, measured (filled) / predicted (hollow)")
+    for p in res["planned"]:  # every budget, labelled, whether or not an arm reached it
+        y = p["budget_bytes"] / _MiB
+        ax.axhline(y, color="tab:red", lw=0.6, ls=":", alpha=0.7)
+        ax.annotate(f"budget {p['fraction']:.2f}", (1, y), xycoords=("axes fraction", "data"), xytext=(-3, 2),
+                    textcoords="offset points", ha="right", fontsize=7, color="tab:red")
+    for p in (res.get("ilp") or {}).get("points", []):
+        if p["status"] != "ok":  # say on the plot where torch's ILP has no point
+            ax.annotate(f"ILP @{p['fraction']:.2f}: {p['status']}", (0, p["budget_bytes"] / _MiB),
+                        xycoords=("axes fraction", "data"), xytext=(3, 2), textcoords="offset points",
+                        fontsize=7, color="tab:green")
+    ilp = [p for p in (res.get("ilp") or {}).get("points", []) if p["measured_peak_bytes"] is not None]
+    for p in ilp:
+        mx, my = p["measured_step_s"] * 1e3, p["measured_peak_bytes"] / _MiB
+        py = p["predicted_peak_bytes"] / _MiB
+        ax.plot([mx, mx], [py, my], "-", color="tab:green", alpha=0.4, lw=1)
+        ax.plot([mx], [py], "D", mfc="none", color="tab:green", ms=7)
+        ax.plot([mx], [my], "D", color="tab:green", ms=5)
+        ax.annotate(f"ILP @{p['fraction']:.2f}", (mx, my), textcoords="offset points", xytext=(6, 4),
+                    fontsize=8, color="tab:green")
+    if ilp:
+        s = sorted(ilp, key=lambda p: p["measured_peak_bytes"])
+        ax.plot([p["measured_step_s"] * 1e3 for p in s], [p["measured_peak_bytes"] / _MiB for p in s], "-",
+                color="tab:green", lw=1.5, label="torch auto-AC ILP, measured (filled) / its peak bound (hollow)")
     ax.axhline(res["base_bytes"] / _MiB, color="black", lw=0.8, ls="--", label="base: params + grads + inputs")
     ax.plot([], [], "s", color="tab:gray", label="fixed strategies")
     ax.plot([], [], ":", color="tab:red", label="budgets")

@@ -18,8 +18,15 @@ from .memprofiler import MemProfiler, memprofilable
 # torch.profiler traces for plain loops.
 from .trace import TraceProfiler
 
-# Per-module memory statistics (MemTracker) and CUDA-only estimators.
-from .module_stats import ModuleMemoryStats, estimate_module_runtimes, estimate_sac, module_info_for_ilp
+# Per-module memory statistics (MemTracker), selective-AC statistics for torch's auto-AC ILP
+# (CPU or CUDA) and the CUDA-only estimators.
+from .module_stats import (
+    ModuleMemoryStats,
+    collect_sac_stats,
+    estimate_module_runtimes,
+    estimate_sac,
+    module_info_for_ilp,
+)
 
 # Readable output.
 from .report import (
@@ -55,6 +62,7 @@ __all__ = [
     # per-module stats
     "ModuleMemoryStats",
     "module_info_for_ilp",
+    "collect_sac_stats",
     "estimate_module_runtimes",
     "estimate_sac",
     # output

@@ -12,10 +12,11 @@ CPU. Times are measured (forward/backward hooks and a clock; CUDA is
 synchronised on each hook when ``sync_cuda``). Times taken inside the ``with``
 block include MemTracker's own per-operator overhead (``runtime_source`` says
 "measured_under_memtracker"); ``measure_times(step)`` re-times the modules
-without it. PyTorch's RuntimeEstimator and SACEstimator need CUDA: on a CPU
-build they fail inside module hooks in a way that aborts the whole process,
-so ``estimate_module_runtimes`` and ``estimate_sac`` refuse to run without
-CUDA before touching them.
+without it. PyTorch's two runtime estimators need CUDA: on a CPU build they
+fail inside module hooks in a way that aborts the whole process, so
+``estimate_module_runtimes`` and ``estimate_sac`` refuse to run without CUDA
+before touching them. ``collect_sac_stats`` runs torch's SACEstimator itself
+on CPU too, timing operators with a CPU clock instead.
 
 Module names are the project's (NOTE [ Module names ] in ``offload.modules``):
 ``ToyLlama.layers.0`` as torch's ModTracker spells it, also under wrappers, so
@@ -28,7 +29,9 @@ activations show there under "cpu").
 ``ilp_module_info()`` / ``module_info_for_ilp(model, step)`` emit the
 ``ModuleInfo`` dict of ``torch.distributed._tools.ilp_utils`` so torch's own
 ``parse_module_info`` / ``get_peak_memory_runtime_baseline`` (and its
-auto-AC ILP) can read this profile.
+auto-AC ILP) can read this profile; given ``collect_sac_stats``' result (or
+``sac_forward``), its selective-AC trade-off fields are filled as torch's
+``aggregate_stats`` fills them, so ``sac_ilp.sac_milp`` can choose AC units.
 
 Caveat for offloading on a CPU-only host: the engine's "host" copies live on
 the same device, so MemTracker counts them as activations; it cannot show an
@@ -52,15 +55,25 @@ from ._torch_private import memtracker_skip_frozen_params
 from .errors import ProfilingError
 from .report import format_bytes, format_table, write_json
 
-__all__ = ["ModuleMemoryStats", "module_info_for_ilp", "estimate_module_runtimes", "estimate_sac"]
+__all__ = ["ModuleMemoryStats", "module_info_for_ilp", "collect_sac_stats", "estimate_module_runtimes",
+           "estimate_sac"]
 
-def _require_cuda(what: str) -> None:
+def _require_cuda(what: str, on_cpu: str | None = None) -> None:
     if not torch.cuda.is_available():
         raise ProfilingError(
             f"{what} needs CUDA: PyTorch's estimators use CUDA events and device properties, and on a "
-            "CPU build they abort the process from inside module hooks. On CPU use ModuleMemoryStats, whose "
-            "fw_ms/bw_ms are measured (ModuleMemoryStats.measure_times(step) times them without MemTracker)."
+            "CPU build they abort the process from inside module hooks. " + (on_cpu or (
+                "On CPU use ModuleMemoryStats, whose fw_ms/bw_ms are measured "
+                "(ModuleMemoryStats.measure_times(step) times them without MemTracker)."))
         )
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """The device holding most of the model's parameter bytes (CPU without parameters)."""
+    by: dict[torch.device, int] = {}
+    for p in model.parameters():
+        by[p.device] = by.get(p.device, 0) + p.numel() * p.element_size()
+    return max(by, key=by.__getitem__) if by else torch.device("cpu")
 
 
 class ModuleMemoryStats:
@@ -195,11 +208,7 @@ class ModuleMemoryStats:
 
     # ----------------------------------------------------------------- results
     def _device(self) -> torch.device:
-        """The device holding most of the model's parameter bytes (CPU without parameters)."""
-        by: dict[torch.device, int] = {}
-        for p in self.model.parameters():
-            by[p.device] = by.get(p.device, 0) + p.numel() * p.element_size()
-        return max(by, key=by.__getitem__) if by else torch.device("cpu")
+        return _model_device(self.model)
 
     def modules(self) -> list[dict[str, Any]]:
         """One dict per module that ran, in forward pre-order (bytes and milliseconds)."""
@@ -266,17 +275,20 @@ class ModuleMemoryStats:
         return {str(d): {getattr(k, "name", str(k)): int(v) for k, v in snap.items()}
                 for d, snap in self.mem_tracker.get_tracker_snapshot("peak").items()}
 
-    def ilp_module_info(self) -> dict[str, Any]:
+    def ilp_module_info(self, sac: Any = None) -> dict[str, Any]:
         """This profile as torch's ``ilp_utils.ModuleInfo``: ``{"mod_order": ..., "mod_stats": [...]}``.
 
         Feed it to ``torch.distributed._tools.ilp_utils.parse_module_info`` and
         ``get_peak_memory_runtime_baseline`` (or the auto-AC ILP). Bytes are on
         the model's device, times in ms (``runtime_source`` says how they were
-        obtained). The selective-AC trade-off fields are empty (SACEstimator
-        needs CUDA), and every module is marked ``is_leaf`` as torch's
-        ``aggregate_stats`` marks modules without SAC statistics, so the ILP
-        treats none as an AC candidate unless those fields are filled.
+        obtained). ``sac`` is ``collect_sac_stats``' result: a module it has
+        trade-off statistics for gets them (``sac_runtime``, ``sac_memory``,
+        the piecewise-linear fit) and ``is_leaf=False``, i.e. it is an AC
+        candidate, exactly as torch's ``aggregate_stats`` does. Without it the
+        trade-off fields are empty and every module is marked ``is_leaf``, so
+        the ILP treats none as an AC candidate.
         """
+        tradeoff = dict(getattr(sac, "sac_mod_tradeoff_stats", {}) or {})
         rows = self.modules()
         names = {r["fqn"] for r in rows}
         order = {k: [f for f in v if f in names] for k, v in self.order.items()}
@@ -298,14 +310,7 @@ class ModuleMemoryStats:
                 "output_per_module": r["output_bytes"],
                 "fw_runtime_per_module": r["fw_ms"],
                 "bw_runtime_per_module": r["bw_ms"],
-                "is_leaf": True,
-                "sac_runtime": 0.0,
-                "sac_memory": 0,
-                "n_segments": 0,
-                "slopes": [],
-                "intercepts": [],
-                "breakpoints": [],
-                "tradeoff_curve": OrderedDict(),
+                **_sac_fields(tradeoff.get(r["fqn"])),
             })
         return {"mod_order": order, "mod_stats": stats}
 
@@ -345,6 +350,93 @@ class ModuleMemoryStats:
         return write_json(self.summary(), path)
 
 
+def _sac_fields(t: Any) -> dict[str, Any]:
+    """The selective-AC fields of one ``ModStats`` from a ``SACTradeOffStats`` (None: a leaf, as torch does)."""
+    if t is None:
+        return {"is_leaf": True, "sac_runtime": 0.0, "sac_memory": 0, "n_segments": 0, "slopes": [],
+                "intercepts": [], "breakpoints": [], "tradeoff_curve": OrderedDict()}
+    return {"is_leaf": False, "sac_runtime": float(t.sac_runtime), "sac_memory": int(t.sac_memory),
+            "n_segments": int(t.n_segments), "slopes": list(t.slopes), "intercepts": list(t.intercepts),
+            "breakpoints": list(t.fit_breaks), "tradeoff_curve": OrderedDict(t.tradeoff_curve)}
+
+
+SAC_MODES = ("cpu-benchmark", "operator-level-benchmark", "operator-level-cost-model")
+"""``collect_sac_stats`` modes: ours (a CPU clock around each operator), then torch's two (CUDA only)."""
+
+
+def collect_sac_stats(
+    model: nn.Module,
+    forward: Callable[[], Any],
+    *,
+    mode: str | None = None,
+    n_segments: int = 2,
+    seed: int = 0,
+) -> Any:
+    """Run torch's ``SACEstimator`` over ``forward()`` and fit its trade-off curves; return the estimator.
+
+    ``forward()`` runs the model's forward only (a loss may follow; no
+    backward): it runs once under ``FakeTensorMode(allow_non_fake_inputs=True)``,
+    so the model's real parameters and buffers are read as fake tensors and
+    nothing real is computed or changed. The estimator's ``sac_mod_stats``
+    (per non-leaf module: operators, their output bytes and times, which ones
+    autograd saves), ``sac_mod_greedy_order_meta`` and, after the fit,
+    ``sac_mod_tradeoff_stats`` are torch's own; pass the estimator to
+    ``ModuleMemoryStats.ilp_module_info(sac=...)``.
+
+    ``mode``: ``"cpu-benchmark"`` (default on a CPU model) times every
+    operator on real CPU tensors of the same shapes with this thread's clock
+    (``profiling._torch_private.CpuOpTimer``; torch's benchmark mode with a
+    CPU clock); ``"operator-level-benchmark"`` (default on CUDA) and
+    ``"operator-level-cost-model"`` are torch's, CUDA only. The
+    piecewise-linear fit (``pwlf``, differential evolution) draws from numpy's
+    global generator: it is seeded with ``seed`` and restored afterwards, so
+    the same profile gives the same fit.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.sac_estimator import SACEstimator
+
+    from ._torch_private import CpuOpTimer, sac_estimator_use_timer
+
+    dev = _model_device(model)
+    if mode is None:
+        mode = "operator-level-benchmark" if dev.type == "cuda" else "cpu-benchmark"
+    if mode not in SAC_MODES:
+        raise ValueError(f"collect_sac_stats: mode={mode!r} is not one of {SAC_MODES}")
+    if mode == "cpu-benchmark" and dev.type != "cpu":
+        raise ValueError(f"collect_sac_stats: mode='cpu-benchmark' times operators on CPU, but the model is on "
+                         f"{dev}; use mode='operator-level-benchmark' there")
+    if mode != "cpu-benchmark":
+        _require_cuda(f"collect_sac_stats(mode={mode!r})",
+                      "On CPU use mode='cpu-benchmark' (the default there): it times operators with a CPU clock.")
+    try:
+        import numpy as np
+        import pwlf  # noqa: F401  (torch's trade-off fit imports it lazily; fail here, clearly)
+    except ImportError as e:
+        raise ProfilingError(f"collect_sac_stats needs numpy and pwlf for torch's trade-off fit ({e}); "
+                             "pip install pwlf (or offload[ilp])") from e
+    sace = SACEstimator()
+    if mode == "cpu-benchmark":
+        from offload.planner.meter import host_clock
+
+        sac_estimator_use_timer(sace, CpuOpTimer(host_clock()))
+    else:
+        sace(estimate_mode_type=mode)
+    register_model(model)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with sace:
+            forward()
+    if not sace.sac_mod_stats:
+        raise ProfilingError("collect_sac_stats: no module with children ran inside forward(); SACEstimator has "
+                             "no module to report (is forward() calling the model?)")
+    state = np.random.get_state()
+    try:
+        np.random.seed(seed)
+        sace.pwlf_sac_tradeoff_curve(n_segments=n_segments)
+    finally:
+        np.random.set_state(state)
+    return sace
+
+
 def module_info_for_ilp(
     model: nn.Module,
     step: Callable[[], Any],
@@ -352,6 +444,7 @@ def module_info_for_ilp(
     optimizer: torch.optim.Optimizer | None = None,
     warmup_steps: int = 1,
     timing_steps: int = 1,
+    sac_forward: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
     """Profile ``step()`` and return torch's auto-AC ``ModuleInfo`` dict (works on CPU).
 
@@ -359,7 +452,9 @@ def module_info_for_ilp(
     if given, ``optimizer.step()``). It is called ``warmup_steps`` times
     first (so optimizer state exists), once under MemTracker for memory, then
     ``timing_steps`` times without it for the times (see
-    ``ModuleMemoryStats.ilp_module_info`` for what the dict holds).
+    ``ModuleMemoryStats.ilp_module_info`` for what the dict holds). With
+    ``sac_forward`` (the forward alone), the selective-AC fields are filled by
+    ``collect_sac_stats(model, sac_forward)`` and the ILP can choose AC units.
 
     >>> info = module_info_for_ilp(model, lambda: train_step(batch), optimizer=opt)
     >>> from torch.distributed._tools.ilp_utils import parse_module_info, get_peak_memory_runtime_baseline
@@ -371,7 +466,8 @@ def module_info_for_ilp(
     with stats:
         step()
     stats.measure_times(step, timing_steps)
-    return stats.ilp_module_info()
+    sac = collect_sac_stats(model, sac_forward) if sac_forward is not None else None
+    return stats.ilp_module_info(sac=sac)
 
 
 def estimate_module_runtimes(

@@ -1,4 +1,5 @@
-"""``python -m bench --plan`` / ``--max-seq`` on a very small workload: files, fit, predicted vs measured."""
+"""``python -m bench --plan`` / ``--max-seq`` on a very small workload: files, fit, predicted vs measured,
+and torch's auto-AC ILP arm in the same output."""
 
 from __future__ import annotations
 
@@ -25,6 +26,21 @@ def test_bench_plan_writes_table_json_png(tmp_path) -> None:
     for p in fitted:
         assert p["measured_peak_bytes"] <= p["budget_bytes"]
         assert abs(p["peak_error"]) <= 0.10
+    # torch's auto-AC ILP arm: one point per budget, measured by the same meter, in the JSON and the md.
+    ilp = res["ilp"]
+    assert ilp["name"] == "torch_ilp" and ilp["status"] == "ok", ilp
+    assert [p["fraction"] for p in ilp["points"]] == [0.25, 0.5, 0.75]
+    assert {p["status"] for p in ilp["points"]} <= {"ok", "infeasible"}, ilp["points"]
+    solved = [p for p in ilp["points"] if p["status"] == "ok"]
+    assert solved, ilp["points"]
+    for p in solved:
+        assert p["decisions"] and p["measured_peak_bytes"] > 0 and p["measured_step_s"] > 0
+        assert p["predicted_peak_bytes"] <= p["budget_bytes"]
+    for p in ilp["points"]:
+        if p["status"] == "infeasible":
+            assert "sac_milp" in p["reason"] and "budget_bytes=" in p["reason"]
+    md = (tmp_path / f"{stem}.md").read_text()
+    assert "torch auto-AC ILP (`torch_ilp`" in md and md.count("| 0.50 |") == 2
 
 
 def test_max_seq_planner_at_least_none() -> None:

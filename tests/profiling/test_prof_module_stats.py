@@ -166,3 +166,41 @@ def test_torch_ilp_reads_our_profile(toy):
     assert graph.ad_matrix[0].sum() == len(graph.nodes)
     blk = graph.name2node["ToyLlama.layers.0"]["index"]
     assert graph.ad_matrix[blk][graph.name2node["ToyLlama.layers.0.attn"]["index"]] == 1
+
+
+def test_sac_stats_on_cpu_fill_the_ilp_fields(toy):
+    """collect_sac_stats runs torch's SACEstimator on CPU (a CPU clock per operator) without touching the
+    model, and module_info_for_ilp(sac_forward=) makes the blocks AC candidates for torch's sac_milp."""
+    pytest.importorskip("pwlf")
+    ilp = pytest.importorskip("torch.distributed._tools.ilp_utils")
+    from profiling import collect_sac_stats, module_info_for_ilp
+
+    model, tokens, _ = toy
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sac = collect_sac_stats(model, lambda: model(tokens))
+    assert "ToyLlama.layers.0" in sac.sac_mod_stats and "ToyLlama.layers.0.attn.wqkv" not in sac.sac_mod_stats
+    blk = sac.sac_mod_stats["ToyLlama.layers.0"]
+    assert len(blk.func_names) == len(blk.runtimes) == len(blk.memory) > 10 and sum(blk.runtimes) > 0
+    for n, p in model.named_parameters():  # read as fake tensors, never changed, never replaced
+        assert type(p) is nn.Parameter and torch.equal(p, before[n]) and p.grad is None, n
+
+    info = module_info_for_ilp(model, lambda: model(tokens).float().mean().backward(),
+                               sac_forward=lambda: model(tokens))
+    by = {s["fqn"]: s for s in info["mod_stats"]}
+    assert not by["ToyLlama.layers.0"]["is_leaf"] and by["ToyLlama.layers.0.attn.wqkv"]["is_leaf"]
+    assert by["ToyLlama.layers.0"]["sac_memory"] > 0 and by["ToyLlama.layers.0"]["n_segments"] >= 1
+    ilp.parse_module_info(info)  # torch's parser accepts it
+
+
+def test_sac_stats_modes_say_what_they_need(toy):
+    """An unknown mode is a ValueError naming it; torch's CUDA-only timers refuse on CPU instead of aborting."""
+    from profiling import collect_sac_stats
+
+    model, tokens, _ = toy
+    with pytest.raises(ValueError, match="mode='roofline'"):
+        collect_sac_stats(model, lambda: model(tokens), mode="roofline")
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal")
+    for mode in ("operator-level-cost-model", "operator-level-benchmark"):
+        with pytest.raises(ProfilingError, match="needs CUDA"):
+            collect_sac_stats(model, lambda: model(tokens), mode=mode)
