@@ -21,6 +21,14 @@ of packs (forward) or unpacks (backward):
                   activation copied into the host pool and back
   modules_only    just the engine's module-tracking hooks (``track_modules``),
                   no saved-tensor hooks: cost per module call, not per pack
+  module_dispatch the smallest module tracking torch allows: global forward
+                  pre/post hooks that only push and pop the module (what
+                  torch's own hook dispatch costs per module call, a floor
+                  for ``modules_only``)
+  safe_keep_floor the least a keep path must do to keep the engine's
+                  guarantees: hold a detached alias (Rule 10: no cycle through
+                  a saved output's grad_fn) and the version to check at unpack
+                  (Rule 6); no classification, no record (a floor for ``ours_keep``)
 
 Two measures, in one run:
   * CPU time on one thread (``time.process_time``, ``torch.set_num_threads(1)``),
@@ -77,13 +85,17 @@ def default_out() -> Path:
     return default_run_dir("hook_cost", "cpu") / "hook_cost.json"
 
 
-VARIANTS = ("none", "identity", "torchtune_keep", "save_on_cpu", "ours_keep", "ours_offload", "modules_only")
+VARIANTS = ("none", "identity", "torchtune_keep", "save_on_cpu", "ours_keep", "ours_offload", "modules_only",
+            "module_dispatch", "safe_keep_floor")
 RATIOS = {
     "ours_offload/save_on_cpu": ("ours_offload", "save_on_cpu"),
     "ours_keep/torchtune_keep": ("ours_keep", "torchtune_keep"),
     "ours_keep/identity": ("ours_keep", "identity"),
+    "safe_keep_floor/torchtune_keep": ("safe_keep_floor", "torchtune_keep"),
 }
 """Ratio name -> (numerator, denominator) of per-pack costs; the goal is <= 2 for the first two."""
+_PER_MODULE_CALL = ("modules_only", "module_dispatch")
+"""Variants without saved-tensor hooks: their cost is per module call, not per pack."""
 
 
 class _Layer(nn.Module):
@@ -128,6 +140,46 @@ def _torchtune_keep_hooks() -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+_dispatch_stack: list[nn.Module] = []
+
+
+def _push(module: nn.Module, args: Any) -> None:
+    _dispatch_stack.append(module)
+
+
+def _pop(module: nn.Module, args: Any, output: Any) -> None:
+    _dispatch_stack.pop()
+
+
+@contextlib.contextmanager
+def _module_dispatch() -> Iterator[None]:
+    """Global forward hooks that only push and pop: torch's module-hook dispatch, nearly alone."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    pre, post = register_module_forward_pre_hook(_push), register_module_forward_hook(_pop)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+        _dispatch_stack.clear()
+
+
+def _safe_keep_floor_hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """Keep with the engine's two guarantees only: a detached alias (Rule 10) and a version check (Rule 6)."""
+
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return (t.detach() if t.requires_grad else t, t._version)
+
+    def unpack(h: tuple[torch.Tensor, int]) -> torch.Tensor:
+        t, version = h
+        if t._version != version:
+            raise RuntimeError("modified by an inplace operation")
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def _contexts() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     """Variant name -> factory of the context one forward runs in (one object reused across steps)."""
     identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
@@ -135,6 +187,7 @@ def _contexts() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     soc = torch.autograd.graph.save_on_cpu(pin_memory=True)
     keep = OffloadActivations(device="cpu", min_offload_size=1 << 40)
     off = OffloadActivations(device="cpu", min_offload_size=0)
+    floor = _safe_keep_floor_hooks()
     return {
         "none": contextlib.nullcontext,
         "identity": lambda: identity,
@@ -143,6 +196,8 @@ def _contexts() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
         "ours_keep": lambda: keep,
         "ours_offload": lambda: off,
         "modules_only": track_modules,
+        "module_dispatch": _module_dispatch,
+        "safe_keep_floor": lambda: floor,
     }
 
 
@@ -217,13 +272,13 @@ def measure_cpu_time(layers: int, width: int, rounds: int, warmup: int,
     out: dict[str, Any] = {"saves_per_step": saves, "module_calls_per_step": layers + 1, "variants": {}}
     for name in names:
         base = samples["none"]
-        per = saves if name != "modules_only" else layers + 1
+        per = saves if name not in _PER_MODULE_CALL else layers + 1
         row = {"fwd_step_ms": _quartiles([s * 1e3 for s in samples[name]["fwd"]]),
                "bwd_step_ms": _quartiles([s * 1e3 for s in samples[name]["bwd"]])}
         for phase, key in (("fwd", "per_pack_ns"), ("bwd", "per_unpack_ns")):
             deltas = [(a - b) * 1e9 / per for a, b in zip(samples[name][phase], base[phase])]
             row[key] = _quartiles(deltas)
-        if name == "modules_only":
+        if name in _PER_MODULE_CALL:
             row["per_module_call_ns"] = row.pop("per_pack_ns")
             row.pop("per_unpack_ns")
         elif name.startswith("ours") and "modules_only" in samples:
@@ -333,7 +388,7 @@ def measure_instructions(layers: int, width: int, steps: int,
     for name, t in totals.items():
         row: dict[str, Any] = {"fwd_ir_per_step": t["fwd"] // steps, "bwd_ir_per_step": t["bwd"] // steps}
         if base is not None:
-            if name == "modules_only":
+            if name in _PER_MODULE_CALL:
                 row["per_module_call_ir"] = round((t["fwd"] - base["fwd"]) / steps / (layers + 1))
             else:
                 row["per_pack_ir"] = round((t["fwd"] - base["fwd"]) / steps / saves)
@@ -517,7 +572,7 @@ def _table(result: dict[str, Any]) -> str:
     lines = [f"{'variant':16} {'pack ns':>10} {'(net) ns':>10} {'unpack ns':>10} {'pack Ir':>10} {'(net) Ir':>10} "
              f"{'unpack Ir':>10}"]
     for name, row in cpu.items():
-        if name in ("none", "modules_only"):
+        if name == "none" or name in _PER_MODULE_CALL:
             continue
         i = ins.get(name, {})
         net = row.get("per_pack_net_of_module_hooks_ns", {}).get("median", nan)
@@ -525,9 +580,10 @@ def _table(result: dict[str, Any]) -> str:
                      f"{i.get('per_pack_ir', nan):10} {i.get('per_pack_net_of_module_hooks_ir', nan):10} "
                      f"{i.get('per_unpack_ir', nan):10}")
     lines.append("(net) = minus the engine's module-tracking hooks, which cost per module call, not per pack")
-    if "modules_only" in cpu:
-        lines.append(f"module hooks: {cpu['modules_only']['per_module_call_ns']['median']:.0f} ns per module call"
-                     + (f", {ins['modules_only']['per_module_call_ir']} Ir" if "modules_only" in ins else ""))
+    for name in _PER_MODULE_CALL:
+        if name in cpu:
+            lines.append(f"{name}: {cpu[name]['per_module_call_ns']['median']:.0f} ns per module call"
+                         + (f", {ins[name]['per_module_call_ir']} Ir" if name in ins else ""))
     lines.append(f"ratios (CPU time): {result['cpu_time']['ratios_per_pack']}")
     lines.append(f"ratios (CPU time, net): {result['cpu_time']['ratios_per_pack_net_of_module_hooks']}")
     if ins:
