@@ -15,6 +15,11 @@
 #           (compile and compile_offload run on 1b only unless COMPILE_ALL=1)
 #   8b      python -m bench --preset 8b --seq 4096 (as many h=4096 blocks as fit)
 #   8b-8k   python -m bench --preset 8b --seq 8192
+#   plan-1b python -m bench --plan --preset 1b: the planner's frontier at 25/50/75 % of activation
+#           memory vs none/ac/sac/offload/offload_ac, compile's activation_memory_budget and torch's
+#           auto-AC ILP (needs pulp + pwlf wheels in .whl/; else listed as skipped with the error)
+#   plan-8b python -m bench --plan --preset 8b --seq 4096, then --max-seq at that no-plan peak
+# (plan-* are not in the default set: run them by name once the measurement phases are in.)
 # Everything goes to bench/results/<device-slug>/ (plus gpu_run.log). When $OUT is set (the device
 # tool's return folder), that folder is also packed into $OUT/gpu_results_<device-slug>.tar.gz and
 # the log and test summary are copied next to it. Commit bench/results/<device-slug>/ afterwards.
@@ -80,7 +85,10 @@ for ph in "${phases[@]}"; do
     3b)    phase 3b "$PY" -m bench --device cuda --preset 3b --out "$RES" $NOCOMPILE "${STEP_ARGS[@]}" ;;
     8b)    phase 8b "$PY" -m bench --device cuda --preset 8b --seq 4096 --out "$RES" $NOCOMPILE "${STEP_ARGS[@]}" ;;
     8b-8k) phase 8b-8k "$PY" -m bench --device cuda --preset 8b --seq 8192 --out "$RES" $NOCOMPILE "${STEP_ARGS[@]}" ;;
-    *) echo "gpu_run.sh: unknown phase '$ph' (phases: tests probe 1b 3b 8b 8b-8k)" | tee -a "$LOG"; status=2 ;;
+    plan-1b) phase plan-1b "$PY" -m bench --device cuda --preset 1b --plan --out "$RES" "${STEP_ARGS[@]}" ;;
+    plan-8b) phase plan-8b "$PY" -m bench --device cuda --preset 8b --seq 4096 --plan --out "$RES" "${STEP_ARGS[@]}"
+             phase max-seq-8b "$PY" -m bench --device cuda --preset 8b --seq 4096 --max-seq --out "$RES" "${STEP_ARGS[@]}" ;;
+    *) echo "gpu_run.sh: unknown phase '$ph' (phases: tests probe 1b 3b 8b 8b-8k plan-1b plan-8b)" | tee -a "$LOG"; status=2 ;;
   esac
 done
 
