@@ -608,7 +608,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._step_ref: Callable[[], _Step | None] = _dead
         # Running module -> storages of the parameters and buffers of it and its
         # running ancestors (buffer detection for offload candidates), per step.
-        self._owner_memo: dict[tuple[int, int, int], frozenset[int]] = {}
+        self._owner_memo: dict[tuple[int, int, int], tuple[frozenset[int], frozenset[int]]] = {}
         self._process = psutil.Process()
         # Rule 10: the pack hook holds the engine weakly; handles hold it.
         super().__init__(_weak_pack(self), _unpack_handle)
@@ -793,14 +793,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         dev = _DEVICE_NAMES.get(device) or policy.device_name(device)
         dtype = t.dtype
         ledger = self.ledger
-        step = self._step_ref()
+        step = self._step_ref()  # _open_step, inlined
         if step is None:
             step = _Step(self)
             self._step_ref = weakref.ref(step)
         if reason:
             # Kept: a tuple handle (no object, no __del__) holding a detached
             # alias (Rule 10) and the version to check at unpack (Rule 6).
-            handle: Any = (t.detach() if t.requires_grad else t, t._version, step)
+            handle: Any = (t.detach() if t.requires_grad else t, t._version, step)  # _saved_alias, inlined
             rec: Any = (seq, ledger.current_step, nbytes, t.shape,
                         _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype), dev, current_module_name(),
                         KEPT, reason, ptr, st.nbytes())
@@ -816,24 +816,23 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             handle = self._offload(t, rec, (dev, ptr), ts, step)
             reason = rec.reason
             if handle is None:  # no room on the host (Rule 9)
-                handle = (t.detach() if t.requires_grad else t, t._version, step)
+                handle = (_saved_alias(t), t._version, step)
             if rec.decision == OFFLOADED:
                 ledger.offloaded_log.append(nbytes)
                 ledger.d2h_log.append(rec.copy_bytes)
             else:
                 ledger.log_kept(reason, nbytes)
         ledger._open_used = True
-        if reason is not _PARAMETER and reason is not _BUFFER and ptr:
+        if reason is not _PARAMETER and reason is not _BUFFER:
             # The bytes this save's span adds to the step's union of saved spans
             # (offload._spans: what the profilers count too).
-            lo_b = t.storage_offset() * dtype.itemsize
-            hi_b = lo_b + nbytes if t.is_contiguous() else byte_span(t)[1]
-            unique = self._seen.add_span(t, (dev, ptr), lo_b, hi_b)
-            if unique:
-                ledger.unique_log.append(unique)
-        elif not ptr and reason is not _PARAMETER and reason is not _BUFFER:
-            # An empty storage (all at address 0): keyed by the tensor itself.
-            unique = self._seen.add_span(t, ("id", id(t)), 0, nbytes)
+            if ptr:
+                lo_b = t.storage_offset() * dtype.itemsize
+                hi_b = lo_b + nbytes if t.is_contiguous() else byte_span(t)[1]
+                ident = (dev, ptr)
+            else:  # an empty storage (all at address 0): keyed by the tensor itself
+                lo_b, hi_b, ident = 0, nbytes, ("id", id(t))
+            unique = self._seen.add_span(t, ident, lo_b, hi_b)
             if unique:
                 ledger.unique_log.append(unique)
         if self._observers or _tls.__dict__.get("observers"):
@@ -844,6 +843,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         else:
             ledger.records_log.append(rec)
         return handle
+
+    def _open_step(self) -> _Step:
+        """The open ledger step's ``_Step`` (new after every close), which each handle holds."""
+        step = self._step_ref()
+        if step is None:
+            step = _Step(self)
+            self._step_ref = weakref.ref(step)
+        return step
 
     def _running_owner(self, ptr: int) -> str:
         """PARAMETER / BUFFER when a parameter or buffer of a running module lives on ``ptr``.
@@ -861,20 +868,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         key = (id(stack[-1]), id(stack[0]), len(stack))
         owned = self._owner_memo.get(key)
         if owned is None:
-            params: set[int] = set()
-            bufs: set[int] = set()
-            for m in stack:
-                for p in m._parameters.values():
-                    if p is not None:
-                        q = policy.storage_ptr(p)
-                        if q:
-                            params.add(q)
-                for b in m._buffers.values():
-                    if b is not None:
-                        q = policy.storage_ptr(b)
-                        if q:
-                            bufs.add(q)
-            owned = self._owner_memo[key] = (frozenset(params), frozenset(bufs - params))
+            owned = self._owner_memo[key] = policy.owned_storages(stack)
         if ptr in owned[0]:
             return _PARAMETER
         if ptr in owned[1]:
@@ -898,6 +892,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             reason = policy._classify(t, self.device, self.min_offload_size, ts.excluded_depth > 0,
                                       self._static_ptrs, current_modules, nbytes, ptr)
             if not reason or reason == policy.TOO_SMALL:
+                # Where it was saved decides for a tensor the policy would move or found too small.
                 if _graph_task_id() >= 0:
                     reason = policy.IN_BACKWARD  # Rule 11
                 elif ts.after_head:
@@ -914,22 +909,22 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             shape = policy.shape_of(t)  # strided nested tensors have no single shape
         else:
             shape = tuple(t.shape)
+        # Positional: a keyword call of this dataclass costs 2.5x as much.
         dtype = t.dtype
         rec = PackRecord(seq, self.ledger.current_step, nbytes, shape,
                          _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype),
                          dev, current_module_name(), KEPT, reason, key[1], storage_nbytes)
-        step = self._step_ref()
-        if step is None:
-            step = _Step(self)
-            self._step_ref = weakref.ref(step)
+        step = self._open_step()
         handle: Any = None
         if not reason:
             handle = self._offload(t, rec, key, ts, step)
         if handle is None:
-            handle = (t.detach() if t.requires_grad else t, t._version, step)
+            handle = (_saved_alias(t), t._version, step)
         unique = 0
         r = rec.reason
         if r != policy.PARAMETER and r != policy.BUFFER and r != policy.UNSUPPORTED_TYPE:
+            # The bytes this save's span adds to the step's union of saved spans
+            # (offload._spans: what the profilers count too).
             if ident[0] == "id":
                 lo_b, hi_b = 0, nbytes
             elif reason == policy.DISABLED:
@@ -1231,7 +1226,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                     hc.held = held if held is not None else (base, copy, base._version)
                 else:
                     hc.held = None
-            if self.prefetch_bytes != 0 and (self.prefetch_bytes is not None or self._backend.name != "sync"):
+            if self.prefetch_budget != 0:
                 self._prefetch_after(h, p)
         return out
 

@@ -42,6 +42,7 @@ __all__ = [
     "live_base",
     "StorageSet",
     "span_elems",
+    "owned_storages",
     "shape_of",
     "device_name",
     "dtype_name",
@@ -252,16 +253,25 @@ class StorageSet:
 _UNREAD = object()
 
 
-def _owns_storage(modules: Iterable[nn.Module], ptr: int) -> str:
-    """PARAMETER / BUFFER when a direct parameter / buffer of one of ``modules`` lives on ``ptr``, else ""."""
+def owned_storages(modules: Iterable[nn.Module]) -> tuple[frozenset[int], frozenset[int]]:
+    """Storage pointers of the direct parameters, and of the direct buffers (not also a
+    parameter's), of ``modules``: what ``classify`` keeps as PARAMETER / BUFFER by storage."""
+    params: set[int] = set()
+    bufs: set[int] = set()
     for m in modules:
         for p in m._parameters.values():
-            if p is not None and storage_ptr(p) == ptr:
-                return PARAMETER
+            if p is not None and (q := storage_ptr(p)):
+                params.add(q)
         for b in m._buffers.values():
-            if b is not None and storage_ptr(b) == ptr:
-                return BUFFER
-    return ""
+            if b is not None and (q := storage_ptr(b)):
+                bufs.add(q)
+    return frozenset(params), frozenset(bufs - params)
+
+
+def _owns_storage(modules: Iterable[nn.Module], ptr: int) -> str:
+    """PARAMETER / BUFFER when a direct parameter / buffer of one of ``modules`` lives on ``ptr``, else ""."""
+    params, bufs = owned_storages(modules)
+    return PARAMETER if ptr in params else BUFFER if ptr in bufs else ""
 
 
 def classify(

@@ -13,9 +13,11 @@ engine passing a bitwise test trivially.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ __all__ = [
     "assert_reconciles",
     "grads_of",
     "Recorder",
+    "no_gc",
 ]
 
 TINY = ToyLlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, max_seq_len=64)
@@ -87,6 +90,19 @@ class ConvNet(nn.Module):
         h = F.max_pool2d(F.relu(self.bn(self.conv1(x))), 2)  # (B, 8, 4, 4)
         h = F.gelu(self.conv2(h))
         return self.head(h.flatten(1))  # (B, 10)
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Reference counting only: what is freed here is not held by a cycle."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def make_model(kind: str, dtype: torch.dtype = torch.float32, *, seed: int = 0) -> nn.Module:

@@ -23,22 +23,9 @@ from torch.utils.checkpoint import checkpoint
 import offload.modules as offload_modules
 from offload import NoOpManager, OffloadActivations, active_engine, get_act_offloading_ctx_manager
 
-from offload_testkit import TINY, ToyLlama, assert_reconciles, assert_same_grads, cpu_ctx, make_batch, twin_of
+from offload_testkit import TINY, ToyLlama, assert_reconciles, assert_same_grads, cpu_ctx, make_batch, no_gc, twin_of
 
 INPLACE = "modified by an inplace operation"
-
-
-@contextlib.contextmanager
-def no_gc():
-    """Reference counting only: what is freed here is not held by a cycle."""
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _toy(seed: int = 0, **over) -> ToyLlama:

@@ -10,8 +10,6 @@ must keep.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import threading
 
@@ -23,19 +21,7 @@ from torch import nn
 from offload import OffloadActivations
 from offload.ledger import Ledger, PackRecord
 
-from offload_testkit import TINY, ToyLlama, assert_reconciles, assert_same_grads, cpu_ctx, make_batch, twin_of
-
-
-@contextlib.contextmanager
-def no_gc():
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+from offload_testkit import TINY, ToyLlama, assert_reconciles, assert_same_grads, cpu_ctx, make_batch, no_gc, twin_of
 
 
 def _toy() -> ToyLlama:
