@@ -782,8 +782,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 reason = _TOO_SMALL
             elif ptr in self._static_ptrs:
                 reason = _PARAMETER
-            else:
+            elif t.is_leaf:  # with autograd history it is no parameter or buffer (policy._classify)
                 reason = self._running_owner(ptr)
+            else:
+                reason = ""
             if not reason or reason is _TOO_SMALL:
                 # Where it was saved decides for a tensor the policy would move or found too small.
                 if _graph_task_id() >= 0:

@@ -332,6 +332,10 @@ def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excl
         return TOO_SMALL
     if ptr in static_ptrs:
         return PARAMETER
+    if not t.is_leaf:
+        # Autograd history: computed in this forward, so not a parameter or buffer (a
+        # parameter's view was caught through its _base above). Only leaves can be.
+        return ""
     if callable(stack_modules):
         stack_modules = stack_modules()
     return _owns_storage(stack_modules, ptr)

@@ -32,6 +32,15 @@ large *chunks* and hands out views of them:
   from PyTorch's cache). The same requests then pack the same way in every
   later step: a static-shape loop holds ~1.01x its peak and never allocates
   again.
+- Parking: a given-back buffer is first *parked* under its exact size, still
+  carved, and the next take of that size gets the same range (and the same
+  view tensor) back without touching the arena. The first take that finds no
+  parked buffer of its size returns every parked range to the arena (merging
+  as a give does) before it carves, and so do the re-layout, a trim that may
+  release chunks, and ``clear``. So a loop whose shapes repeat pays a dict
+  lookup per take and give, while every decision that shapes the footprint
+  (carving, growth, re-layout, trim) sees exactly the free ranges it would
+  have seen without parking.
 - Trim (the engine calls it after every step) releases only whole free
   chunks, and only when the reserved bytes exceed 1.25x the largest step
   peak of the last ``trim_window`` steps: a loop whose shapes shrank for good
@@ -278,6 +287,8 @@ class HostPool:
         self._device_type = device_type
         self._lock = threading.Lock()
         self._arena = _Arena()
+        # Parked buffers (see NOTE [ Host pool layout ]): nbytes -> [(view, chunk, offset, span)].
+        self._parked: dict[int, list[tuple[torch.Tensor, _Chunk, int, int]]] = {}
         self._seq = 0
         self._steps = 0
         self._step_peaks: collections.deque[int] = collections.deque(maxlen=trim_window)
@@ -397,18 +408,26 @@ class HostPool:
 
     def take(self, nbytes: int) -> HostBuffer | None:
         """A buffer of exactly ``nbytes`` (a view of a chunk), or None if the cap leaves no room."""
-        span = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
         with self._lock:
-            got = self._arena.carve(span)
-            if got is not None:
+            parked = self._parked.get(nbytes)
+            if parked:
+                view, chunk, off, span = parked.pop()
                 self._reuses += 1
-            elif self._make_room(span):
-                got = self._arena.carve(span)
             else:
-                self._refused += 1
-                self._rec_clean = False
-                return None
-            chunk, off = got
+                span = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
+                if self._parked:
+                    self._unpark()
+                got = self._arena.carve(span)
+                if got is not None:
+                    self._reuses += 1
+                elif self._make_room(span):
+                    got = self._arena.carve(span)
+                else:
+                    self._refused += 1
+                    self._rec_clean = False
+                    return None
+                chunk, off = got
+                view = chunk.tensor[off:off + nbytes]
             chunk.last_step = self._steps
             used = self._used_span = self._used_span + span
             if used > self._window_peak_span:
@@ -428,8 +447,15 @@ class HostPool:
                 else:
                     self._rec_events.append(len(self._rec_spans))
                     self._rec_spans.append(span)
-            return HostBuffer(chunk.tensor[off:off + nbytes], nbytes, chunk.pinned, chunk.registered, True,
-                              chunk, off, span, serial)
+            return HostBuffer(view, nbytes, chunk.pinned, chunk.registered, True, chunk, off, span, serial)
+
+    def _unpark(self) -> None:
+        """Return every parked range to the arena (under the lock)."""
+        free = self._arena.free
+        for parked in self._parked.values():
+            for _view, chunk, off, span in parked:
+                free(chunk, off, span)
+        self._parked.clear()
 
     def overflow(self, nbytes: int) -> HostBuffer:
         """A one-off pageable buffer outside the pool (``on_host_budget="pageable"``).
@@ -455,7 +481,10 @@ class HostPool:
             buf.chunk = None
             self._in_use -= buf.nbytes
             self._used_span -= buf.span
-            self._arena.free(chunk, buf.offset, buf.span)
+            parked = self._parked.get(buf.nbytes)
+            if parked is None:
+                parked = self._parked[buf.nbytes] = []
+            parked.append((buf.tensor, chunk, buf.offset, buf.span))
             if self._rec_clean and buf.serial >= self._rec_base:
                 self._rec_events.append(self._rec_base - buf.serial - 1)
 
@@ -587,6 +616,7 @@ class HostPool:
             if not self._relaid and self._window_peak_in_use:
                 self._relaid = True
                 if clean:
+                    self._unpark()
                     self._relayout()
             self._steps += 1
             self._stepped = self._stepped or self._window_peak_in_use > 0
@@ -596,7 +626,9 @@ class HostPool:
             trimmed = []
             if len(self._step_peaks) == self.trim_window:  # a full window since the start or the last release
                 keep = max(int(self.trim_slack * max(self._step_peaks)), self._used_span, self.min_chunk_bytes)
-                trimmed = self._trim_to(keep, clean)
+                if self._reserved > keep:  # else _trim_to releases nothing: parked buffers stay
+                    self._unpark()
+                    trimmed = self._trim_to(keep, clean)
                 if trimmed:
                     self._step_peaks.clear()  # judge the new layout over a full window again
             self._rec_spans, self._rec_events = [], []
@@ -613,6 +645,7 @@ class HostPool:
     def clear(self) -> None:
         """Release every wholly free chunk (buffers in use stay valid)."""
         with self._lock:
+            self._unpark()
             released = self._free_chunks()
             for chunk in released:
                 self._release_chunk(chunk)

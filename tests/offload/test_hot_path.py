@@ -11,6 +11,8 @@ must keep.
 from __future__ import annotations
 
 import json
+
+import pytest
 import threading
 
 import torch
@@ -215,3 +217,69 @@ def test_parameter_saved_as_is_is_kept_as_parameter():
     mine = [r for r in ctx.ledger.records if r.storage_key == wptr]
     assert len(mine) == 1 and mine[0].reason == "parameter" and mine[0].copy_bytes == 0
     assert ctx.ledger.step_totals[-1].kept_by_reason.get("parameter") == 4096 * 4
+
+
+def test_activations_with_history_skip_the_module_walk(monkeypatch):
+    """Only a leaf can live on a parameter's or buffer's storage (a parameter's view is caught
+    through ``_base``): a saved activation with autograd history is never looked up among the
+    running modules' storages, while a buffer saved in the same forward is still found and kept."""
+
+    class WithTable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.register_buffer("table", torch.randn(64, 64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(x)) @ self.table
+
+    asked = []
+    real = OffloadActivations._running_owner
+    monkeypatch.setattr(OffloadActivations, "_running_owner",
+                        lambda self, ptr: asked.append(ptr) or real(self, ptr))
+    m = WithTable()
+    ctx = OffloadActivations(device="cpu", min_offload_size=0)
+    x = torch.randn(8, 64)  # a leaf input: asked about, like the table
+    with ctx:
+        y = m(x)
+    y.sum().backward()
+    recs = ctx.ledger.records
+    table_ptr = m.table.untyped_storage().data_ptr()
+    assert [r.reason for r in recs if r.storage_key == table_ptr] == ["buffer"]
+    moved = [r for r in recs if r.decision == "offloaded"]
+    assert len(moved) >= 2, [(r.reason, r.shape) for r in recs]  # x, and tanh's output (with history)
+    assert sorted(asked) == sorted({x.untyped_storage().data_ptr(), table_ptr}), (len(asked), len(recs))
+
+
+def test_pool_parks_given_buffers_for_the_next_take_of_their_size(monkeypatch):
+    """A static loop's takes find the range a give of the same size just freed (no arena carve),
+    and the first take of another size returns every parked range before carving, so it
+    reuses that memory instead of growing the pool."""
+    from offload.pool import HostPool, _Arena
+
+    pool = HostPool(pin=False)
+    pool.give(pool.take(50_000))  # one chunk that a, b and later c all fit in
+    a, b = pool.take(10_000), pool.take(30_000)
+    pa, pb = a.tensor.data_ptr(), b.tensor.data_ptr()
+    a.tensor.fill_(1)
+    pool.give(a)
+    pool.give(b)
+    allocs = pool.stats()["allocations"]
+    carve = _Arena.carve
+    calls = []
+    monkeypatch.setattr(_Arena, "carve", lambda self, span: calls.append(span) or carve(self, span))
+    a2, b2 = pool.take(10_000), pool.take(30_000)
+    assert (a2.tensor.data_ptr(), b2.tensor.data_ptr()) == (pa, pb) and calls == []
+    assert a2.tensor.numel() == 10_000 and a2 is not a  # a new handle on the same range
+    with pytest.raises(RuntimeError, match="already given back"):
+        pool.give(a)  # the old handle is spent: giving it again cannot free the new owner's range
+    pool.give(a2)
+    pool.give(b2)
+    c = pool.take(40_000)  # fits only in the two ranges merged: they must be back in the arena
+    assert calls == [40_000 + (-40_000 % 64)]
+    assert pool.stats()["allocations"] == allocs and not pool._parked
+    pool.give(c)
+    st = pool.stats()
+    assert st["in_use_bytes"] == 0 and st["received_bytes"] == 50_000 + 2 * 40_000 + 40_000
+    pool.clear()
+    assert pool.stats()["chunks"] == 0 and not pool._parked
