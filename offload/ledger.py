@@ -20,7 +20,8 @@ reason (or to the offloaded list), the bytes it adds to the step's distinct
 saved bytes to another, and its record to the records ring, as the tuple of
 ``PackRecord``'s first eleven fields when nothing will change it later (a kept
 decision; ``PackRecord`` objects are built from those tuples when ``records``
-is read). ``list.append`` is atomic, so packs on several threads need no lock.
+is read). Synchronous copies log their seconds and bytes the same way
+(``add_sync_copy``). ``list.append`` is atomic, so packs on several threads need no lock.
 The per-step totals are the sums of those lists: ``close_step`` (and
 ``totals()``, without consuming them) adds them up, taking exactly the first
 ``len()`` items of each list, so an append that races a close lands whole in
@@ -211,6 +212,11 @@ class Ledger:
             """Bytes copied to the host by each offloaded decision of the open step."""
             self.unique_log: list[int] = []
             """Bytes each save of the open step added to its distinct saved bytes (non-zero only)."""
+            # Synchronous copies of the open step (add_sync_copy): seconds and bytes of each.
+            self.sync_d2h_s: list[float] = []
+            self.sync_d2h_b: list[int] = []
+            self.sync_h2d_s: list[float] = []
+            self.sync_h2d_b: list[int] = []
             self.records_log = self._records
             """The records ring, for the pack hook's appends (``records`` is the read side)."""
 
@@ -268,14 +274,18 @@ class Ledger:
     def _sum_logs(self, into: StepTotals, consume: bool) -> None:
         """Add the open step's logs into ``into``; ``consume`` removes what was added (lock held)."""
 
-        def take(log: list[int]) -> tuple[int, int]:
+        def items(log: list) -> list:
             n = len(log)
             if not n:
-                return 0, 0
-            items = log[:n]
+                return []
+            got = log[:n]
             if consume:
                 del log[:n]  # appends racing this land after index n: kept for the next step
-            return n, sum(items)
+            return got
+
+        def take(log: list[int]) -> tuple[int, int]:
+            got = items(log)
+            return len(got), sum(got)
 
         for reason, log in self.kept_log.items():
             n, b = take(log)
@@ -293,6 +303,16 @@ class Ledger:
         into.packed_bytes += b
         into.d2h_bytes += take(self.d2h_log)[1]
         into.unique_bytes += take(self.unique_log)[1]
+        # Take each pair's seconds first: a copy racing this is then counted whole next step
+        # (its bytes may land here, its seconds next time: totals over steps stay exact).
+        d2h_s, d2h_b = sum(items(self.sync_d2h_s)), items(self.sync_d2h_b)
+        h2d_s, h2d_b = sum(items(self.sync_h2d_s)), sum(items(self.sync_h2d_b))
+        into.d2h_seconds += d2h_s
+        into.h2d_seconds += h2d_s
+        into.stall_seconds += d2h_s + h2d_s
+        into.h2d_bytes += h2d_b
+        if d2h_b:
+            into.peak_inflight_bytes = max(into.peak_inflight_bytes, max(d2h_b))
 
     def add_copy_time(self, rec: PackRecord | None, kind: str, copy: Any, nbytes: int = 0) -> None:
         """Account a copy's duration now if known, or when its event completes.
@@ -318,8 +338,23 @@ class Ledger:
         """A synchronous copy of ``nbytes`` that took ``seconds`` (all of it a stall), in one call.
 
         The same as ``add_copy_time`` (its duration known now) + ``add_stall``,
-        + ``note_inflight(nbytes)`` for a D2H copy, with one lock instead of three.
+        + ``note_inflight(nbytes)`` for a D2H copy. Logged without a lock (NOTE
+        [ Ledger logs ]) unless copies of unknown duration are pending, whose
+        issue order it then keeps.
         """
+        if not self._pending:
+            if kind == "d2h":
+                self.sync_d2h_s.append(seconds)
+                self.sync_d2h_b.append(nbytes)
+                if rec is not None:
+                    rec.d2h_s = seconds
+            else:
+                self.sync_h2d_s.append(seconds)
+                self.sync_h2d_b.append(nbytes)
+                self._open_used = True
+                if rec is not None:
+                    rec.h2d_s = seconds
+            return
         with self._lock:
             o = self._open
             if kind == "h2d":

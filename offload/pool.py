@@ -32,15 +32,23 @@ large *chunks* and hands out views of them:
   from PyTorch's cache). The same requests then pack the same way in every
   later step: a static-shape loop holds ~1.01x its peak and never allocates
   again.
-- Parking: a given-back buffer is first *parked* under its exact size, still
-  carved, and the next take of that size gets the same range (and the same
-  view tensor) back without touching the arena. The first take that finds no
-  parked buffer of its size returns every parked range to the arena (merging
-  as a give does) before it carves, and so do the re-layout, a trim that may
-  release chunks, and ``clear``. So a loop whose shapes repeat pays a dict
-  lookup per take and give, while every decision that shapes the footprint
-  (carving, growth, re-layout, trim) sees exactly the free ranges it would
-  have seen without parking.
+- Replay: the takes of a step repeat the previous step's, so their ranges
+  can too. A give *parks* its range (it stays carved, out of the arena). At
+  the end of a *pure* step (every take before the first give, everything
+  given back: a training step's forward then backward), which began with
+  nothing in use and ended with the chunks it began with, its parked ranges
+  become the replay list, in take order, and the next step's i-th take gets
+  the i-th range back (with its view tensor) while its sizes match and it
+  has given nothing back yet. That is exactly the range best fit would carve:
+  the previous step carved its first i takes from the same state (or
+  replayed a step that did). At the first take that does not match (another
+  size, a take after a give), every parked and not yet replayed range goes
+  back to the arena, which then holds exactly what it would hold without
+  replay, and carving goes on from there; an impure step, a re-layout, a
+  trim that may release chunks and ``clear`` do the same. So a loop whose
+  shapes repeat pays no arena work and no slicing per take, and every
+  decision that shapes the footprint (carving, growth, re-layout, trim) is
+  the one the arena alone would make.
 - Trim (the engine calls it after every step) releases only whole free
   chunks, and only when the reserved bytes exceed 1.25x the largest step
   peak of the last ``trim_window`` steps: a loop whose shapes shrank for good
@@ -260,6 +268,8 @@ class HostPool:
     """After the first step, re-plan the chunks if they exceed this multiple of its peak."""
     trim_slack = 1.25
     """Trim keeps up to this multiple of the largest recent step peak."""
+    replay = True
+    """Give a repeated step the previous pure step's ranges without arena work (same placement)."""
 
     def __init__(
         self,
@@ -287,8 +297,15 @@ class HostPool:
         self._device_type = device_type
         self._lock = threading.Lock()
         self._arena = _Arena()
-        # Parked buffers (see NOTE [ Host pool layout ]): nbytes -> [(view, chunk, offset, span)].
-        self._parked: dict[int, list[tuple[torch.Tensor, _Chunk, int, int]]] = {}
+        # Replay (NOTE [ Host pool layout ]). Ranges given back and not in the arena, as
+        # (serial, nbytes, view, chunk, offset, span); the previous pure step's takes in
+        # order, as (nbytes, view, chunk, offset, span), not yet re-taken from _replay_pos on.
+        self._parked: list[tuple[int, int, torch.Tensor, _Chunk, int, int]] = []
+        self._replay: list[tuple[int, torch.Tensor, _Chunk, int, int]] = []
+        self._replay_pos = 0
+        self._gave = False  # a buffer was given back in this step
+        self._pure = True  # no take after a give in this step
+        self._step_chunks = (0, 0)  # (allocations, released chunks) when this step began
         self._seq = 0
         self._steps = 0
         self._step_peaks: collections.deque[int] = collections.deque(maxlen=trim_window)
@@ -409,14 +426,18 @@ class HostPool:
     def take(self, nbytes: int) -> HostBuffer | None:
         """A buffer of exactly ``nbytes`` (a view of a chunk), or None if the cap leaves no room."""
         with self._lock:
-            parked = self._parked.get(nbytes)
-            if parked:
-                view, chunk, off, span = parked.pop()
+            pos = self._replay_pos
+            replay = self._replay
+            if pos < len(replay) and replay[pos][0] == nbytes and not self._gave:
+                _n, view, chunk, off, span = replay[pos]
+                self._replay_pos = pos + 1
                 self._reuses += 1
             else:
+                if self._gave:
+                    self._pure = False
+                if self._parked or pos < len(replay):
+                    self._unpark()  # the arena now holds what it would hold without replay
                 span = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
-                if self._parked:
-                    self._unpark()
                 got = self._arena.carve(span)
                 if got is not None:
                     self._reuses += 1
@@ -450,12 +471,36 @@ class HostPool:
             return HostBuffer(view, nbytes, chunk.pinned, chunk.registered, True, chunk, off, span, serial)
 
     def _unpark(self) -> None:
-        """Return every parked range to the arena (under the lock)."""
+        """Return every parked range and every range left to replay to the arena (lock held)."""
         free = self._arena.free
-        for parked in self._parked.values():
-            for _view, chunk, off, span in parked:
-                free(chunk, off, span)
-        self._parked.clear()
+        for _serial, _nbytes, _view, chunk, off, span in self._parked:
+            free(chunk, off, span)
+        for _nbytes, _view, chunk, off, span in self._replay[self._replay_pos:]:
+            free(chunk, off, span)
+        self._parked = []
+        self._replay = []
+        self._replay_pos = 0
+
+    def _end_step_replay(self) -> None:
+        """Make the step that just ended the next step's replay list if it was pure (lock held)."""
+        parked = self._parked
+        base = self._rec_base
+        # Replaying is exact only from the state this step started in: nothing in use, no
+        # refusal (_rec_clean), and the same chunks at its start and end.
+        if (self._pure and self._in_use == 0 and parked and self._rec_clean
+                and self._step_chunks == (self._allocations, self._released_chunks)
+                and all(p[0] >= base for p in parked) and len(parked) == self._takes - base):
+            free = self._arena.free
+            for _nbytes, _view, chunk, off, span in self._replay[self._replay_pos:]:
+                free(chunk, off, span)  # not re-taken this step: back to the arena
+            parked.sort(key=lambda p: p[0])
+            self._replay = [p[1:] for p in parked]
+            self._replay_pos = 0
+            self._parked = []
+        else:
+            self._unpark()
+        self._gave = False
+        self._pure = True
 
     def overflow(self, nbytes: int) -> HostBuffer:
         """A one-off pageable buffer outside the pool (``on_host_budget="pageable"``).
@@ -481,10 +526,11 @@ class HostPool:
             buf.chunk = None
             self._in_use -= buf.nbytes
             self._used_span -= buf.span
-            parked = self._parked.get(buf.nbytes)
-            if parked is None:
-                parked = self._parked[buf.nbytes] = []
-            parked.append((buf.tensor, chunk, buf.offset, buf.span))
+            if self.replay:
+                self._parked.append((buf.serial, buf.nbytes, buf.tensor, chunk, buf.offset, buf.span))
+            else:
+                self._arena.free(chunk, buf.offset, buf.span)
+            self._gave = True
             if self._rec_clean and buf.serial >= self._rec_base:
                 self._rec_events.append(self._rec_base - buf.serial - 1)
 
@@ -612,6 +658,7 @@ class HostPool:
         Returns the bytes released.
         """
         with self._lock:
+            self._end_step_replay()
             clean = self._rec_clean and self._in_use == 0 and bool(self._rec_spans)
             if not self._relaid and self._window_peak_in_use:
                 self._relaid = True
@@ -626,7 +673,7 @@ class HostPool:
             trimmed = []
             if len(self._step_peaks) == self.trim_window:  # a full window since the start or the last release
                 keep = max(int(self.trim_slack * max(self._step_peaks)), self._used_span, self.min_chunk_bytes)
-                if self._reserved > keep:  # else _trim_to releases nothing: parked buffers stay
+                if self._reserved > keep:  # else _trim_to releases nothing: the replay stays
                     self._unpark()
                     trimmed = self._trim_to(keep, clean)
                 if trimmed:
@@ -634,6 +681,7 @@ class HostPool:
             self._rec_spans, self._rec_events = [], []
             self._rec_base = self._takes
             self._rec_clean = self._in_use == 0
+            self._step_chunks = (self._allocations, self._released_chunks)
             freed = sum(c.nbytes for c in trimmed)
             self._trimmed += freed
         if trimmed:

@@ -11,13 +11,14 @@ must keep.
 from __future__ import annotations
 
 import json
-
-import pytest
 import threading
 
+import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from offload import OffloadActivations
@@ -251,35 +252,97 @@ def test_activations_with_history_skip_the_module_walk(monkeypatch):
     assert sorted(asked) == sorted({x.untyped_storage().data_ptr(), table_ptr}), (len(asked), len(recs))
 
 
-def test_pool_parks_given_buffers_for_the_next_take_of_their_size(monkeypatch):
-    """A static loop's takes find the range a give of the same size just freed (no arena carve),
-    and the first take of another size returns every parked range before carving, so it
-    reuses that memory instead of growing the pool."""
+def test_pool_replays_a_repeated_step_without_arena_work(monkeypatch):
+    """A pure step (takes, then gives) repeated: each take gets the range the previous step's take
+    of the same index had, with no arena carve; the first take that differs returns every parked
+    range to the arena before carving, so it reuses that memory instead of growing the pool."""
     from offload.pool import HostPool, _Arena
 
     pool = HostPool(pin=False)
-    pool.give(pool.take(50_000))  # one chunk that a, b and later c all fit in
-    a, b = pool.take(10_000), pool.take(30_000)
-    pa, pb = a.tensor.data_ptr(), b.tensor.data_ptr()
-    a.tensor.fill_(1)
-    pool.give(a)
-    pool.give(b)
+
+    def step(sizes):
+        bufs = [pool.take(n) for n in sizes]
+        ptrs = [b.tensor.data_ptr() for b in bufs]
+        for b in reversed(bufs):
+            pool.give(b)
+        pool.trim()
+        return ptrs, bufs
+
+    step([50_000])  # step 1 (and its re-layout): one chunk that every later step fits in
+    p2, _ = step([10_000, 30_000])
     allocs = pool.stats()["allocations"]
     carve = _Arena.carve
     calls = []
     monkeypatch.setattr(_Arena, "carve", lambda self, span: calls.append(span) or carve(self, span))
-    a2, b2 = pool.take(10_000), pool.take(30_000)
-    assert (a2.tensor.data_ptr(), b2.tensor.data_ptr()) == (pa, pb) and calls == []
-    assert a2.tensor.numel() == 10_000 and a2 is not a  # a new handle on the same range
+    p3, old = step([10_000, 30_000])
+    assert p3 == p2 and calls == []
     with pytest.raises(RuntimeError, match="already given back"):
-        pool.give(a)  # the old handle is spent: giving it again cannot free the new owner's range
-    pool.give(a2)
-    pool.give(b2)
-    c = pool.take(40_000)  # fits only in the two ranges merged: they must be back in the arena
+        pool.give(old[0])  # a spent handle cannot free the range the next step will replay
+    p4, again = step([10_000, 30_000])
+    assert p4 == p2 and calls == [] and again[0] is not old[0] and again[0].tensor.numel() == 10_000
+    step([40_000])  # fits only in the two ranges merged: they must be back in the arena
     assert calls == [40_000 + (-40_000 % 64)]
-    assert pool.stats()["allocations"] == allocs and not pool._parked
-    pool.give(c)
-    st = pool.stats()
-    assert st["in_use_bytes"] == 0 and st["received_bytes"] == 50_000 + 2 * 40_000 + 40_000
+    st_ = pool.stats()
+    assert st_["allocations"] == allocs and st_["in_use_bytes"] == 0
+    assert st_["received_bytes"] == 50_000 + 3 * 40_000 + 40_000
     pool.clear()
-    assert pool.stats()["chunks"] == 0 and not pool._parked
+    assert pool.stats()["chunks"] == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 3), st.lists(st.tuples(st.booleans(), st.integers(1, 200_000)),
+                                                            min_size=1, max_size=25)), min_size=1, max_size=12),
+       pin=st.booleans(), cap=st.sampled_from([None, 1 << 20]))
+def test_pool_replay_places_every_buffer_where_the_arena_alone_would(steps, pin, cap):
+    """Steps repeated (0-3 extra times) and changed, pure or not, under a cap or not: every take
+    lands on the same chunk and offset, and every counter ends equal, with replay and without."""
+    from offload.pool import HostPool
+
+    class NoReplay(HostPool):
+        replay = False
+
+    pools = [HostPool(pin=pin, capacity_bytes=cap, trim_window=3),
+             NoReplay(pin=pin, capacity_bytes=cap, trim_window=3)]
+    seen: list[list] = [[], []]
+    for repeats, ops in steps:
+        for _ in range(1 + repeats):
+            for pool, out in zip(pools, seen):
+                live = {}
+                for k, (is_take, size) in enumerate(ops):
+                    if is_take or not live:
+                        buf = pool.take(size)
+                        out.append(None if buf is None else (buf.chunk.seq, buf.offset))
+                        if buf is not None:
+                            live[k] = buf
+                    else:
+                        pool.give(live.pop(sorted(live)[size % len(live)]))
+                for buf in live.values():
+                    pool.give(buf)
+                pool.trim()
+    assert seen[0] == seen[1]
+    a, b = (p.stats() for p in pools)
+    assert a == b, {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+def test_sync_copies_are_logged_without_a_lock_and_sum_per_step():
+    """Synchronous copies append their seconds and bytes (NOTE [ Ledger logs ]): the step totals
+    hold their sums (stall = every synchronous second, peak in flight = the largest D2H copy),
+    records get their own seconds, mid-step totals see the open logs, and a close consumes them."""
+    led = Ledger()
+    recs = [PackRecord(i, 0, 100 * (i + 1), (i + 1,), "float32", "cpu", "", "offloaded", "", i + 1, 400)
+            for i in range(3)]
+    for i, r in enumerate(recs):
+        led.add(r, 0)
+        led.add_sync_copy(r, "d2h", 0.5 * (i + 1), 100 * (i + 1))
+    led.add_sync_copy(recs[0], "h2d", 0.25, 100)
+    assert [r.d2h_s for r in recs] == [0.5, 1.0, 1.5] and recs[0].h2d_s == 0.25
+    mid = led.totals()
+    assert (mid.d2h_seconds, mid.h2d_seconds, mid.h2d_bytes) == (3.0, 0.25, 100)
+    done = led.close_step()
+    assert (done.d2h_seconds, done.h2d_seconds, done.stall_seconds) == (3.0, 0.25, 3.25)
+    assert done.peak_inflight_bytes == 300 and done.h2d_bytes == 100
+    led.add_sync_copy(None, "h2d", 1.0, 7)  # a step with only a reload still closes and counts
+    nxt = led.close_step()
+    assert nxt is not None and (nxt.h2d_seconds, nxt.h2d_bytes, nxt.d2h_seconds) == (1.0, 7, 0.0)
+    tot = led.totals()
+    assert (tot.d2h_seconds, tot.h2d_seconds, tot.h2d_bytes, tot.stall_seconds) == (3.0, 1.25, 107, 4.25)

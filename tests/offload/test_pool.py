@@ -340,8 +340,8 @@ def test_take_give_from_threads():
     assert not errors, errors[:3]
     st_ = pool.stats()
     assert st_["in_use_bytes"] == 0 and st_["received_bytes"] == sum(received), st_
-    # Every range is free again, or parked for a take of its size (NOTE [ Host pool layout ]).
-    parked = sum(span for lst in pool._parked.values() for _v, _c, _o, span in lst)
+    # Every range is free again, or parked for replay (NOTE [ Host pool layout ]).
+    parked = sum(p[-1] for p in pool._parked) + sum(p[-1] for p in pool._replay[pool._replay_pos:])
     assert sum(c.used for c in pool._arena.chunks.values()) == parked
     pool.clear()
     assert pool.stats()["chunks"] == 0
