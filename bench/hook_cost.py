@@ -19,12 +19,13 @@ of packs (forward) or unpacks (backward):
                   every tensor classified, recorded and kept
   ours_offload    ``OffloadActivations(device="cpu", min_offload_size=0)``: every
                   activation copied into the host pool and back
-  modules_only    just the engine's module-tracking hooks (``track_modules``),
-                  no saved-tensor hooks: cost per module call, not per pack
-  module_dispatch the smallest module tracking torch allows: global forward
-                  pre/post hooks that only push and pop the module (what
-                  torch's own hook dispatch costs per module call, a floor
-                  for ``modules_only``)
+  modules_only    just the engine's module tracking (``track_modules``: a
+                  wrapped ``nn.Module.__call__``), no saved-tensor hooks: cost
+                  per module call, not per pack
+  module_dispatch module tracking with torch's global forward pre/post hooks
+                  that only push and pop the module: what any global hook
+                  costs per module call (``_call_impl``'s slow path), the way
+                  ``track_modules`` worked before it wrapped ``__call__``
   safe_keep_floor the least a keep path must do to keep the engine's
                   guarantees: hold a detached alias (Rule 10: no cycle through
                   a saved output's grad_fn) and the version to check at unpack

@@ -589,6 +589,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.ledger = Ledger(max_records=max_records, pool_stats=self.pool.stats)
         """Every decision and per-step totals (``ledger.summary()``)."""
         self._backend = make_backend(self.device, use_streams, timing=timing) if self.enabled else None
+        self._sync_backend = self._backend is not None and self._backend.name == "sync"
         self._observers: OrderedDict[int, Callable[[PackEvent], None]] = OrderedDict()
         self._seq = itertools.count()
         self._lock = threading.RLock()
@@ -1063,6 +1064,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         h.tracker = tracker if tracker is not None else policy._weak(t)
         h.rec = rec
         h.stash = entry if rec.decision == OFFLOADED else None
+        if self._sync_backend and not self.prefetch_bytes:
+            # Nothing loads ahead of a synchronous copy (prefetch_budget): no order to keep.
+            h.index = -1
+            h.order = None
+            return h
         order = ts.order
         with self._lock:
             if len(order) >= self._order_compact_at:
@@ -1278,8 +1284,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _prefetch_after(self, h: _Offloaded, p: _Pass) -> None:
         """Load the handles packed just before ``h`` (backward order) within the budget."""
+        order = h.order
+        if order is None:
+            return  # packed when nothing loaded ahead (a synchronous backend's default)
         with _span("offload::prefetch"), self._lock:
-            order = h.order
             i = min(h.index, len(order)) - 1  # read under the lock: compaction renumbers
             budget = self.prefetch_budget
             lookahead = 0

@@ -1,10 +1,15 @@
 """Which module's forward is running right now, and its stable name; shared by the engine and the profilers.
 
-One pair of process-wide forward hooks (registered while any ``track_modules``
-scope is open, in any thread) maintains a per-thread stack of running modules.
-The hooks only push and pop the module object; its name is resolved lazily,
-when someone asks (``current_module_name()``, i.e. per pack, not per module
-call), and cached per module.
+While any ``track_modules`` scope is open (in any thread), ``nn.Module.__call__``
+is wrapped (``_tracked_call``) to maintain a per-thread stack of running
+modules: it pushes the module object, calls the original, and pops in a
+``finally``, so an exception never leaves an entry behind. Global forward
+hooks would do the same at ~8x the cost per module call, because any global
+hook sends every module call through ``_call_impl``'s slow path
+(``python -m bench.hook_cost``: ``module_dispatch`` vs ``modules_only``). A
+name is resolved lazily, when someone asks (``current_module_name()``, i.e.
+per pack, not per module call), cached per module, and noted beside the
+running module for the other saves of the same call.
 
 # NOTE [ Module names ]
 A module's name is its fully qualified name in its *root model*, prefixed by
@@ -37,17 +42,12 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
 
 __all__ = ["track_modules", "current_module_name", "current_modules", "current_modules_view", "register_model",
            "module_name"]
 
 _lock = threading.Lock()
 _global_users = 0
-_global_handles: list = []
 _tls = threading.local()
 
 _WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -62,8 +62,8 @@ _tables: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKe
 _cache: dict[int, tuple[weakref.ref, str]] = {}
 """id(module) -> (weak module, name); the hot-path lookup, cleared when roots change."""
 _generation = [0]
-"""Bumped whenever a ``_cache`` entry goes (roots changed, a module died): each thread's
-memo of its last answer (``current_module_name``) is valid only within one generation."""
+"""Bumped whenever a ``_cache`` entry goes (roots changed, a module died): the name
+``current_module_name`` noted beside a running module is valid only within one generation."""
 _is_compiling = torch.compiler.is_compiling  # one global lookup in the hooks instead of two
 
 
@@ -81,6 +81,9 @@ def _thread_stack() -> list[nn.Module]:
     st = getattr(_tls, "stack", None)
     if st is None:
         st = _tls.stack = []
+        # Beside each running module: None, or (generation, name) once asked for
+        # (current_module_name), so later saves in the same call read it back.
+        _tls.names = []
         _tls.depth = 0
     return st
 
@@ -176,30 +179,53 @@ def module_name(module: nn.Module, outermost: nn.Module | None = None) -> str:
     return name
 
 
-def _pre_hook(module: nn.Module, args) -> None:
-    # Under torch.compile tracing this is a constant no-op, so the hooks add
-    # no graph breaks; saved tensors of a compiled region are packed after it
-    # runs, in eager, and are attributed to the module that called it.
-    d = _tls.__dict__
-    if d.get("depth", 0) <= 0 or _is_compiling():
-        return
-    d["stack"].append(module)
+def _tracked_call(self: nn.Module, *args, **kwargs):
+    """``nn.Module.__call__`` while any ``track_modules`` scope is open: push, call, pop.
 
-
-def _post_hook(module: nn.Module, args, output) -> None:
+    Module forward hooks would do the same, but any global hook sends every
+    module call in the process through ``_call_impl``'s slow path (~17k
+    instructions a call: ``bench.hook_cost``'s ``module_dispatch``); this is
+    one Python frame. Under torch.compile tracing it is the plain call (no
+    graph breaks); saved tensors of a compiled region are packed after it
+    runs, in eager, and are attributed to the module that called it.
+    """
+    if _is_compiling():
+        return _call(self, *args, **kwargs)
     d = _tls.__dict__
-    if d.get("depth", 0) <= 0 or _is_compiling():
-        return
+    if d.get("depth", 0) <= 0:
+        return _call(self, *args, **kwargs)
     stack = d["stack"]
-    if stack and stack[-1] is module:
-        stack.pop()
-        return
-    # always_call=True: runs on exceptions too. Pop back to this module even if
-    # an inner module raised before its own post hook could run.
-    for i in range(len(stack) - 1, -1, -1):
-        if stack[i] is module:
+    names = d["names"]
+    i = len(stack)
+    stack.append(self)
+    names.append(None)
+    try:
+        return _call(self, *args, **kwargs)
+    finally:
+        # Back to this call's entry, also when an inner call raised (or its entry
+        # is gone: a scope closed at depth 0 cleared the stack meanwhile).
+        if len(stack) > i and stack[i] is self:
             del stack[i:]
-            return
+            del names[i:]
+
+
+_call = nn.Module.__call__
+"""The ``__call__`` that ``_tracked_call`` wraps (set again each time tracking starts)."""
+
+
+def _install() -> None:
+    """Route ``nn.Module.__call__`` through ``_tracked_call`` (lock held)."""
+    global _call
+    current = nn.Module.__call__
+    if current is not _tracked_call:
+        _call = current
+        nn.Module.__call__ = _tracked_call
+
+
+def _uninstall() -> None:
+    """Restore ``nn.Module.__call__`` unless someone replaced it since (lock held)."""
+    if nn.Module.__call__ is _tracked_call:
+        nn.Module.__call__ = _call
 
 
 @contextmanager
@@ -208,8 +234,7 @@ def track_modules() -> Iterator[None]:
     global _global_users
     with _lock:
         if _global_users == 0:
-            _global_handles.append(register_module_forward_pre_hook(_pre_hook))
-            _global_handles.append(register_module_forward_hook(_post_hook, always_call=True))
+            _install()
         _global_users += 1
     stack = _thread_stack()
     _tls.depth += 1
@@ -219,28 +244,28 @@ def track_modules() -> Iterator[None]:
         _tls.depth -= 1
         if _tls.depth == 0:
             stack.clear()
+            _tls.names.clear()
         with _lock:
             _global_users -= 1
             if _global_users == 0:
-                for h in _global_handles:
-                    h.remove()
-                _global_handles.clear()
+                _uninstall()
 
 
 def current_module_name() -> str:
     """Stable name of the innermost running module on this thread (NOTE [ Module names ]), "" if none."""
     d = _tls.__dict__
-    stack = d.get("stack")
-    if not stack:
+    names = d.get("names")
+    if not names:
         return ""
+    # Several saves per module call: the name found for this call holds while no
+    # cached name went (the outermost module cannot change during the call).
+    gen = _generation[0]
+    known = names[-1]
+    if known is not None and known[0] == gen:
+        return known[1]
+    stack = d["stack"]
     module = stack[-1]
     outer = stack[0]
-    # Several saves per module call: the last answer holds while the same
-    # module runs under the same outermost one and no cached name went.
-    memo = d.get("memo")
-    gen = _generation[0]
-    if memo is not None and memo[0] == id(module) and memo[1] == id(outer) and memo[2] == gen:
-        return memo[3]
     hit = _cache.get(id(outer))
     if hit is None or hit[0]() is not outer:  # a new outermost module may be a new implicit root
         module_name(outer, outer)
@@ -249,7 +274,8 @@ def current_module_name() -> str:
         name = hit[1]
     else:
         name = module_name(module, outer)
-    d["memo"] = (id(module), id(outer), gen, name)  # gen as read first: a bump meanwhile misses next time
+    if len(names) == len(stack) and stack[-1] is module:
+        names[-1] = (gen, name)  # gen as read first: a bump meanwhile misses next time
     return name
 
 

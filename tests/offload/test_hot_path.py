@@ -346,3 +346,63 @@ def test_sync_copies_are_logged_without_a_lock_and_sum_per_step():
     assert nxt is not None and (nxt.h2d_seconds, nxt.h2d_bytes, nxt.d2h_seconds) == (1.0, 7, 0.0)
     tot = led.totals()
     assert (tot.d2h_seconds, tot.h2d_seconds, tot.h2d_bytes, tot.stall_seconds) == (3.0, 1.25, 107, 4.25)
+
+
+def test_module_tracking_wraps_call_and_adds_no_global_hook():
+    """Module tracking wraps ``nn.Module.__call__`` while a scope is open: no global forward hook
+    (which would send every module call in the process through ``_call_impl``'s slow path), names
+    as before, a clean stack after an exception inside nested modules, per-thread stacks, and the
+    original ``__call__`` back afterwards without undoing someone else's later replacement."""
+    from torch.nn.modules import module as torch_module
+
+    from offload import modules as om
+
+    original = nn.Module.__call__
+
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ValueError("inner failure")
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.boom = Boom()
+
+        def forward(self, x, fail=False):
+            seen.append(om.current_module_name())
+            y = self.lin(x)
+            if fail:
+                try:
+                    self.boom(y)
+                except ValueError:
+                    seen.append(om.current_module_name())  # back in Outer, not in Boom
+            return y
+
+    seen: list[str] = []
+    m = Outer()
+    names_in_lin = []
+    m.lin.register_forward_pre_hook(lambda mod, a: names_in_lin.append(om.current_module_name()))
+    with om.track_modules():
+        assert nn.Module.__call__ is om._tracked_call
+        assert not torch_module._global_forward_pre_hooks and not torch_module._global_forward_hooks
+        m(torch.randn(2, 4), fail=True)
+        assert om.current_modules() == [] and om.current_module_name() == ""
+        other: list = []
+        t = threading.Thread(target=lambda: other.append((m(torch.randn(2, 4)), om.current_modules())))
+        t.start()
+        t.join()
+        assert other and other[0][1] == []  # the other thread has no scope open: nothing pushed
+    # (the other thread's call named nothing: no scope open there)
+    assert seen == ["Outer", "Outer", ""] and names_in_lin == ["Outer.lin", ""]
+    assert nn.Module.__call__ is original
+
+    def third_party(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    with om.track_modules():
+        nn.Module.__call__ = third_party  # replaced while tracking was on
+    try:
+        assert nn.Module.__call__ is third_party  # not clobbered on exit
+    finally:
+        nn.Module.__call__ = original
