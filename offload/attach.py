@@ -162,7 +162,7 @@ class AttachHandle:
         # the exit hook is about to be removed.)
         eng = self.engine
         top = _torch_private.top_saved_tensors_hooks()
-        if st.entered and eng is not None and (top is None or top[0] is not eng.pack_hook):
+        if st.entered and eng is not None and (top is None or not eng._owns_pack_hook(top[0])):
             st.depth, st.outer, st.entered = 0, None, False
             warn_user(
                 f"OffloadActivations.attach({self.model_name}): a forward was interrupted (e.g. by "

@@ -289,8 +289,10 @@ class _StashEntry:
 class _Offloaded:
     """Handle returned by pack for an offloaded tensor (holds its engine: Rule 10)."""
 
-    __slots__ = ("hc", "shape", "stride", "offset", "dtype", "device", "version", "tracker",
-                 "rec", "index", "order", "stash", "conj", "neg", "engine", "step", "__weakref__")
+    __slots__ = ("hc", "layout", "version", "tracker", "rec", "index", "order", "stash", "engine", "step",
+                 "__weakref__")
+    # layout: (shape, stride, offset in elements of the host copy, dtype, device, conj, neg),
+    # one tuple rather than seven slots to fill per pack.
 
     def unpack(self) -> torch.Tensor:
         return self.engine._reload(self)
@@ -589,7 +591,6 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.ledger = Ledger(max_records=max_records, pool_stats=self.pool.stats)
         """Every decision and per-step totals (``ledger.summary()``)."""
         self._backend = make_backend(self.device, use_streams, timing=timing) if self.enabled else None
-        self._sync_backend = self._backend is not None and self._backend.name == "sync"
         self._observers: OrderedDict[int, Callable[[PackEvent], None]] = OrderedDict()
         self._seq = itertools.count()
         self._lock = threading.RLock()
@@ -611,8 +612,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # running ancestors (buffer detection for offload candidates), per step.
         self._owner_memo: dict[tuple[int, int, int], tuple[frozenset[int], frozenset[int]]] = {}
         self._process = psutil.Process()
+        self._ram_gauge = policy.RamCeiling()  # virtual_memory_safe_pct, sampled (no system call per tensor)
         # Rule 10: the pack hook holds the engine weakly; handles hold it.
-        super().__init__(_weak_pack(self), _unpack_handle)
+        self._weak_pack_hook = _weak_pack(self)
+        super().__init__(self._weak_pack_hook, _unpack_handle)
 
     # -- context ---------------------------------------------------------------
 
@@ -661,7 +664,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             self._poll_stash()
             _engines().append(self)
             pushed = True
-            super().__enter__()
+            hook = self.pack_hook
+            if hook is self._weak_pack_hook and not _profiler_enabled():
+                # The bound method itself: no wrapper frame per saved tensor. Only the
+                # thread's hook stack holds it, and only until __exit__ (no cycle: Rule 10).
+                hook = self._pack
+            torch._C._autograd._push_saved_tensors_default_hooks(hook, self.unpack_hook)
         except BaseException:
             # A failed enter (e.g. under torch.autograd.graph.disable_saved_tensors_hooks)
             # leaves nothing behind: not on the engine stack, module tracking off.
@@ -672,6 +680,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         st.modules_cms.append(modules_cm)
         st.enter_depth += 1
         return self
+
+    def _owns_pack_hook(self, fn: Any) -> bool:
+        """Whether ``fn`` (a pack hook on the thread's hook stack) is the one ``__enter__`` pushed."""
+        return fn is self.pack_hook or (getattr(fn, "__self__", None) is self
+                                        and getattr(fn, "__func__", None) is OffloadActivations._pack)
 
     def _pop_engine(self) -> None:
         st = _engines()
@@ -1011,10 +1024,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 self._max_copy_bytes = nbytes
             hc = _HostCopy(buf, self.pool, lo_b, nbytes)
             backend = self._backend
-            hc.release = backend.release_after
+            synchronous = backend.name == "sync"
+            if not synchronous:  # (a synchronous copy is never in flight when its handle dies)
+                hc.release = backend.release_after
+            hc.synchronous = synchronous
             hc.version = t._version
-            hc.base_ref = policy._weak(base)
-            hc.synchronous = synchronous = backend.name == "sync"
+            try:
+                hc.base_ref = weakref.ref(base)
+            except TypeError:  # a subclass that refuses weak references
+                hc.base_ref = policy._weak(base)
             src = None
             if flat:
                 # The whole storage through a 1-D contiguous tensor: reinterpreting
@@ -1028,7 +1046,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                     t.untyped_storage(), lo_b, (nbytes,), (1,))
             if _profiler_enabled():
                 with torch.autograd.profiler.record_function("offload::d2h"):
-                    copy = backend.d2h(src, buf.tensor)
+                    copy = backend.d2h_seconds(src, buf.tensor) if synchronous else backend.d2h(src, buf.tensor)
+            elif synchronous:
+                copy = backend.d2h_seconds(src, buf.tensor)  # its duration: no Copy object to build
             else:
                 copy = backend.d2h(src, buf.tensor)
             rec.decision = OFFLOADED
@@ -1037,7 +1057,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             rec.pinned = buf.pinned
             rec.note = note
             if synchronous:
-                self.ledger.add_sync_copy(rec, "d2h", copy.seconds or 0.0, nbytes)
+                self.ledger.add_sync_copy(rec, "d2h", copy, nbytes)
             else:
                 self.ledger.add_copy_time(rec, "d2h", copy)
                 entry = _StashEntry(_saved_alias(t), copy, nbytes)
@@ -1049,14 +1069,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         h.step = step
         h.hc = hc
         hc.users += 1
-        h.shape = t.shape
-        h.stride = t.stride()
-        h.offset = (offset * es - hc.lo) // es
-        h.dtype = t.dtype
-        h.device = t.device
         # Lazy conj/neg bits live on the view, not in the bytes (Rule 5).
-        h.conj = conj
-        h.neg = neg
+        h.layout = (t.shape, t.stride(), (offset * es - hc.lo) // es, t.dtype, t.device, conj, neg)
         # Rule 6: an empty alias sharing t's version counter, not its storage
         # (a weak reference where the tensor refuses one).
         h.version = t._version
@@ -1064,7 +1078,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         h.tracker = tracker if tracker is not None else policy._weak(t)
         h.rec = rec
         h.stash = entry if rec.decision == OFFLOADED else None
-        if self._sync_backend and not self.prefetch_bytes:
+        if not self.prefetch_bytes and self._backend.name == "sync":
             # Nothing loads ahead of a synchronous copy (prefetch_budget): no order to keep.
             h.index = -1
             h.order = None
@@ -1092,7 +1106,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _host_buffer(self, nbytes: int, rec: PackRecord) -> tuple[HostBuffer | None, str]:
         """A host buffer for ``nbytes`` under the budget, applying ``on_host_budget`` (Rule 9)."""
-        buf = self.pool.take(nbytes) if self._ram_allows(nbytes) else None
+        pct = self.virtual_memory_safe_pct  # _ram_allows, inlined: once per offloaded tensor
+        if pct is None or pct >= 100 or self._ram_gauge.allows(nbytes, pct):
+            buf = self.pool.take(nbytes)
+        else:
+            buf = None
         if buf is not None:
             note = "pin_failed" if (self.pool.pin and not buf.pinned) else ""
             return buf, note
@@ -1115,12 +1133,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         pct = self.virtual_memory_safe_pct
         if pct is None or pct >= 100:
             return True
-        # Sampled, not read per tensor: see policy.RamCeiling for the bound.
-        try:
-            gauge = self._ram_ceiling
-        except AttributeError:
-            gauge = self._ram_ceiling = policy.RamCeiling()
-        return gauge.allows(nbytes, pct)
+        return self._ram_gauge.allows(nbytes, pct)  # sampled, not read per tensor: policy.RamCeiling
 
     # -- the stash of in-flight sources (Rule 2) ----------------------------------
 
@@ -1178,8 +1191,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         p = self._begin_backward_pass()
         tracker = h.tracker
         now = tracker._version if type(tracker) is _Tensor else getattr(tracker(), "_version", h.version)
+        shape, stride, offset, dtype, device, conj, neg = h.layout
         if now != h.version:
-            raise _inplace_error(h.shape, h.dtype, now, h.version)
+            raise _inplace_error(shape, dtype, now, h.version)
         entry = h.stash
         if entry is not None and entry.src is not None:
             # The source is still alive (its copy may be in flight): use it as is.
@@ -1198,27 +1212,26 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if base._version != version:
                 # A sibling's reloaded tensor was modified in place during this
                 # backward: autograd raises here too (Rule 6).
-                raise _inplace_error(h.shape, h.dtype, base._version, version)
+                raise _inplace_error(shape, dtype, base._version, version)
         elif pre is not None:
             base, copy = pre[0], pre[1]
         else:
             base, copy = self._load(hc, h.rec)
         self._wait(copy)
-        es = h.dtype.itemsize
+        es = dtype.itemsize
         if hc.users > 1 and hc.nbytes % es == 0:
             # Views of one base share its version counter, so an in-place
             # write through one reloaded tensor is seen by the others (Rule 6).
-            out = base.view(h.dtype).as_strided(h.shape, h.stride, h.offset)
-        elif h.offset == 0 and len(h.shape) == 1 and h.stride == (1,) and h.shape[0] * es == hc.nbytes:
+            out = base.view(dtype).as_strided(shape, stride, offset)
+        elif offset == 0 and len(shape) == 1 and stride == (1,) and shape[0] * es == hc.nbytes:
             # The whole reloaded base as a 1-D tensor: a dtype view of it is a
             # third of the cost of set_ on a new tensor (the base has no other user).
-            out = base.view(h.dtype)
+            out = base.view(dtype)
         else:
-            out = torch.empty(0, dtype=h.dtype, device=h.device).set_(
-                base.untyped_storage(), h.offset, h.shape, h.stride)
-        if h.conj:
+            out = torch.empty(0, dtype=dtype, device=device).set_(base.untyped_storage(), offset, shape, stride)
+        if conj:
             out = out.conj()
-        if h.neg:
+        if neg:
             out = _torch_private.neg_view(out)
         consumer = self._backend.current_stream()
         if consumer is not None and copy.stream is not None and consumer != copy.stream:
