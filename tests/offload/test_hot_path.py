@@ -406,3 +406,37 @@ def test_module_tracking_wraps_call_and_adds_no_global_hook():
         assert nn.Module.__call__ is third_party  # not clobbered on exit
     finally:
         nn.Module.__call__ = original
+
+
+def test_pack_hook_pushed_is_the_bound_method_unless_replaced():
+    """__enter__ pushes the engine's ``_pack`` itself (no wrapper frame per saved tensor), held by the
+    thread's hook stack only while entered: the engine still dies by reference counting alone
+    (Rule 10). A replaced ``pack_hook`` (``bench.harness`` tags it for the profiler) is what runs."""
+    import weakref
+
+    from offload import _torch_private
+
+    ctx = OffloadActivations(device="cpu", min_offload_size=0)
+    with ctx:
+        top = _torch_private.top_saved_tensors_hooks()
+        assert top[0].__self__ is ctx and top[0].__func__ is OffloadActivations._pack
+        assert ctx._owns_pack_hook(top[0])
+    del top
+    seen = []
+    original = ctx.pack_hook
+    ctx.pack_hook = lambda t: seen.append(t.shape) or original(t)
+    x = torch.randn(64, requires_grad=True)
+    with ctx:
+        y = x.exp()
+    y.sum().backward()
+    assert seen and torch.equal(x.grad, x.detach().exp())
+    del y
+    ctx.pack_hook = original
+    with no_gc():
+        with ctx:
+            z = x.exp()
+        z.sum().backward()
+        del z
+        ref = weakref.ref(ctx)
+        del ctx, original
+        assert ref() is None
