@@ -1010,7 +1010,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             else:
                 lo, hi = policy.span_elems(t)
                 lo_b, hi_b = lo * es, hi * es
-            flat = contiguous and hi_b - lo_b == whole and t.dim() == 1 and not conj and not neg
+            # t is exactly its storage: copy it into a typed view of the buffer, no byte view of t.
+            whole_t = contiguous and offset == 0 and hi_b == whole and not conj and not neg
             if 2 * (hi_b - lo_b) >= whole:
                 # Most of the storage: copy all of it so sibling views (q, k, v
                 # of one qkv projection) share this copy instead of re-copying.
@@ -1033,24 +1034,30 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 hc.base_ref = weakref.ref(base)
             except TypeError:  # a subclass that refuses weak references
                 hc.base_ref = policy._weak(base)
-            src = None
-            if flat:
-                # The whole storage through a 1-D contiguous tensor: reinterpreting
-                # it is a third of the cost of a new uint8 tensor set_ on the storage.
-                try:
-                    src = t.view(torch.uint8)
-                except RuntimeError:  # a dtype view(uint8) refuses
-                    src = None
-            if src is None:
+            dst = None
+            if whole_t:
+                # The typed view made for this range last step comes back with it when the
+                # pool replays the step (HostBuffer.cache): no view of either side to make.
+                dst = buf.cache
+                if dst is None or dst.dtype is not t.dtype or dst.shape != t.shape:
+                    try:
+                        dst = buf.tensor.view(t.dtype).view(t.shape)
+                    except RuntimeError:  # a dtype view refuses
+                        dst = None
+                    buf.cache = dst
+            if dst is not None:
+                src = t
+            else:
+                dst = buf.tensor
                 src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
                     t.untyped_storage(), lo_b, (nbytes,), (1,))
             if _profiler_enabled():
                 with torch.autograd.profiler.record_function("offload::d2h"):
-                    copy = backend.d2h_seconds(src, buf.tensor) if synchronous else backend.d2h(src, buf.tensor)
+                    copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
             elif synchronous:
-                copy = backend.d2h_seconds(src, buf.tensor)  # its duration: no Copy object to build
+                copy = backend.d2h_seconds(src, dst)  # its duration: no Copy object to build
             else:
-                copy = backend.d2h(src, buf.tensor)
+                copy = backend.d2h(src, dst)
             rec.decision = OFFLOADED
             rec.reason = ""
             rec.copy_bytes = nbytes

@@ -80,6 +80,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -243,6 +244,9 @@ class HostBuffer:
     """Bytes it occupies in the chunk (``nbytes`` rounded up to the alignment)."""
     serial: int = field(default=-1, repr=False)
     """The pool's take number (to record the step's requests for re-layout and trim)."""
+    cache: Any = field(default=None, repr=False)
+    """The user's own object for this range (the engine's typed view of it), handed back
+    with the range when a replayed take gets the same range again; None after a carve."""
 
 
 class HostPool:
@@ -300,8 +304,8 @@ class HostPool:
         # Replay (NOTE [ Host pool layout ]). Ranges given back and not in the arena, as
         # (serial, nbytes, view, chunk, offset, span); the previous pure step's takes in
         # order, as (nbytes, view, chunk, offset, span), not yet re-taken from _replay_pos on.
-        self._parked: list[tuple[int, int, torch.Tensor, _Chunk, int, int]] = []
-        self._replay: list[tuple[int, torch.Tensor, _Chunk, int, int]] = []
+        self._parked: list[tuple[int, int, torch.Tensor, Any, _Chunk, int, int]] = []
+        self._replay: list[tuple[int, torch.Tensor, Any, _Chunk, int, int]] = []
         self._replay_pos = 0
         self._gave = False  # a buffer was given back in this step
         self._pure = True  # no take after a give in this step
@@ -429,7 +433,7 @@ class HostPool:
             pos = self._replay_pos
             replay = self._replay
             if pos < len(replay) and replay[pos][0] == nbytes and not self._gave:
-                _n, view, chunk, off, span = replay[pos]
+                _n, view, cache, chunk, off, span = replay[pos]
                 self._replay_pos = pos + 1
                 self._reuses += 1
             else:
@@ -449,6 +453,7 @@ class HostPool:
                     return None
                 chunk, off = got
                 view = chunk.tensor[off:off + nbytes]
+                cache = None
             chunk.last_step = self._steps
             used = self._used_span = self._used_span + span
             if used > self._window_peak_span:
@@ -468,14 +473,14 @@ class HostPool:
                 else:
                     self._rec_events.append(len(self._rec_spans))
                     self._rec_spans.append(span)
-            return HostBuffer(view, nbytes, chunk.pinned, chunk.registered, True, chunk, off, span, serial)
+            return HostBuffer(view, nbytes, chunk.pinned, chunk.registered, True, chunk, off, span, serial, cache)
 
     def _unpark(self) -> None:
         """Return every parked range and every range left to replay to the arena (lock held)."""
         free = self._arena.free
-        for _serial, _nbytes, _view, chunk, off, span in self._parked:
+        for _serial, _nbytes, _view, _cache, chunk, off, span in self._parked:
             free(chunk, off, span)
-        for _nbytes, _view, chunk, off, span in self._replay[self._replay_pos:]:
+        for _nbytes, _view, _cache, chunk, off, span in self._replay[self._replay_pos:]:
             free(chunk, off, span)
         self._parked = []
         self._replay = []
@@ -491,7 +496,7 @@ class HostPool:
                 and self._step_chunks == (self._allocations, self._released_chunks)
                 and all(p[0] >= base for p in parked) and len(parked) == self._takes - base):
             free = self._arena.free
-            for _nbytes, _view, chunk, off, span in self._replay[self._replay_pos:]:
+            for _nbytes, _view, _cache, chunk, off, span in self._replay[self._replay_pos:]:
                 free(chunk, off, span)  # not re-taken this step: back to the arena
             parked.sort(key=lambda p: p[0])
             self._replay = [p[1:] for p in parked]
@@ -527,7 +532,7 @@ class HostPool:
             self._in_use -= buf.nbytes
             self._used_span -= buf.span
             if self.replay:
-                self._parked.append((buf.serial, buf.nbytes, buf.tensor, chunk, buf.offset, buf.span))
+                self._parked.append((buf.serial, buf.nbytes, buf.tensor, buf.cache, chunk, buf.offset, buf.span))
             else:
                 self._arena.free(chunk, buf.offset, buf.span)
             self._gave = True
