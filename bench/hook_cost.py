@@ -37,9 +37,11 @@ Two measures, in one run:
     round; median and quartiles over ``--rounds``.
   * Instruction counts (``--instructions``, on by default when valgrind and a
     C compiler are found): the same steps re-run in a child process under
-    callgrind, collection toggled on around each measured forward/backward
-    by a two-function C helper compiled at run time. Deterministic, so it is
-    the measure to compare across machines and commits.
+    callgrind, after the same ``--warmup`` steps per variant (the engine's
+    pool replays a step from the third on), collection toggled on around
+    each measured forward/backward by a two-function C helper compiled at
+    run time. Deterministic, so it is the measure to compare across machines
+    and commits (files before ``warmup_steps`` was recorded used one warm-up step).
 
 Plus an emulated side-stream measurement: the engine's stream backend on fake
 events that complete in order, K copies behind the newest, giving the pack
@@ -331,7 +333,8 @@ def _build_helper(tmp: Path) -> Path:
     return lib
 
 
-def _callgrind_child(lib: Path, layers: int, width: int, steps: int, variants: tuple[str, ...]) -> None:
+def _callgrind_child(lib: Path, layers: int, width: int, steps: int, variants: tuple[str, ...],
+                     warmup: int = 3) -> None:
     """Run under callgrind: collect only inside each measured forward / backward, dump per phase."""
     cg = ctypes.CDLL(str(lib))
     cg.cg_dump.argtypes = [ctypes.c_char_p]
@@ -339,7 +342,8 @@ def _callgrind_child(lib: Path, layers: int, width: int, steps: int, variants: t
     ctxs = _contexts()
     for name in variants:
         ctx = ctxs[name]
-        _step(model, x, ctx(), lambda phase: None)  # warm-up: first-step allocations
+        for _ in range(warmup):  # as many as the CPU-time rounds: the pool's steady state (replay)
+            _step(model, x, ctx(), lambda phase: None)  # starts at the third step
         gc.collect()
         state = {"fwd": False, "bwd": False}
 
@@ -354,7 +358,7 @@ def _callgrind_child(lib: Path, layers: int, width: int, steps: int, variants: t
 
 
 def measure_instructions(layers: int, width: int, steps: int,
-                         variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+                         variants: tuple[str, ...] = VARIANTS, warmup: int = 3) -> dict[str, Any]:
     """Per-pack / per-unpack instruction counts (Ir) from a callgrind child process."""
     why = _callgrind_available()
     if why is not None:
@@ -367,7 +371,7 @@ def measure_instructions(layers: int, width: int, steps: int,
         cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={tmp}/cg.%p",
                sys.executable, "-m", "bench.hook_cost", "--_callgrind-child", str(lib),
                "--layers", str(layers), "--width", str(width), "--cg-steps", str(steps),
-               "--variants", ",".join(variants)]
+               "--warmup", str(warmup), "--variants", ",".join(variants)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
         if proc.returncode != 0:
@@ -383,8 +387,8 @@ def measure_instructions(layers: int, width: int, steps: int,
             if what and "|" in what and ir is not None:
                 v, phase = what.split("|")
                 totals.setdefault(v, {"fwd": 0, "bwd": 0})[phase] += ir
-    out: dict[str, Any] = {"steps": steps, "saves_per_step": saves, "module_calls_per_step": layers + 1,
-                           "variants": {}}
+    out: dict[str, Any] = {"steps": steps, "warmup_steps": warmup, "saves_per_step": saves,
+                           "module_calls_per_step": layers + 1, "variants": {}}
     base = totals.get("none")
     for name, t in totals.items():
         row: dict[str, Any] = {"fwd_ir_per_step": t["fwd"] // steps, "bwd_ir_per_step": t["bwd"] // steps}
@@ -518,7 +522,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "none" not in variants:
         variants = ("none",) + variants
     if args.cg_child:
-        _callgrind_child(Path(args.cg_child), args.layers, args.width, args.cg_steps, variants)
+        _callgrind_child(Path(args.cg_child), args.layers, args.width, args.cg_steps, variants, args.warmup)
         return {}
 
     load = os.getloadavg()
@@ -535,7 +539,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if ks:
         result["stream_emulated"] = measure_stream_emulated(args.layers, args.width, max(3, args.rounds // 4), ks)
     if args.instructions:
-        result["instructions"] = measure_instructions(args.layers, args.width, args.cg_steps, variants)
+        result["instructions"] = measure_instructions(args.layers, args.width, args.cg_steps, variants, args.warmup)
     result["machine"]["loadavg_after"] = os.getloadavg()
     if args.baseline is not None:
         before = json.loads(args.baseline.read_text())
