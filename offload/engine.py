@@ -1030,7 +1030,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 hc.release = backend.release_after
             hc.synchronous = synchronous
             hc.version = t._version
-            try:
+            try:  # policy._weak, inlined: once per offloaded tensor
                 hc.base_ref = weakref.ref(base)
             except TypeError:  # a subclass that refuses weak references
                 hc.base_ref = policy._weak(base)

@@ -302,8 +302,8 @@ class HostPool:
         self._lock = threading.Lock()
         self._arena = _Arena()
         # Replay (NOTE [ Host pool layout ]). Ranges given back and not in the arena, as
-        # (serial, nbytes, view, chunk, offset, span); the previous pure step's takes in
-        # order, as (nbytes, view, chunk, offset, span), not yet re-taken from _replay_pos on.
+        # (serial, nbytes, view, cache, chunk, offset, span); the previous pure step's takes in
+        # order, as (nbytes, view, cache, chunk, offset, span), not yet re-taken from _replay_pos on.
         self._parked: list[tuple[int, int, torch.Tensor, Any, _Chunk, int, int]] = []
         self._replay: list[tuple[int, torch.Tensor, Any, _Chunk, int, int]] = []
         self._replay_pos = 0
@@ -480,9 +480,14 @@ class HostPool:
         free = self._arena.free
         for _serial, _nbytes, _view, _cache, chunk, off, span in self._parked:
             free(chunk, off, span)
+        self._parked = []
+        self._drop_replay()
+
+    def _drop_replay(self) -> None:
+        """Return the ranges not re-taken from the replay list to the arena; end the replay (lock held)."""
+        free = self._arena.free
         for _nbytes, _view, _cache, chunk, off, span in self._replay[self._replay_pos:]:
             free(chunk, off, span)
-        self._parked = []
         self._replay = []
         self._replay_pos = 0
 
@@ -495,12 +500,9 @@ class HostPool:
         if (self._pure and self._in_use == 0 and parked and self._rec_clean
                 and self._step_chunks == (self._allocations, self._released_chunks)
                 and all(p[0] >= base for p in parked) and len(parked) == self._takes - base):
-            free = self._arena.free
-            for _nbytes, _view, _cache, chunk, off, span in self._replay[self._replay_pos:]:
-                free(chunk, off, span)  # not re-taken this step: back to the arena
+            self._drop_replay()  # what this step did not re-take goes back to the arena
             parked.sort(key=lambda p: p[0])
             self._replay = [p[1:] for p in parked]
-            self._replay_pos = 0
             self._parked = []
         else:
             self._unpark()

@@ -172,19 +172,25 @@ def test_sync_backend_loads_nothing_ahead_by_default():
         assert ctx.ledger.step_totals[-1].h2d_bytes > 0
 
 
+class _WithTable(nn.Module):
+    """A Linear (then tanh, which saves its output, with ``tanh=True``), then a product with a
+    buffer (a RoPE-like table) that its matmul saves."""
+
+    def __init__(self, tanh: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.register_buffer("table", torch.randn(64, 64))
+        self.tanh = tanh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return (torch.tanh(h) if self.tanh else h) @ self.table
+
+
 def test_running_module_buffer_found_after_its_storage_changes():
     """A buffer replaced by a new storage between steps (FSDP2 re-gathers, re-registered tables) is still kept."""
 
-    class WithTable(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(64, 64)
-            self.register_buffer("table", torch.randn(64, 64))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(x) @ self.table
-
-    m = WithTable()
+    m = _WithTable()
     ctx = OffloadActivations(device="cpu", min_offload_size=0)
     x = torch.randn(8, 64, requires_grad=True)
     for _ in range(3):
@@ -225,20 +231,11 @@ def test_activations_with_history_skip_the_module_walk(monkeypatch):
     through ``_base``): a saved activation with autograd history is never looked up among the
     running modules' storages, while a buffer saved in the same forward is still found and kept."""
 
-    class WithTable(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(64, 64)
-            self.register_buffer("table", torch.randn(64, 64))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.tanh(self.lin(x)) @ self.table
-
     asked = []
     real = OffloadActivations._running_owner
     monkeypatch.setattr(OffloadActivations, "_running_owner",
                         lambda self, ptr: asked.append(ptr) or real(self, ptr))
-    m = WithTable()
+    m = _WithTable(tanh=True)
     ctx = OffloadActivations(device="cpu", min_offload_size=0)
     x = torch.randn(8, 64)  # a leaf input: asked about, like the table
     with ctx:
