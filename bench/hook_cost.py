@@ -79,6 +79,7 @@ from torch import nn
 
 from bench.env import default_run_dir
 from offload import OffloadActivations
+from offload import modules as _modules
 from offload.modules import track_modules
 
 
@@ -99,6 +100,29 @@ RATIOS = {
 """Ratio name -> (numerator, denominator) of per-pack costs; the goal is <= 2 for the first two."""
 _PER_MODULE_CALL = ("modules_only", "module_dispatch")
 """Variants without saved-tensor hooks: their cost is per module call, not per pack."""
+_TRACKING = ("ours_keep", "ours_offload", "modules_only")
+"""Variants that run with ``nn.Module.__call__`` wrapped (offload.modules); the others run without it."""
+
+
+class _Owner:
+    """Keeps the module-tracking wrapper installed between ``modules_only`` steps, as an engine does."""
+
+
+_OWNER = _Owner()
+
+
+def _prepare(name: str) -> None:
+    """Before a measured step, outside its window: the wrapper installed for our variants, removed for peers.
+
+    A live engine keeps ``nn.Module.__call__`` wrapped between steps (NOTE [ Wrapper
+    lifetime ] in offload/modules.py), so our steady state has it installed before
+    the forward starts; a process without offload has no wrapper at all.
+    """
+    if name in _TRACKING:
+        with track_modules(owner=_OWNER):
+            pass
+    else:
+        _modules.uninstall()
 
 
 class _Layer(nn.Module):
@@ -198,7 +222,7 @@ def _contexts() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
         "save_on_cpu": lambda: soc,
         "ours_keep": lambda: keep,
         "ours_offload": lambda: off,
-        "modules_only": track_modules,
+        "modules_only": lambda: track_modules(owner=_OWNER),
         "module_dispatch": _module_dispatch,
         "safe_keep_floor": lambda: floor,
     }
@@ -263,6 +287,7 @@ def measure_cpu_time(layers: int, width: int, rounds: int, warmup: int,
         k = rnd % len(names)
         for name in names[k:] + names[:k]:
             marks: dict[str, float] = {}
+            _prepare(name)
 
             def clock(phase: str) -> None:
                 now = time.process_time()
@@ -272,6 +297,7 @@ def measure_cpu_time(layers: int, width: int, rounds: int, warmup: int,
             if rnd >= warmup:
                 for phase in ("fwd", "bwd"):
                     samples[name][phase].append(marks[phase])
+    _modules.uninstall()  # this process ran our variants: leave it as it was
     out: dict[str, Any] = {"saves_per_step": saves, "module_calls_per_step": layers + 1, "variants": {}}
     for name in names:
         base = samples["none"]
@@ -342,6 +368,7 @@ def _callgrind_child(lib: Path, layers: int, width: int, steps: int, variants: t
     ctxs = _contexts()
     for name in variants:
         ctx = ctxs[name]
+        _prepare(name)
         for _ in range(warmup):  # as many as the CPU-time rounds: the pool's steady state (replay)
             _step(model, x, ctx(), lambda phase: None)  # starts at the third step
         gc.collect()

@@ -76,9 +76,10 @@ class SpanSet:
     """Per step: bytes each save adds to the union of saved spans of its storage."""
 
     def __init__(self) -> None:
-        # key -> the first save's (weak base, lo, hi) while one range covers every
-        # save of that storage (the common case, no object built), else _Ranges.
-        self._seen: dict[tuple[Any, int], _Ranges | tuple[Callable[[], torch.Tensor | None], int, int]] = {}
+        self.entries: dict[tuple[Any, int], _Ranges | tuple[Callable[[], torch.Tensor | None], int, int]] = {}
+        """key -> the first save's (weak base, lo, hi) while one range covers every save of that
+        storage (the common case, no object built), else _Ranges. The engine's pack hook adds a
+        storage not seen yet itself (``add_span`` inlined); anything else goes through ``add_span``."""
 
     def add(self, t: torch.Tensor) -> int:
         """Bytes of ``t``'s span not covered by an earlier save of the same storage this step."""
@@ -95,7 +96,7 @@ class SpanSet:
         seen this step, or seen through the same base object, is settled
         without re-reading the storage pointer.
         """
-        entry = self._seen.get(key)
+        entry = self.entries.get(key)
         base = t._base
         if base is None:
             base = t
@@ -107,7 +108,7 @@ class SpanSet:
                 if single:
                     if entry[1] <= lo and hi <= entry[2]:
                         return 0  # within the first save's span (a repeated save)
-                    entry = self._seen[key] = _Ranges.first(ref, entry[1], entry[2])
+                    entry = self.entries[key] = _Ranges.first(ref, entry[1], entry[2])
                 return entry.add(lo, hi)
         if hi <= lo:
             lo = hi = 0
@@ -115,8 +116,8 @@ class SpanSet:
             ref = weakref.ref(base)
         except TypeError:  # subclasses that refuse weakrefs
             ref = _weak(base)
-        self._seen[key] = (ref, lo, hi)
+        self.entries[key] = (ref, lo, hi)
         return hi - lo
 
     def clear(self) -> None:
-        self._seen.clear()
+        self.entries.clear()

@@ -52,9 +52,12 @@ Rule 9. Host memory is budgeted (pool cap ``host_budget_bytes`` and system
         RAM ceiling ``virtual_memory_safe_pct``) and enforced by
         ``on_host_budget`` = keep | pageable | raise, never only a warning.
 Rule 10. Nothing the engine creates forms a reference cycle. Kept handles and
-        in-flight sources hold a detached alias (a saved output's ``grad_fn``
-        would otherwise hold the handle that holds the output: a cycle through
-        C++ that the garbage collector cannot free); the hooks hold the engine
+        in-flight sources hold a detached alias of a tensor with autograd
+        history (a saved output's ``grad_fn`` would otherwise hold the handle
+        that holds the output: a cycle through C++ that the garbage collector
+        cannot free) and a leaf as it is (no ``grad_fn``: autograd itself saves
+        leaves that way, and a detach per saved weight costs ~4k instructions
+        of hook time); the hooks hold the engine
         weakly and handles hold it strongly, so a graph freed without backward
         (evaluation with grad on, skipped steps, ``autograd.grad`` over a
         subset) returns its host copies at once, and an engine that nobody
@@ -96,7 +99,9 @@ from ._spans import SpanSet, byte_span
 from ._warn import user_stacklevel
 from .config import OffloadConfig
 from .errors import OffloadError, _internal_assert
-from .ledger import KEPT, OFFLOADED, Ledger, PackRecord
+from .ledger import KEPT, OFFLOADED, Ledger, PackRecord, record_from_log
+from .modules import _generation as _module_generation
+from .modules import _tls as _module_tls
 from .modules import current_module_name, current_modules, current_modules_view, register_model, track_modules
 from .pool import PIN_ALLOCATORS, HostBuffer, HostPool
 from .streams import Copy, make_backend
@@ -195,8 +200,9 @@ def _inplace_error(shape: torch.Size, dtype: torch.dtype, now: int, expected: in
 
 def _saved_alias(t: torch.Tensor) -> torch.Tensor:
     # Rule 10: a detached alias shares storage and version counter but not the
-    # autograd history, so holding it cannot close a cycle through grad_fn.
-    return t.detach() if t.requires_grad else t
+    # autograd history, so holding it cannot close a cycle through grad_fn. A
+    # leaf (a parameter, an input) has no grad_fn: holding it closes no cycle.
+    return t if t.is_leaf else t.detach()
 
 
 class _Kept:
@@ -209,7 +215,7 @@ class _Kept:
     __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t.detach() if t.requires_grad else t  # _saved_alias, inlined (Rule 10)
+        self.tensor = t if t.is_leaf else t.detach()  # _saved_alias, inlined (Rule 10)
         self.version = t._version
 
     def unpack(self) -> torch.Tensor:
@@ -556,6 +562,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         pin_allocator = config.pin_allocator
         self.device = _resolve_device(device)
         """Device whose saved tensors are offloaded; None when pass-through."""
+        self._device_name = policy.device_name(self.device) if self.device is not None else None
         self.enabled = self.device is not None
         """False when running pass-through (nothing moved, everything recorded)."""
         if not self.enabled:
@@ -644,7 +651,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def __enter__(self) -> "OffloadActivations":
         st = self._thread()
-        modules_cm = track_modules()
+        modules_cm = track_modules(owner=self)
         modules_cm.__enter__()
         pushed = False
         try:
@@ -779,15 +786,20 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return self._pack_other(t)  # no plain storage: sparse, mkldnn, efficient zeros
         if t.is_nested or t.is_quantized:
             return self._pack_other(t)
-        seq = next(self._seq)
-        ts = getattr(self._tls, "state", None) or self._thread()
+        try:
+            ts = self._tls.state
+        except AttributeError:
+            ts = self._thread()
         device = t.device
+        dev = _DEVICE_NAMES.get(device) or policy.device_name(device)
         nbytes = t.nbytes
+        leaf = t.is_leaf
+        base = None
         if cls is _Parameter or getattr(t, "_is_param", False):
             reason = _PARAMETER  # a weight saved as is (``x * self.w``)
         elif (base := t._base) is not None and _is_param(base):
             reason = _PARAMETER
-        elif device != self.device:
+        elif dev != self._device_name:
             reason = _OTHER_DEVICE
         elif ts.excluded_depth > 0:
             reason = _EXCLUDED_REGION
@@ -796,7 +808,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 reason = _TOO_SMALL
             elif ptr in self._static_ptrs:
                 reason = _PARAMETER
-            elif t.is_leaf:  # with autograd history it is no parameter or buffer (policy._classify)
+            elif leaf:  # with autograd history it is no parameter or buffer (policy._classify)
                 reason = self._running_owner(ptr)
             else:
                 reason = ""
@@ -806,19 +818,25 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                     reason = _IN_BACKWARD  # Rule 11
                 elif ts.after_head:
                     reason = _AFTER_HEAD  # Rule 8
-        dev = _DEVICE_NAMES.get(device) or policy.device_name(device)
         dtype = t.dtype
         ledger = self.ledger
         step = self._step_ref()  # _open_step, inlined
         if step is None:
             step = _Step(self)
             self._step_ref = weakref.ref(step)
+        names = _module_tls.__dict__.get("names")  # current_module_name's cached case, inlined
+        if names:
+            known = names[-1]
+            module = known[1] if known is not None and known[0] == _module_generation[0] else current_module_name()
+        else:
+            module = ""
         if reason:
-            # Kept: a tuple handle (no object, no __del__) holding a detached
-            # alias (Rule 10) and the version to check at unpack (Rule 6).
-            handle: Any = (t.detach() if t.requires_grad else t, t._version, step)  # _saved_alias, inlined
-            rec: Any = (seq, ledger.current_step, nbytes, t.shape,
-                        _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype), dev, current_module_name(),
+            # Kept: a tuple handle (no object, no __del__) holding the tensor, detached
+            # when it has autograd history (Rule 10: a leaf closes no cycle through a
+            # grad_fn), and the version to check at unpack (Rule 6). _saved_alias, inlined.
+            handle: Any = (t if leaf else t.detach(), t._version, step)
+            # The record as a tuple (NOTE [ Ledger logs ]); the ledger names the dtype on read.
+            rec: Any = (next(self._seq), ledger.current_step, nbytes, t.shape, dtype, dev, module,
                         KEPT, reason, ptr, st.nbytes())
             log = ledger.kept_log.get(reason)
             if log is None:
@@ -826,8 +844,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             else:
                 log.append(nbytes)
         else:
-            rec = PackRecord(seq, ledger.current_step, nbytes, tuple(t.shape),
-                             _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype), dev, current_module_name(),
+            rec = PackRecord(next(self._seq), ledger.current_step, nbytes, tuple(t.shape),
+                             _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype), dev, module,
                              KEPT, reason, ptr, st.nbytes())
             handle = self._offload(t, rec, (dev, ptr), ts, step)
             reason = rec.reason
@@ -845,15 +863,21 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if ptr:
                 lo_b = t.storage_offset() * dtype.itemsize
                 hi_b = lo_b + nbytes if t.is_contiguous() else byte_span(t)[1]
-                ident = (dev, ptr)
+                ident: Any = (dev, ptr)
+                seen = self._seen.entries
+                if ident not in seen and hi_b > lo_b:
+                    # A storage not seen this step (most saves): SpanSet.add_span, inlined.
+                    seen[ident] = (weakref.ref(t if base is None else base), lo_b, hi_b)
+                    unique = hi_b - lo_b
+                else:
+                    unique = self._seen.add_span(t, ident, lo_b, hi_b)
             else:  # an empty storage (all at address 0): keyed by the tensor itself
-                lo_b, hi_b, ident = 0, nbytes, ("id", id(t))
-            unique = self._seen.add_span(t, ident, lo_b, hi_b)
+                unique = self._seen.add_span(t, ("id", id(t)), 0, nbytes)
             if unique:
                 ledger.unique_log.append(unique)
         if self._observers or _tls.__dict__.get("observers"):
             if type(rec) is tuple:
-                rec = PackRecord(*rec[:3], tuple(rec[3]), *rec[4:])
+                rec = record_from_log(rec)  # the observers and the ring share one record
             ledger.records_log.append(rec)
             self._notify(t, rec)
         else:

@@ -19,8 +19,9 @@ is therefore appended, not summed: its logical bytes go to one list per kept
 reason (or to the offloaded list), the bytes it adds to the step's distinct
 saved bytes to another, and its record to the records ring, as the tuple of
 ``PackRecord``'s first eleven fields when nothing will change it later (a kept
-decision; ``PackRecord`` objects are built from those tuples when ``records``
-is read). Synchronous copies log their seconds and bytes the same way
+decision, its shape and dtype logged as the tensor's ``torch.Size`` and
+``torch.dtype``; ``record_from_log`` builds the ``PackRecord``, shape and dtype
+named, when ``records`` is read). Synchronous copies log their seconds and bytes the same way
 (``add_sync_copy``). ``list.append`` is atomic, so packs on several threads need no lock.
 The per-step totals are the sums of those lists: ``close_step`` (and
 ``totals()``, without consuming them) adds them up, taking exactly the first
@@ -36,7 +37,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
-from .policy import REASONS
+from .policy import REASONS, dtype_name
 
 __all__ = ["PackRecord", "StepTotals", "Ledger"]
 
@@ -167,6 +168,13 @@ _SECONDS_ATTR = {"d2h": "d2h_seconds", "h2d": "h2d_seconds", "stall": "stall_sec
 """Copy kind -> the StepTotals field its duration adds to."""
 
 
+def record_from_log(r: tuple) -> PackRecord:
+    """The ``PackRecord`` of a kept decision logged as a tuple (NOTE [ Ledger logs ]): its shape
+    (a ``torch.Size``) as a tuple, its dtype (a ``torch.dtype``) by name."""
+    dtype = r[4]
+    return PackRecord(r[0], r[1], r[2], tuple(r[3]), dtype if type(dtype) is str else dtype_name(dtype), *r[5:])
+
+
 class Ledger:
     """Per-decision records and per-step totals, both in bounded rings; the
     running totals (``totals()``, ``summary()``) still cover every step.
@@ -236,8 +244,8 @@ class Ledger:
                 hit = built.get(id(r))
                 if hit is not None and hit[0] is r:
                     rec = hit[1]
-                else:  # (the shape is logged as the tensor's torch.Size)
-                    rec = PackRecord(r[0], r[1], r[2], tuple(r[3]), *r[4:])
+                else:
+                    rec = record_from_log(r)
                 fresh[id(r)] = (r, rec)
                 r = rec
             out.append(r)

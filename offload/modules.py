@@ -3,7 +3,8 @@
 While any ``track_modules`` scope is open (in any thread), ``nn.Module.__call__``
 is wrapped (``_tracked_call``) to maintain a per-thread stack of running
 modules: it pushes the module object, calls the original, and pops in a
-``finally``, so an exception never leaves an entry behind. Global forward
+``finally``, so an exception never leaves an entry behind. NOTE [ Wrapper
+lifetime ] says when the wrapper is installed and removed. Global forward
 hooks would do the same at ~8x the cost per module call, because any global
 hook sends every module call through ``_call_impl``'s slow path
 (``python -m bench.hook_cost``: ``module_dispatch`` vs ``modules_only``). A
@@ -31,10 +32,37 @@ the root's class name, the way torch's ``ModTracker`` / ``MemTracker`` (and so
   module's class to ``FSDP<Class>``; the root's label drops that ``FSDP``
   prefix. PEFT's ``base_model.model`` path is a real part of the model and is
   kept.
+
+# NOTE [ Wrapper lifetime ]
+Assigning ``nn.Module.__call__`` modifies the type of ``nn.Module`` and of every
+subclass: CPython drops their attribute-cache version tags and deoptimizes the
+bytecode specialized on them, and from Python 3.13 a class that has used 1,000
+version tags is never cached again (``MAX_VERSIONS_PER_CLASS``): every method
+call and attribute lookup on every module is slower for the rest of the process
+(CPython 3.13.0, a toy subclass: 81 -> 140 ns per call after 1,200 swaps of its
+base's ``__call__``; 3.11 and 3.12 have no such limit). So the wrapper is not
+installed and removed once per step:
+
+- It is installed when a scope opens, and stays while a scope is open *or an
+  owner is alive*: an owner is the object that opened a scope with
+  ``track_modules(owner=...)`` (the engine, the profilers), weakly held. A
+  training loop that re-enters one engine every step changes the type once.
+- It is removed when the last scope closes with no owner alive, or when the last
+  owner dies with no scope open (a finalizer that never blocks: if the lock is
+  held at that moment, the wrapper stays until the next scope closes).
+- After ``_STICKY_AFTER`` installs in one process (owners built and freed over
+  and over, e.g. an engine per step) it is never removed automatically again, so
+  this module changes the type at most ``2 * _STICKY_AFTER`` times.
+- ``uninstall()`` removes it now (benchmarks measuring peers without it, tests);
+  it refuses while a scope is open.
+
+Installed with no scope open on the calling thread, the wrapper costs one
+Python frame per module call (~0.25 us on CPython 3.11).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Iterator
@@ -44,10 +72,18 @@ import torch
 from torch import nn
 
 __all__ = ["track_modules", "current_module_name", "current_modules", "current_modules_view", "register_model",
-           "module_name"]
+           "module_name", "uninstall"]
 
+_log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _global_users = 0
+"""Open ``track_modules`` scopes, all threads together."""
+_owners: "weakref.WeakSet[object]" = weakref.WeakSet()
+"""Live objects that opened a scope with ``owner=``: the wrapper stays while any lives."""
+_installs = 0
+"""How many times this process wrapped ``nn.Module.__call__`` (NOTE [ Wrapper lifetime ])."""
+_STICKY_AFTER = 8
+"""Installs after which the wrapper is never removed automatically (bounded type changes)."""
 _tls = threading.local()
 
 _WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -215,11 +251,18 @@ _call = nn.Module.__call__
 
 def _install() -> None:
     """Route ``nn.Module.__call__`` through ``_tracked_call`` (lock held)."""
-    global _call
+    global _call, _installs
     current = nn.Module.__call__
     if current is not _tracked_call:
         _call = current
         nn.Module.__call__ = _tracked_call
+        _installs += 1
+        if _installs == _STICKY_AFTER:
+            _log.info(
+                "offload.modules: nn.Module.__call__ wrapped %d times in this process (module-tracking owners "
+                "built and freed over and over, e.g. an engine per step); it now stays wrapped, since each "
+                "wrap changes the type of every module (NOTE [ Wrapper lifetime ]). "
+                "offload.modules.uninstall() removes it.", _installs)
 
 
 def _uninstall() -> None:
@@ -228,14 +271,52 @@ def _uninstall() -> None:
         nn.Module.__call__ = _call
 
 
+def _settle() -> None:
+    """Remove the wrapper when nothing needs it any more (lock held; NOTE [ Wrapper lifetime ])."""
+    if _global_users == 0 and _installs < _STICKY_AFTER and not any(True for _ in _owners):
+        _uninstall()
+
+
+def _owner_gone() -> None:
+    # A finalizer: it may run inside a garbage collection on any thread, also on
+    # one that holds the lock, so it never blocks (the next closing scope settles).
+    if _lock.acquire(blocking=False):
+        try:
+            _settle()
+        finally:
+            _lock.release()
+
+
+def uninstall() -> None:
+    """Restore ``nn.Module.__call__`` now, whatever owners are alive (the next scope wraps it again).
+
+    For benchmarks that measure code without the wrapper, and for tests. Raises
+    RuntimeError while a ``track_modules`` scope is open on any thread.
+    """
+    with _lock:
+        if _global_users:
+            raise RuntimeError(
+                f"offload.modules.uninstall: {_global_users} track_modules scope(s) are open (an engine "
+                "or a profiler is entered); call it after they exit."
+            )
+        _uninstall()
+
+
 @contextmanager
-def track_modules() -> Iterator[None]:
-    """Maintain the running-module stack for this thread while the scope is open."""
+def track_modules(owner: object | None = None) -> Iterator[None]:
+    """Maintain the running-module stack for this thread while the scope is open.
+
+    ``owner`` (the engine, a profiler; weakly held) keeps ``nn.Module.__call__``
+    wrapped between its scopes while it lives, so re-entering it every step does
+    not change the type of every module each time (NOTE [ Wrapper lifetime ]).
+    """
     global _global_users
     with _lock:
-        if _global_users == 0:
-            _install()
         _global_users += 1
+        if owner is not None and owner not in _owners:
+            _owners.add(owner)
+            weakref.finalize(owner, _owner_gone)
+        _install()
     stack = _thread_stack()
     _tls.depth += 1
     try:
@@ -247,8 +328,7 @@ def track_modules() -> Iterator[None]:
             _tls.names.clear()
         with _lock:
             _global_users -= 1
-            if _global_users == 0:
-                _uninstall()
+            _settle()
 
 
 def current_module_name() -> str:

@@ -329,7 +329,7 @@ class MemProfiler:
     # ---------------------------------------------------------------- hooks
     def _install_hooks(self) -> None:
         stack = ExitStack()
-        stack.enter_context(_engine.track_modules())
+        stack.enter_context(_engine.track_modules(owner=self))
         root = self.model
 
         def pre(module: nn.Module, args: Any) -> None:

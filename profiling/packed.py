@@ -222,7 +222,7 @@ class PackedBytesTracker:
             )
         stack = ExitStack()
         try:
-            stack.enter_context(_engine.track_modules())
+            stack.enter_context(_engine.track_modules(owner=self))
             handle = _engine.add_pack_observer(self._on_engine_pack)  # Rule 1
             stack.callback(handle.remove)
             if _engine.active_engine() is None:  # Rule 2

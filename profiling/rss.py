@@ -64,7 +64,7 @@ class RSSTracker:
         if self._stack is not None:
             raise ProfilingError("RSSTracker: already active; leave the first `with` block before re-entering")
         stack = ExitStack()
-        stack.enter_context(_engine.track_modules())
+        stack.enter_context(_engine.track_modules(owner=self))
         stack.callback(self.remove)
         for m in self.model.modules():
             self.handles.append(m.register_forward_pre_hook(self._pre))

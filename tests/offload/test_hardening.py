@@ -270,7 +270,7 @@ def test_forward_only_loop_bookkeeping_is_bounded():
             loss = _lm_loss(model, batch)
         del loss
         if i in (9, 59):
-            sizes.append((len(ctx._thread().order), len(ctx._dedupe), len(ctx._seen._seen)))
+            sizes.append((len(ctx._thread().order), len(ctx._dedupe), len(ctx._seen.entries)))
     per_step = ctx.ledger.step_totals[0].offloaded_count
     assert sizes[1][0] <= max(1024, 2 * per_step) + per_step, sizes
     assert sizes[1][1] <= sizes[0][1] + per_step and sizes[1][2] <= sizes[0][2] + 64, sizes
@@ -346,7 +346,8 @@ def test_failed_enter_leaves_nothing_behind():
             with ctx:
                 pass
     assert active_engine() is None
-    assert offload_modules._global_users == 0 and nn.Module.__call__ is not offload_modules._tracked_call
+    # No scope open (the wrapper itself may stay while ctx lives: NOTE [ Wrapper lifetime ]).
+    assert offload_modules._global_users == 0 and offload_modules._tls.depth == 0
     assert ctx._thread().enter_depth == 0
     with ctx:  # and it still works afterwards
         y = torch.randn(64, requires_grad=True).exp()

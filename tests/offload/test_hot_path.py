@@ -345,15 +345,29 @@ def test_sync_copies_are_logged_without_a_lock_and_sum_per_step():
     assert (tot.d2h_seconds, tot.h2d_seconds, tot.h2d_bytes, tot.stall_seconds) == (3.0, 1.25, 107, 4.25)
 
 
-def test_module_tracking_wraps_call_and_adds_no_global_hook():
+@pytest.fixture
+def fresh_wrapper(monkeypatch):
+    """``nn.Module.__call__`` unwrapped, no owners and a fresh install budget (NOTE [ Wrapper
+    lifetime ]): earlier tests in the process may have made the wrapper sticky."""
+    import weakref
+
+    from offload import modules as om
+
+    om.uninstall()
+    monkeypatch.setattr(om, "_installs", 0)
+    monkeypatch.setattr(om, "_owners", weakref.WeakSet())  # owners other tests left alive
+    yield om
+    om.uninstall()
+
+
+def test_module_tracking_wraps_call_and_adds_no_global_hook(fresh_wrapper):
     """Module tracking wraps ``nn.Module.__call__`` while a scope is open: no global forward hook
     (which would send every module call in the process through ``_call_impl``'s slow path), names
     as before, a clean stack after an exception inside nested modules, per-thread stacks, and the
     original ``__call__`` back afterwards without undoing someone else's later replacement."""
     from torch.nn.modules import module as torch_module
 
-    from offload import modules as om
-
+    om = fresh_wrapper
     original = nn.Module.__call__
 
     class Boom(nn.Module):
@@ -403,6 +417,57 @@ def test_module_tracking_wraps_call_and_adds_no_global_hook():
         assert nn.Module.__call__ is third_party  # not clobbered on exit
     finally:
         nn.Module.__call__ = original
+
+
+def test_module_wrapper_stays_while_its_owner_lives(fresh_wrapper):
+    """NOTE [ Wrapper lifetime ]: an engine re-entered every step wraps ``nn.Module.__call__`` once
+    (each wrap changes the type of every module; from CPython 3.13 a class stops being cached after
+    1,000 such changes), the wrapper goes when the engine dies, an engine built per step makes it
+    sticky after ``_STICKY_AFTER`` wraps, a finalizer never blocks on the lock, and ``uninstall()``
+    refuses while a scope is open."""
+    import gc
+
+    om = fresh_wrapper
+    original = nn.Module.__call__
+    assert original is not om._tracked_call
+    model = _toy()
+    ctx = OffloadActivations(device="cpu", min_offload_size=0)
+    for i in range(10):
+        with ctx:
+            loss = _loss(model, make_batch(TINY, 2, 16, seed=i))
+        assert nn.Module.__call__ is om._tracked_call  # stays between steps while ctx lives
+        loss.backward()
+    assert om._installs == 1  # one type change for ten steps (the old tracking made twenty)
+    del ctx, loss
+    gc.collect()
+    assert nn.Module.__call__ is original  # gone with its last owner
+
+    # A finalizer that finds the lock held (a collection inside a locked section) does not
+    # block; the next closing scope removes the wrapper instead.
+    ctx = OffloadActivations(device="cpu", min_offload_size=0)
+    with ctx:
+        _loss(model, make_batch(TINY, 2, 16, seed=0)).backward()
+    with om._lock:
+        del ctx
+        gc.collect()
+    assert nn.Module.__call__ is om._tracked_call
+    with om.track_modules():
+        pass
+    assert nn.Module.__call__ is original
+
+    # Owners built and freed over and over: sticky after _STICKY_AFTER wraps.
+    for i in range(om._STICKY_AFTER + 2):
+        ctx = OffloadActivations(device="cpu", min_offload_size=0)
+        with ctx:
+            _loss(model, make_batch(TINY, 2, 16, seed=i)).backward()
+        del ctx
+        gc.collect()
+    assert om._installs == om._STICKY_AFTER and nn.Module.__call__ is om._tracked_call
+    with om.track_modules():
+        with pytest.raises(RuntimeError, match="scope"):
+            om.uninstall()
+    om.uninstall()
+    assert nn.Module.__call__ is original
 
 
 def test_pack_hook_pushed_is_the_bound_method_unless_replaced():
@@ -469,3 +534,38 @@ def test_whole_storage_copies_through_a_typed_view_kept_across_replayed_steps(dt
     assert ctx.pool.stats()["reuses"] > 0
     # Steps 2 and 3 repeat step 1: the typed views made in step 2 are the ones step 3 replays.
     assert seen[1] and seen[1] == seen[2], seen
+
+
+def test_kept_leaf_is_held_as_is_and_kept_history_detached():
+    """Rule 10: a kept leaf (a weight saved as is) is held as it is (no grad_fn, no cycle; no detach
+    per saved weight), a kept tensor with autograd history through a detached alias; both unpack
+    to gradients bitwise equal to the twin's, and the kept saved output dies by reference counting."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(64))
+    x = torch.randn(64, requires_grad=True)
+    ctx = OffloadActivations(device="cpu", min_offload_size=1 << 40)  # everything kept
+    handles = []
+    original = ctx._pack
+    ctx.pack_hook = lambda t: handles.append(original(t)) or handles[-1]
+    with ctx:
+        y = x.exp() * w  # exp saves its output (history); mul saves it and w (a leaf)
+    held = {id(h[0]) for h in handles}
+    assert id(w) in held  # the Parameter itself
+    outs = [h[0] for h in handles if h[0] is not w]
+    assert outs and all(o.grad_fn is None and o._base is None for o in outs)
+    del outs, held
+    y.sum().backward()
+    w2, x2 = nn.Parameter(w.detach().clone()), x.detach().clone().requires_grad_()
+    (x2.exp() * w2).sum().backward()
+    assert torch.equal(w.grad, w2.grad) and torch.equal(x.grad, x2.grad)
+    with no_gc():
+        with ctx:
+            z = x.exp()  # its output saved by its own node: held through a detached alias
+        ref = weakref.ref(z)
+        handles.clear()
+        del z
+        assert ref() is None  # no cycle: freed without the garbage collector
+    gc.collect()
