@@ -27,9 +27,14 @@ of packs (forward) or unpacks (backward):
                   costs per module call (``_call_impl``'s slow path), the way
                   ``track_modules`` worked before it wrapped ``__call__``
   safe_keep_floor the least a keep path must do to keep the engine's
-                  guarantees: hold a detached alias (Rule 10: no cycle through
-                  a saved output's grad_fn) and the version to check at unpack
+                  guarantees: hold a tensor with autograd history through a
+                  detached alias (Rule 10: no cycle through a saved output's
+                  grad_fn; a leaf as it is) and the version to check at unpack
                   (Rule 6); no classification, no record (a floor for ``ours_keep``)
+  engine_floor    the engine itself (module tracking on, its bound-method pack
+                  hook, per-step handle bookkeeping) with a pack that does only
+                  what ``safe_keep_floor`` does: the fixed cost every decision
+                  of ours pays before classifying or recording anything
 
 Two measures, in one run:
   * CPU time on one thread (``time.process_time``, ``torch.set_num_threads(1)``),
@@ -90,17 +95,18 @@ def default_out() -> Path:
 
 
 VARIANTS = ("none", "identity", "torchtune_keep", "save_on_cpu", "ours_keep", "ours_offload", "modules_only",
-            "module_dispatch", "safe_keep_floor")
+            "module_dispatch", "safe_keep_floor", "engine_floor")
 RATIOS = {
     "ours_offload/save_on_cpu": ("ours_offload", "save_on_cpu"),
     "ours_keep/torchtune_keep": ("ours_keep", "torchtune_keep"),
     "ours_keep/identity": ("ours_keep", "identity"),
     "safe_keep_floor/torchtune_keep": ("safe_keep_floor", "torchtune_keep"),
+    "engine_floor/torchtune_keep": ("engine_floor", "torchtune_keep"),
 }
 """Ratio name -> (numerator, denominator) of per-pack costs; the goal is <= 2 for the first two."""
 _PER_MODULE_CALL = ("modules_only", "module_dispatch")
 """Variants without saved-tensor hooks: their cost is per module call, not per pack."""
-_TRACKING = ("ours_keep", "ours_offload", "modules_only")
+_TRACKING = ("ours_keep", "ours_offload", "modules_only", "engine_floor")
 """Variants that run with ``nn.Module.__call__`` wrapped (offload.modules); the others run without it."""
 
 
@@ -196,7 +202,7 @@ def _safe_keep_floor_hooks() -> torch.autograd.graph.saved_tensors_hooks:
     """Keep with the engine's two guarantees only: a detached alias (Rule 10) and a version check (Rule 6)."""
 
     def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return (t.detach() if t.requires_grad else t, t._version)
+        return (t if t.is_leaf else t.detach(), t._version)
 
     def unpack(h: tuple[torch.Tensor, int]) -> torch.Tensor:
         t, version = h
@@ -207,6 +213,13 @@ def _safe_keep_floor_hooks() -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+class _FloorEngine(OffloadActivations):
+    """``engine_floor``: the engine with a pack hook that keeps everything and records nothing."""
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        return (t if t.is_leaf else t.detach(), t._version, self._open_step())  # Rules 10 and 6
+
+
 def _contexts() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     """Variant name -> factory of the context one forward runs in (one object reused across steps)."""
     identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
@@ -215,6 +228,7 @@ def _contexts() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     keep = OffloadActivations(device="cpu", min_offload_size=1 << 40)
     off = OffloadActivations(device="cpu", min_offload_size=0)
     floor = _safe_keep_floor_hooks()
+    engine_floor = _FloorEngine(device="cpu")
     return {
         "none": contextlib.nullcontext,
         "identity": lambda: identity,
@@ -225,6 +239,7 @@ def _contexts() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
         "modules_only": lambda: track_modules(owner=_OWNER),
         "module_dispatch": _module_dispatch,
         "safe_keep_floor": lambda: floor,
+        "engine_floor": lambda: engine_floor,
     }
 
 
@@ -310,7 +325,7 @@ def measure_cpu_time(layers: int, width: int, rounds: int, warmup: int,
         if name in _PER_MODULE_CALL:
             row["per_module_call_ns"] = row.pop("per_pack_ns")
             row.pop("per_unpack_ns")
-        elif name.startswith("ours") and "modules_only" in samples:
+        elif name in _TRACKING and "modules_only" in samples:
             # The engine turns on module tracking: its cost is per module call, not per pack.
             row["per_pack_net_of_module_hooks_ns"] = _quartiles(
                 [(a - b) * 1e9 / saves for a, b in zip(samples[name]["fwd"], samples["modules_only"]["fwd"])])
@@ -425,7 +440,7 @@ def measure_instructions(layers: int, width: int, steps: int,
             else:
                 row["per_pack_ir"] = round((t["fwd"] - base["fwd"]) / steps / saves)
                 row["per_unpack_ir"] = round((t["bwd"] - base["bwd"]) / steps / saves)
-                if name.startswith("ours") and "modules_only" in totals:
+                if name in _TRACKING and "modules_only" in totals:
                     row["per_pack_net_of_module_hooks_ir"] = round(
                         (t["fwd"] - totals["modules_only"]["fwd"]) / steps / saves)
         out["variants"][name] = row

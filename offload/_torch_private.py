@@ -80,7 +80,7 @@ _EMPTY: dict[torch.device, torch.Tensor] = {}
 """One empty tensor per device: what a version tracker's data is swapped for."""
 
 
-def version_tracker(t: torch.Tensor) -> torch.Tensor | None:
+def version_tracker(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor | None:
     """An empty tensor that shares ``t``'s version counter but not its storage.
 
     Why private: autograd keeps no version counter for tensors saved through
@@ -97,7 +97,8 @@ def version_tracker(t: torch.Tensor) -> torch.Tensor | None:
     reference to the tensor).
     """
     try:
-        device = t.device
+        if device is None:
+            device = t.device
         empty = _EMPTY.get(device)
         if empty is None:
             empty = _EMPTY[device] = torch.empty(0, device=device)

@@ -847,7 +847,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             rec = PackRecord(next(self._seq), ledger.current_step, nbytes, tuple(t.shape),
                              _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype), dev, module,
                              KEPT, reason, ptr, st.nbytes())
-            handle = self._offload(t, rec, (dev, ptr), ts, step)
+            handle = self._offload(t, rec, (dev, ptr), ts, step, dtype, device)
             reason = rec.reason
             if handle is None:  # no room on the host (Rule 9)
                 handle = (_saved_alias(t), t._version, step)
@@ -957,7 +957,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         step = self._open_step()
         handle: Any = None
         if not reason:
-            handle = self._offload(t, rec, key, ts, step)
+            handle = self._offload(t, rec, key, ts, step, dtype, device)
         if handle is None:
             handle = (_saved_alias(t), t._version, step)
         unique = 0
@@ -1013,12 +1013,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 return None
         return hc
 
-    def _offload(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int],
-                 ts: _ThreadState, step: _Step) -> _Offloaded | None:
+    def _offload(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int], ts: _ThreadState,
+                 step: _Step, dtype: torch.dtype, device: torch.device) -> _Offloaded | None:
+        # Facts the caller read already come as arguments: rec.shape (a tuple), dtype, device.
         base = t._base
         if base is None:
             base = t
-        es = t.element_size()
+        es = dtype.itemsize
+        shape = rec.shape
+        version = t._version
         hc = self._shared_copy(t, key) if (self.dedupe and key in self._dedupe) else None
         entry = None
         offset = t.storage_offset()
@@ -1053,7 +1056,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if not synchronous:  # (a synchronous copy is never in flight when its handle dies)
                 hc.release = backend.release_after
             hc.synchronous = synchronous
-            hc.version = t._version
+            hc.version = version
             try:  # policy._weak, inlined: once per offloaded tensor
                 hc.base_ref = weakref.ref(base)
             except TypeError:  # a subclass that refuses weak references
@@ -1063,9 +1066,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 # The typed view made for this range last step comes back with it when the
                 # pool replays the step (HostBuffer.cache): no view of either side to make.
                 dst = buf.cache
-                if dst is None or dst.dtype is not t.dtype or dst.shape != t.shape:
+                if dst is None or dst.dtype is not dtype or dst.shape != shape:
                     try:
-                        dst = buf.tensor.view(t.dtype).view(t.shape)
+                        dst = buf.tensor.view(dtype).view(shape)
                     except RuntimeError:  # a dtype view refuses
                         dst = None
                     buf.cache = dst
@@ -1073,7 +1076,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 src = t
             else:
                 dst = buf.tensor
-                src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                src = torch.empty(0, dtype=torch.uint8, device=device).set_(
                     t.untyped_storage(), lo_b, (nbytes,), (1,))
             if _profiler_enabled():
                 with torch.autograd.profiler.record_function("offload::d2h"):
@@ -1101,11 +1104,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         h.hc = hc
         hc.users += 1
         # Lazy conj/neg bits live on the view, not in the bytes (Rule 5).
-        h.layout = (t.shape, t.stride(), (offset * es - hc.lo) // es, t.dtype, t.device, conj, neg)
+        h.layout = (shape, t.stride(), (offset * es - hc.lo) // es, dtype, device, conj, neg)
         # Rule 6: an empty alias sharing t's version counter, not its storage
         # (a weak reference where the tensor refuses one).
-        h.version = t._version
-        tracker = _torch_private.version_tracker(t)
+        h.version = version
+        tracker = _torch_private.version_tracker(t, device)
         h.tracker = tracker if tracker is not None else policy._weak(t)
         h.rec = rec
         h.stash = entry if rec.decision == OFFLOADED else None
