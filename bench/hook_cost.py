@@ -312,7 +312,6 @@ def measure_cpu_time(layers: int, width: int, rounds: int, warmup: int,
             if rnd >= warmup:
                 for phase in ("fwd", "bwd"):
                     samples[name][phase].append(marks[phase])
-    _modules.uninstall()  # this process ran our variants: leave it as it was
     out: dict[str, Any] = {"saves_per_step": saves, "module_calls_per_step": layers + 1, "variants": {}}
     for name in names:
         base = samples["none"]
@@ -520,6 +519,7 @@ def measure_stream_emulated(layers: int, width: int, rounds: int, in_flight: tup
         base = []
         for rnd in range(rounds + 1):
             for which in ("none", "engine"):
+                _prepare("ours_offload" if which == "engine" else "none")
                 c = ctx if which == "engine" else contextlib.nullcontext()
                 marks: dict[str, float] = {}
 
@@ -582,6 +582,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["stream_emulated"] = measure_stream_emulated(args.layers, args.width, max(3, args.rounds // 4), ks)
     if args.instructions:
         result["instructions"] = measure_instructions(args.layers, args.width, args.cg_steps, variants, args.warmup)
+    _modules.uninstall()  # the measurements ran our variants here: leave nn.Module as it was
     result["machine"]["loadavg_after"] = os.getloadavg()
     if args.baseline is not None:
         before = json.loads(args.baseline.read_text())
