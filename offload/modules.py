@@ -9,8 +9,8 @@ hooks would do the same at ~8x the cost per module call, because any global
 hook sends every module call through ``_call_impl``'s slow path
 (``python -m bench.hook_cost``: ``module_dispatch`` vs ``modules_only``). A
 name is resolved lazily, when someone asks (``current_module_name()``, i.e.
-per pack, not per module call), cached per module, and noted beside the
-running module for the other saves of the same call.
+per pack, not per module call), once per module while names stay valid
+(``_names``: one dict read per pack).
 
 # NOTE [ Module names ]
 A module's name is its fully qualified name in its *root model*, prefixed by
@@ -84,7 +84,18 @@ _installs = 0
 """How many times this process wrapped ``nn.Module.__call__`` (NOTE [ Wrapper lifetime ])."""
 _STICKY_AFTER = 8
 """Installs after which the wrapper is never removed automatically (bounded type changes)."""
-_tls = threading.local()
+
+
+class _Local(threading.local):
+    """This thread's module tracking; the class attributes are the defaults of a thread that never tracked."""
+
+    stack: "list[nn.Module] | None" = None
+    """The running modules, outermost first, while a scope is open on this thread; else None."""
+    depth = 0
+    """``track_modules`` scopes open on this thread."""
+
+
+_tls = _Local()
 
 _WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 """Attribute names of wrappers that hold the real module; dropped from names."""
@@ -98,30 +109,26 @@ _tables: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKe
 _cache: dict[int, tuple[weakref.ref, str]] = {}
 """id(module) -> (weak module, name); the hot-path lookup, cleared when roots change."""
 _generation = [0]
-"""Bumped whenever a ``_cache`` entry goes (roots changed, a module died): the name
-``current_module_name`` noted beside a running module is valid only within one generation."""
-_is_compiling = torch.compiler.is_compiling  # one global lookup in the hooks instead of two
+"""Bumped whenever a ``_cache`` entry goes (roots changed, a module died)."""
+_names: dict[int, str] = {}
+"""id(module) -> name, for modules named in the current generation: the pack hook's lookup
+(one dict read, no weak reference to call). Emptied whenever ``_generation`` is bumped, so
+an entry's module is alive (its ``_cache`` entry's weak reference would have bumped it) and
+its name current."""
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling  # True (constant-folded) under Dynamo
+_compiler = torch.compiler
 
 
 def _clear_cache() -> None:
     _cache.clear()
+    _names.clear()
     _generation[0] += 1
 
 
 def _forget(key: int) -> None:
     _cache.pop(key, None)
+    _names.clear()
     _generation[0] += 1
-
-
-def _thread_stack() -> list[nn.Module]:
-    st = getattr(_tls, "stack", None)
-    if st is None:
-        st = _tls.stack = []
-        # Beside each running module: None, or (generation, name) once asked for
-        # (current_module_name), so later saves in the same call read it back.
-        _tls.names = []
-        _tls.depth = 0
-    return st
 
 
 def _root_label(root: nn.Module) -> str:
@@ -221,28 +228,44 @@ def _tracked_call(self: nn.Module, *args, **kwargs):
     Module forward hooks would do the same, but any global hook sends every
     module call in the process through ``_call_impl``'s slow path (~17k
     instructions a call: ``bench.hook_cost``'s ``module_dispatch``); this is
-    one Python frame. Under torch.compile tracing it is the plain call (no
-    graph breaks); saved tensors of a compiled region are packed after it
-    runs, in eager, and are attributed to the module that called it.
+    one Python frame. Under torch.compile (Dynamo tracing, or the rest of a
+    compilation) it is the plain call (no graph breaks); saved tensors of a
+    compiled region are packed after it runs, in eager, and are attributed to
+    the module that called it.
     """
-    if _is_compiling():
+    # Dynamo folds the first test to True, so it never traces the thread-local read.
+    if _is_dynamo_compiling() or _compiler._is_compiling_flag:
         return _call(self, *args, **kwargs)
-    d = _tls.__dict__
-    if d.get("depth", 0) <= 0:
+    stack = _tls.stack
+    if stack is None:  # no scope open on this thread
         return _call(self, *args, **kwargs)
-    stack = d["stack"]
-    names = d["names"]
     i = len(stack)
+    if not i and id(self) not in _names:
+        _name_outermost(self)
     stack.append(self)
-    names.append(None)
     try:
         return _call(self, *args, **kwargs)
     finally:
         # Back to this call's entry, also when an inner call raised (or its entry
-        # is gone: a scope closed at depth 0 cleared the stack meanwhile).
+        # is gone: the scope closed meanwhile and the stack was dropped).
         if len(stack) > i and stack[i] is self:
             del stack[i:]
-            del names[i:]
+
+
+def _name_outermost(module: nn.Module) -> None:
+    """Name a module about to run outermost (it may be a new implicit root, which renames the
+    modules below it), so that later lookups of the modules running inside it are current."""
+    gen = _generation[0]
+    _remember(module, module_name(module, module), gen)
+
+
+def _remember(module: nn.Module, name: str, gen: int) -> None:
+    """Put ``name`` in ``_names`` unless the generation moved on since ``gen`` was read (then it
+    may be stale). Under the lock, so no full clear (``_clear_cache``, always locked) slips in
+    between the test and the write."""
+    with _lock:
+        if _generation[0] == gen:
+            _names[id(module)] = name
 
 
 _call = nn.Module.__call__
@@ -317,15 +340,15 @@ def track_modules(owner: object | None = None) -> Iterator[None]:
             _owners.add(owner)
             weakref.finalize(owner, _owner_gone)
         _install()
-    stack = _thread_stack()
+    if _tls.depth == 0:
+        _tls.stack = []
     _tls.depth += 1
     try:
         yield
     finally:
         _tls.depth -= 1
         if _tls.depth == 0:
-            stack.clear()
-            _tls.names.clear()
+            _tls.stack = None
         with _lock:
             _global_users -= 1
             _settle()
@@ -333,17 +356,16 @@ def track_modules(owner: object | None = None) -> Iterator[None]:
 
 def current_module_name() -> str:
     """Stable name of the innermost running module on this thread (NOTE [ Module names ]), "" if none."""
-    d = _tls.__dict__
-    names = d.get("names")
-    if not names:
+    stack = _tls.stack
+    if not stack:
         return ""
-    # Several saves per module call: the name found for this call holds while no
-    # cached name went (the outermost module cannot change during the call).
+    name = _names.get(id(stack[-1]))
+    return name if name is not None else _name_running(stack)
+
+
+def _name_running(stack: list[nn.Module]) -> str:
+    """``current_module_name`` for a module not named yet in this generation (once per module)."""
     gen = _generation[0]
-    known = names[-1]
-    if known is not None and known[0] == gen:
-        return known[1]
-    stack = d["stack"]
     module = stack[-1]
     outer = stack[0]
     hit = _cache.get(id(outer))
@@ -354,17 +376,16 @@ def current_module_name() -> str:
         name = hit[1]
     else:
         name = module_name(module, outer)
-    if len(names) == len(stack) and stack[-1] is module:
-        names[-1] = (gen, name)  # gen as read first: a bump meanwhile misses next time
+    _remember(module, name, gen)  # gen as read first: a name resolved across a bump is not kept
     return name
 
 
 def current_modules() -> list[nn.Module]:
     """The running modules on this thread, outermost first."""
-    stack = getattr(_tls, "stack", None)
+    stack = _tls.stack
     return list(stack) if stack else []
 
 
 def current_modules_view() -> list[nn.Module]:
     """``current_modules()`` without the copy: this thread's live stack (read it, never change it)."""
-    return _tls.__dict__.get("stack") or []
+    return _tls.stack or []
