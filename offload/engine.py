@@ -100,7 +100,7 @@ from ._warn import user_stacklevel
 from .config import OffloadConfig
 from .errors import OffloadError, _internal_assert
 from .ledger import KEPT, OFFLOADED, Ledger, PackRecord, record_from_log
-from .modules import _generation as _module_generation
+from .modules import _names as _module_names
 from .modules import _tls as _module_tls
 from .modules import current_module_name, current_modules, current_modules_view, register_model, track_modules
 from .pool import PIN_ALLOCATORS, HostBuffer, HostPool
@@ -124,6 +124,10 @@ _PARAMETER, _BUFFER, _OTHER_DEVICE = policy.PARAMETER, policy.BUFFER, policy.OTH
 _EXCLUDED_REGION, _TOO_SMALL = policy.EXCLUDED_REGION, policy.TOO_SMALL
 _IN_BACKWARD, _AFTER_HEAD = policy.IN_BACKWARD, policy.AFTER_HEAD
 _MiB = 1 << 20
+_PLAIN_ITEMSIZE: dict[torch.dtype, int] = {}
+"""dtype -> bytes per element, for the dtypes of plain (not quantized, not nested) tensors the
+pack hook has seen: a hit there skips the two checks (the first tensor of a dtype decides;
+a quantized dtype is never a plain tensor's). Offload candidates still check ``is_nested``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +166,32 @@ def active_engine() -> "OffloadActivations | None":
     return st[-1] if st else None
 
 
+_observer_count = [0]
+"""Observers registered and not removed, on every engine and thread together: while it is 0
+the pack hook skips looking for observers (two lookups, one of them thread-local)."""
+_observer_lock = threading.Lock()
+
+
+class _ObserverHandle(RemovableHandle):
+    """A ``RemovableHandle`` that keeps ``_observer_count`` (an observer dict that dies with
+    observers still in it leaves the count high: packs then look, and find none)."""
+
+    def remove(self) -> None:
+        d = self.hooks_dict_ref()
+        with _observer_lock:
+            if d is not None and self.id in d:
+                _observer_count[0] -= 1
+            super().remove()
+
+
+def _observe(d: "OrderedDict[int, Callable[[PackEvent], None]]", fn: Callable[[PackEvent], None]) -> RemovableHandle:
+    h = _ObserverHandle(d)
+    with _observer_lock:
+        d[h.id] = fn
+        _observer_count[0] += 1
+    return h
+
+
 def add_pack_observer(fn: Callable[[PackEvent], None]) -> RemovableHandle:
     """Call ``fn(event)`` for every pack of any engine active on this thread.
 
@@ -169,10 +199,7 @@ def add_pack_observer(fn: Callable[[PackEvent], None]) -> RemovableHandle:
     their own saved-tensors hooks (only the innermost hooks run, so a
     profiler's hooks inside the engine's would silently turn offloading off).
     """
-    d = _global_observers()
-    h = RemovableHandle(d)
-    d[h.id] = fn
-    return h
+    return _observe(_global_observers(), fn)
 
 
 _NO_SPAN = nullcontext()  # stateless: one instance serves every caller
@@ -387,7 +414,7 @@ class _ThreadState:
     """One thread's forward-side state of one engine (Rule 12)."""
 
     __slots__ = ("excluded_depth", "region_stack", "order", "after_head", "enter_depth",
-                 "modules_cms", "saved")
+                 "modules_cms", "saved", "module_stack")
 
     def __init__(self) -> None:
         self.excluded_depth = 0
@@ -401,6 +428,9 @@ class _ThreadState:
         self.enter_depth = 0
         self.modules_cms: list[Any] = []
         self.saved: tuple[int, int] = (0, 0)
+        self.module_stack: list[nn.Module] | None = None
+        """offload.modules' running-module stack of this thread while the engine is entered on it
+        (stable while a tracking scope is open): the pack hook reads it here, not thread-locally."""
 
 
 # -- argument checks -----------------------------------------------------------
@@ -686,6 +716,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             raise
         st.modules_cms.append(modules_cm)
         st.enter_depth += 1
+        st.module_stack = _module_tls.stack
         return self
 
     def _owns_pack_hook(self, fn: Any) -> bool:
@@ -711,6 +742,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if st.modules_cms:
                 st.modules_cms.pop().__exit__(*exc)
             if st.enter_depth == 0:
+                st.module_stack = None
                 # Undo region state an interrupted forward left behind (an
                 # always-called forward hook does not run on KeyboardInterrupt).
                 depth, n = st.saved
@@ -762,18 +794,17 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def add_observer(self, fn: Callable[[PackEvent], None]) -> RemovableHandle:
         """Call ``fn(event)`` for every pack of this engine."""
-        h = RemovableHandle(self._observers)
-        self._observers[h.id] = fn
-        return h
+        return _observe(self._observers, fn)
 
     # -- pack --------------------------------------------------------------------
 
     def _pack(self, t: torch.Tensor) -> Any:
         # Runs for every saved tensor on the kernel-launching thread: its CPU
-        # time is step time. A plain tensor with a storage takes this path:
-        # each fact about it read once, classification inlined (the same order
-        # as policy.classify), the decision appended to the ledger's logs
-        # (NOTE [ Ledger logs ]), no system call and no lock for a kept tensor.
+        # time is step time (``python -m bench.hook_cost``). A plain tensor with a
+        # storage takes this path: each fact about it read once, and only where
+        # the decision needs it; classification inlined (the same order as
+        # policy.classify); the decision appended to the ledger's logs (NOTE
+        # [ Ledger logs ]); no system call and no lock for a kept tensor.
         # Everything else (subclasses, sparse, nested, quantized, zero tensors,
         # pass-through) goes through _pack_other.
         cls = type(t)
@@ -782,52 +813,63 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         try:
             st = t.untyped_storage()
             ptr = st.data_ptr()
+            shape = t.shape  # a strided nested tensor has no single shape: it raises
         except (RuntimeError, NotImplementedError):
             return self._pack_other(t)  # no plain storage: sparse, mkldnn, efficient zeros
-        if t.is_nested or t.is_quantized:
-            return self._pack_other(t)
+        dtype = t.dtype
+        itemsize = _PLAIN_ITEMSIZE.get(dtype)
+        if itemsize is None:  # a dtype not seen yet, or a quantized one (its quantizer is not in the bytes)
+            if t.is_quantized or t.is_nested:
+                return self._pack_other(t)
+            itemsize = _PLAIN_ITEMSIZE[dtype] = dtype.itemsize
         try:
             ts = self._tls.state
         except AttributeError:
             ts = self._thread()
         device = t.device
-        dev = _DEVICE_NAMES.get(device) or policy.device_name(device)
-        nbytes = t.nbytes
+        nbytes = shape.numel() * itemsize  # t.nbytes, without a tensor getter
         leaf = t.is_leaf
         base = None
-        if cls is _Parameter or getattr(t, "_is_param", False):
-            reason = _PARAMETER  # a weight saved as is (``x * self.w``)
-        elif (base := t._base) is not None and _is_param(base):
-            reason = _PARAMETER
-        elif dev != self._device_name:
-            reason = _OTHER_DEVICE
-        elif ts.excluded_depth > 0:
-            reason = _EXCLUDED_REGION
-        else:
-            if nbytes == 0 or nbytes < self.min_offload_size:
-                reason = _TOO_SMALL
-            elif ptr in self._static_ptrs:
-                reason = _PARAMETER
-            elif leaf:  # with autograd history it is no parameter or buffer (policy._classify)
-                reason = self._running_owner(ptr)
+        if device == self.device:
+            dev = self._device_name
+            if cls is _Parameter:
+                reason = _PARAMETER  # a weight saved as is (``x * self.w``)
+            elif ((base := t._base) is not None and _is_param(base)) or (leaf and getattr(t, "_is_param", False)):
+                reason = _PARAMETER  # a view of a weight (``w.t()``), or a tensor flagged as one
+            elif ts.excluded_depth > 0:
+                reason = _EXCLUDED_REGION
             else:
-                reason = ""
-            if not reason or reason is _TOO_SMALL:
-                # Where it was saved decides for a tensor the policy would move or found too small.
-                if _graph_task_id() >= 0:
-                    reason = _IN_BACKWARD  # Rule 11
-                elif ts.after_head:
-                    reason = _AFTER_HEAD  # Rule 8
-        dtype = t.dtype
+                if nbytes == 0 or nbytes < self.min_offload_size:
+                    reason = _TOO_SMALL
+                elif ptr in self._static_ptrs:
+                    reason = _PARAMETER
+                elif leaf:  # with autograd history it is no parameter or buffer (policy._classify)
+                    reason = self._running_owner(ptr)
+                else:
+                    reason = ""
+                if not reason or reason is _TOO_SMALL:
+                    # Where it was saved decides for a tensor the policy would move or found too small.
+                    if _graph_task_id() >= 0:
+                        reason = _IN_BACKWARD  # Rule 11
+                    elif ts.after_head:
+                        reason = _AFTER_HEAD  # Rule 8
+        else:
+            dev = _DEVICE_NAMES.get(device) or policy.device_name(device)
+            if cls is _Parameter or ((base := t._base) is not None and _is_param(base)) or (
+                    leaf and getattr(t, "_is_param", False)):
+                reason = _PARAMETER
+            else:
+                reason = _OTHER_DEVICE
         ledger = self.ledger
         step = self._step_ref()  # _open_step, inlined
         if step is None:
             step = _Step(self)
             self._step_ref = weakref.ref(step)
-        names = _module_tls.__dict__.get("names")  # current_module_name's cached case, inlined
-        if names:
-            known = names[-1]
-            module = known[1] if known is not None and known[0] == _module_generation[0] else current_module_name()
+        stack = ts.module_stack  # current_module_name, inlined: its named case is one dict read
+        if stack:
+            module = _module_names.get(id(stack[-1]))
+            if module is None:
+                module = current_module_name()
         else:
             module = ""
         if reason:
@@ -836,15 +878,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             # grad_fn), and the version to check at unpack (Rule 6). _saved_alias, inlined.
             handle: Any = (t if leaf else t.detach(), t._version, step)
             # The record as a tuple (NOTE [ Ledger logs ]); the ledger names the dtype on read.
-            rec: Any = (next(self._seq), ledger.current_step, nbytes, t.shape, dtype, dev, module,
-                        KEPT, reason, ptr, st.nbytes())
-            log = ledger.kept_log.get(reason)
-            if log is None:
-                ledger.log_kept(reason, nbytes)
-            else:
-                log.append(nbytes)
+            rec: Any = (next(self._seq), ledger.current_step, nbytes, shape, dtype, dev, module,
+                        KEPT, reason, ptr, len(st))  # len: st.nbytes() without the argument parsing
+            ledger.kept_log[reason].append(nbytes)  # every reason has its list (Ledger.reset)
         else:
-            rec = PackRecord(next(self._seq), ledger.current_step, nbytes, tuple(t.shape),
+            if t.is_nested:  # (only offload candidates pay this check: see _PLAIN_ITEMSIZE)
+                return self._pack_other(t)
+            rec = PackRecord(next(self._seq), ledger.current_step, nbytes, tuple(shape),
                              _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype), dev, module,
                              KEPT, reason, ptr, st.nbytes())
             handle = self._offload(t, rec, (dev, ptr), ts, step, dtype, device)
@@ -861,21 +901,23 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             # The bytes this save's span adds to the step's union of saved spans
             # (offload._spans: what the profilers count too).
             if ptr:
-                lo_b = t.storage_offset() * dtype.itemsize
+                lo_b = t.storage_offset() * itemsize
                 hi_b = lo_b + nbytes if t.is_contiguous() else byte_span(t)[1]
                 ident: Any = (dev, ptr)
                 seen = self._seen.entries
                 if ident not in seen and hi_b > lo_b:
                     # A storage not seen this step (most saves): SpanSet.add_span, inlined.
                     seen[ident] = (weakref.ref(t if base is None else base), lo_b, hi_b)
-                    unique = hi_b - lo_b
+                    ledger.unique_log.append(hi_b - lo_b)
                 else:
                     unique = self._seen.add_span(t, ident, lo_b, hi_b)
+                    if unique:
+                        ledger.unique_log.append(unique)
             else:  # an empty storage (all at address 0): keyed by the tensor itself
                 unique = self._seen.add_span(t, ("id", id(t)), 0, nbytes)
-            if unique:
-                ledger.unique_log.append(unique)
-        if self._observers or _tls.__dict__.get("observers"):
+                if unique:
+                    ledger.unique_log.append(unique)
+        if _observer_count[0] and (self._observers or _tls.__dict__.get("observers")):
             if type(rec) is tuple:
                 rec = record_from_log(rec)  # the observers and the ring share one record
             ledger.records_log.append(rec)
