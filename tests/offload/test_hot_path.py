@@ -569,3 +569,86 @@ def test_kept_leaf_is_held_as_is_and_kept_history_detached():
         del z
         assert ref() is None  # no cycle: freed without the garbage collector
     gc.collect()
+
+
+def test_module_names_follow_renames_and_deaths(fresh_wrapper):
+    """The pack hook's name lookup (``offload.modules._names``, one dict read per pack) is never
+    stale: registering a model that contains an already-named module renames it, and a module that
+    dies takes its entry along (a new module that gets its id is named afresh)."""
+    import gc
+
+    om = fresh_wrapper
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            seen.append((om.current_module_name(), id(self)))
+            return self.lin(x)
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+    seen: list[tuple[str, int]] = []
+    inner = Block()
+    outer = Wrapper(inner)
+    x = torch.randn(2, 4)
+    with om.track_modules():
+        inner(x)  # called on its own: its own root
+        inner(x)
+    om.register_model(outer)
+    with om.track_modules():
+        inner(x)  # now named from the registered model
+    assert [n for n, _ in seen] == ["Block", "Block", "Wrapper.inner"]
+
+    # A named module dies: its entry goes with it, so a new module reusing its id is named for itself.
+    class Other(nn.Module):
+        def forward(self, x):
+            seen.append((om.current_module_name(), id(self)))
+            return x
+
+    seen.clear()
+    doomed = Block()
+    with om.track_modules():
+        doomed(x)
+    old_id = seen[-1][1]
+    assert om._names.get(old_id) == "Block"
+    del doomed
+    gc.collect()
+    assert old_id not in om._names
+    for _ in range(200):  # CPython reuses freed memory: look for a module that landed on old_id
+        fresh = Other()
+        if id(fresh) == old_id:
+            with om.track_modules():
+                fresh(x)
+            assert seen[-1] == ("Other", old_id)
+            break
+        del fresh
+
+
+def test_observer_count_survives_double_removal():
+    """The pack hook looks for observers only while any is registered (``_observer_count``); removing
+    a handle twice must not count it twice, or a live observer would stop seeing packs."""
+    from offload import engine as eng
+
+    model = _toy()
+    ctx = OffloadActivations(device="cpu", min_offload_size=0)
+    base = eng._observer_count[0]
+    first, second = [], []
+    h1 = ctx.add_observer(first.append)
+    h2 = eng.add_pack_observer(second.append)
+    assert eng._observer_count[0] == base + 2
+    h1.remove()
+    h1.remove()  # idempotent, as torch's RemovableHandle is
+    assert eng._observer_count[0] == base + 1
+    with ctx:
+        loss = _loss(model, make_batch(TINY, 2, 16, seed=0))
+    loss.backward()
+    assert not first and second and len(second) == ctx.ledger.summary()["packed_count"]
+    with h2:  # a RemovableHandle is a context manager that removes on exit
+        pass
+    assert eng._observer_count[0] == base
