@@ -13,6 +13,16 @@ of packs (forward) or unpacks (backward):
                   tensor it keeps: count an id, compute the byte size, test
                   device / size / Parameter, store ``(tensor, False)`` in a dict
                   under the id; unpack looks the id up and pops it
+  torchtune_real  torchtune's own ``OffloadActivations`` (its installed
+                  ``training/_activation_offloading.py``, 0.6.x), keeping every
+                  tensor (``min_offload_size=2**40``, no streams, no pinning):
+                  torchtune's real keep path, measured when torchtune is
+                  installed (``pip install --no-deps torchtune==0.6.1``; the file
+                  is loaded alone, with stand-ins for the three imports that
+                  would pull the rest of torchtune and torchao's old NF4 path)
+  trl_keep        TRL's own ``OffloadActivations`` keeping every tensor
+                  (``min_offload_size=2**40``, no streams, no pinning), when TRL
+                  is installed (it is in the ``test`` extra)
   save_on_cpu     ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: on a CPU
                   tensor it allocates an (unpinnable) host tensor and copies
   ours_keep       ``OffloadActivations(device="cpu", min_offload_size=2**40)``:
@@ -94,11 +104,15 @@ def default_out() -> Path:
     return default_run_dir("hook_cost", "cpu") / "hook_cost.json"
 
 
-VARIANTS = ("none", "identity", "torchtune_keep", "save_on_cpu", "ours_keep", "ours_offload", "modules_only",
-            "module_dispatch", "safe_keep_floor", "engine_floor")
+VARIANTS = ("none", "identity", "torchtune_keep", "torchtune_real", "trl_keep", "save_on_cpu", "ours_keep",
+            "ours_offload", "modules_only", "module_dispatch", "safe_keep_floor", "engine_floor")
+OPTIONAL = ("torchtune_real", "trl_keep")
+"""Peers measured only where their package is installed (the JSON says why one is missing)."""
 RATIOS = {
     "ours_offload/save_on_cpu": ("ours_offload", "save_on_cpu"),
     "ours_keep/torchtune_keep": ("ours_keep", "torchtune_keep"),
+    "ours_keep/torchtune_real": ("ours_keep", "torchtune_real"),
+    "ours_keep/trl_keep": ("ours_keep", "trl_keep"),
     "ours_keep/identity": ("ours_keep", "identity"),
     "safe_keep_floor/torchtune_keep": ("safe_keep_floor", "torchtune_keep"),
     "engine_floor/torchtune_keep": ("engine_floor", "torchtune_keep"),
@@ -173,6 +187,86 @@ def _torchtune_keep_hooks() -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+@contextlib.contextmanager
+def _stand_ins(modules: dict[str, Any], attrs: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """``sys.modules`` entries and attributes replaced for the block, all restored after it."""
+    saved_mods = {k: sys.modules.get(k) for k in modules}
+    saved_attrs = [(obj, name, getattr(obj, name)) for obj, name, _ in attrs]
+    sys.modules.update(modules)
+    for obj, name, value in attrs:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, value in saved_attrs:
+            setattr(obj, name, value)
+        for k, v in saved_mods.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def _torchtune_real_hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """torchtune's own OffloadActivations keeping everything (see ``torchtune_real`` in the module docstring).
+
+    Raises ImportError (with how to install it) when torchtune is not installed.
+    """
+    import importlib.util
+    import logging
+    import types
+
+    spec = importlib.util.find_spec("torchtune")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("torchtune is not installed (pip install --no-deps torchtune==0.6.1)")
+    path = Path(next(iter(spec.submodule_search_locations)), "training", "_activation_offloading.py")
+    if not path.exists():
+        raise ImportError(f"torchtune has no {path.relative_to(path.parents[1])} (tested with torchtune 0.6.1)")
+    # Stand-ins for what the file imports but its pack/unpack never use on a kept tensor:
+    # torchtune.modules / torchtune.utils would import the rest of torchtune (omegaconf, ...),
+    # and NF4Tensor moved out of torchao.dtypes in torchao 0.18.
+    tt_modules = types.ModuleType("torchtune.modules")
+    tt_modules.TiedLinear = type("TiedLinear", (), {})  # type: ignore[attr-defined]
+    tt_utils = types.ModuleType("torchtune.utils")
+    tt_utils.get_logger = lambda *a, **k: logging.getLogger("torchtune")  # type: ignore[attr-defined]
+    nf4 = types.ModuleType("torchao.dtypes.nf4tensor")
+    nf4.NF4Tensor = type("NF4Tensor", (torch.Tensor,), {})  # type: ignore[attr-defined]
+    stand_ins: dict[str, Any] = {"torchtune": types.ModuleType("torchtune"), "torchtune.modules": tt_modules,
+                                 "torchtune.utils": tt_utils, "torchao.dtypes.nf4tensor": nf4}
+    if importlib.util.find_spec("torchao") is None:
+        stand_ins["torchao"] = types.ModuleType("torchao")
+    # Its __init__ asks for the CUDA default stream even without streams; a kept tensor never uses it.
+    with _stand_ins(stand_ins, [(torch.cuda, "default_stream", lambda *a, **k: None)]):
+        mod_spec = importlib.util.spec_from_file_location("_torchtune_activation_offloading", path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(mod)
+        return mod.OffloadActivations(use_pin_memory=False, use_streams=False, min_offload_size=1 << 40)
+
+
+def _trl_keep_hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """TRL's own OffloadActivations keeping everything; ImportError when TRL is not installed."""
+    from trl.models.activation_offloading import OffloadActivations as TrlOffload
+
+    # TRL reads the current accelerator's type at construction; on a CPU-only machine there is none,
+    # and "cpu" makes it classify our CPU tensors by size (all of them too small: kept).
+    with _stand_ins({}, [(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cpu"))]):
+        return TrlOffload(use_pin_memory=False, use_streams=False, min_offload_size=1 << 40)
+
+
+def _optional_contexts() -> tuple[dict[str, Callable[[], contextlib.AbstractContextManager]], dict[str, str]]:
+    """The installed optional peers' context factories, and why each missing one is missing."""
+    ctxs: dict[str, Callable[[], contextlib.AbstractContextManager]] = {}
+    missing: dict[str, str] = {}
+    for name, make in (("torchtune_real", _torchtune_real_hooks), ("trl_keep", _trl_keep_hooks)):
+        try:
+            hooks = make()
+        except ImportError as e:
+            missing[name] = str(e)
+            continue
+        ctxs[name] = (lambda h: lambda: h)(hooks)
+    return ctxs, missing
+
+
 _dispatch_stack: list[nn.Module] = []
 
 
@@ -240,6 +334,7 @@ def _contexts() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
         "module_dispatch": _module_dispatch,
         "safe_keep_floor": lambda: floor,
         "engine_floor": lambda: engine_floor,
+        **_optional_contexts()[0],
     }
 
 
@@ -381,6 +476,8 @@ def _callgrind_child(lib: Path, layers: int, width: int, steps: int, variants: t
     model, x, _ = _setup(layers, width)
     ctxs = _contexts()
     for name in variants:
+        if name not in ctxs:  # an optional peer that is not installed
+            continue
         ctx = ctxs[name]
         _prepare(name)
         for _ in range(warmup):  # as many as the CPU-time rounds: the pool's steady state (replay)
@@ -575,6 +672,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_before": load},
         "variants": {v: d.strip() for v, d in _variant_docs().items() if v in variants},
+        "missing_variants": {v: why for v, why in _optional_contexts()[1].items() if v in variants},
     }
     result["cpu_time"] = measure_cpu_time(args.layers, args.width, args.rounds, args.warmup, variants)
     ks = tuple(int(k) for k in args.stream_in_flight.split(",") if k.strip())
