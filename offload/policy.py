@@ -308,7 +308,9 @@ def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excl
     """``classify`` with positional arguments (a keyword call costs the pack hook ~0.2 us)."""
     # is_static_tensor and is_unsupported, inlined for the plain-tensor case.
     if type(t) is _Tensor:
-        if getattr(t, "_is_param", False):
+        if getattr(t, "_is_param", False) and t.is_leaf:
+            # nn.Parameter's flag for a tensor it cannot subclass; a tensor with autograd
+            # history is never a parameter itself (a view of one is caught through _base).
             return PARAMETER
         base = t._base
         if base is not None and _is_param(base):
