@@ -701,9 +701,9 @@ _RECORD_FIELDS = ("step", "nbytes", "shape", "dtype", "device", "module", "decis
            nn.Parameter(torch.zeros(8)), nn.Parameter(torch.zeros(8), requires_grad=False), 8, torch.float32))),
            min_size=1, max_size=6),
        min_size=st.sampled_from([0, 16, 1 << 40]), excluded=st.booleans(), after_head=st.booleans(),
-       with_model=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+       with_model=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), in_backward=st.booleans())
 def test_inlined_pack_decides_and_records_as_the_general_path(kinds, min_size, excluded, after_head, with_model,
-                                                            dtype):
+                                                            dtype, in_backward):
     """The pack hook's inlined path (plain tensors) gives every saved tensor the record, reason, kept
     and offloaded totals and unique bytes that the general path (``_pack_other``, through
     ``policy.classify``) gives it, and a handle that unpacks to the same values: the fast path's
@@ -739,8 +739,24 @@ def test_inlined_pack_decides_and_records_as_the_general_path(kinds, min_size, e
             handles[1].append(engines[1]._pack_other(t))
         return handles
 
+    class Backward(torch.autograd.Function):  # packs made while a backward pass runs (Rule 11)
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            got.append(holder(run))
+            return g
+
+    got: list = []
+    y = Backward.apply(torch.randn(2, requires_grad=True)).sum()  # (built before the engines: nothing saved)
     with engines[0], engines[1]:
-        fast, general = holder(run)
+        if in_backward:
+            y.backward()
+        else:
+            got.append(holder(run))
+    fast, general = got[0]
     recs = [list(e.ledger.records) for e in engines]
     assert len(recs[0]) == len(recs[1]) == len(kinds)
     for kind, a, b in zip(kinds, *recs):
