@@ -830,36 +830,31 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         nbytes = shape.numel() * itemsize  # t.nbytes, without a tensor getter
         leaf = t.is_leaf
         base = None
-        if device == self.device:
-            dev = self._device_name
-            if cls is _Parameter:
-                reason = _PARAMETER  # a weight saved as is (``x * self.w``)
-            elif ((base := t._base) is not None and _is_param(base)) or (leaf and getattr(t, "_is_param", False)):
-                reason = _PARAMETER  # a view of a weight (``w.t()``), or a tensor flagged as one
-            elif ts.excluded_depth > 0:
-                reason = _EXCLUDED_REGION
-            else:
-                if nbytes == 0 or nbytes < self.min_offload_size:
-                    reason = _TOO_SMALL
-                elif ptr in self._static_ptrs:
-                    reason = _PARAMETER
-                elif leaf:  # with autograd history it is no parameter or buffer (policy._classify)
-                    reason = self._running_owner(ptr)
-                else:
-                    reason = ""
-                if not reason or reason is _TOO_SMALL:
-                    # Where it was saved decides for a tensor the policy would move or found too small.
-                    if _graph_task_id() >= 0:
-                        reason = _IN_BACKWARD  # Rule 11
-                    elif ts.after_head:
-                        reason = _AFTER_HEAD  # Rule 8
+        on_device = device == self.device
+        dev = self._device_name if on_device else (_DEVICE_NAMES.get(device) or policy.device_name(device))
+        if cls is _Parameter:
+            reason = _PARAMETER  # a weight saved as is (``x * self.w``)
+        elif ((base := t._base) is not None and _is_param(base)) or (leaf and getattr(t, "_is_param", False)):
+            reason = _PARAMETER  # a view of a weight (``w.t()``), or a tensor flagged as one (policy._classify)
+        elif not on_device:
+            reason = _OTHER_DEVICE
+        elif ts.excluded_depth > 0:
+            reason = _EXCLUDED_REGION
         else:
-            dev = _DEVICE_NAMES.get(device) or policy.device_name(device)
-            if cls is _Parameter or ((base := t._base) is not None and _is_param(base)) or (
-                    leaf and getattr(t, "_is_param", False)):
+            if nbytes == 0 or nbytes < self.min_offload_size:
+                reason = _TOO_SMALL
+            elif ptr in self._static_ptrs:
                 reason = _PARAMETER
+            elif leaf:  # with autograd history it is no parameter or buffer (policy._classify)
+                reason = self._running_owner(ptr)
             else:
-                reason = _OTHER_DEVICE
+                reason = ""
+            if not reason or reason is _TOO_SMALL:
+                # Where it was saved decides for a tensor the policy would move or found too small.
+                if _graph_task_id() >= 0:
+                    reason = _IN_BACKWARD  # Rule 11
+                elif ts.after_head:
+                    reason = _AFTER_HEAD  # Rule 8
         ledger = self.ledger
         step = self._step_ref()  # _open_step, inlined
         if step is None:
@@ -908,15 +903,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 if ident not in seen and hi_b > lo_b:
                     # A storage not seen this step (most saves): SpanSet.add_span, inlined.
                     seen[ident] = (weakref.ref(t if base is None else base), lo_b, hi_b)
-                    ledger.unique_log.append(hi_b - lo_b)
+                    unique = hi_b - lo_b
                 else:
                     unique = self._seen.add_span(t, ident, lo_b, hi_b)
-                    if unique:
-                        ledger.unique_log.append(unique)
             else:  # an empty storage (all at address 0): keyed by the tensor itself
                 unique = self._seen.add_span(t, ("id", id(t)), 0, nbytes)
-                if unique:
-                    ledger.unique_log.append(unique)
+            if unique:
+                ledger.unique_log.append(unique)
         if _observer_count[0] and (self._observers or _tls.__dict__.get("observers")):
             if type(rec) is tuple:
                 rec = record_from_log(rec)  # the observers and the ring share one record
