@@ -115,8 +115,20 @@ _names: dict[int, str] = {}
 (one dict read, no weak reference to call). Emptied whenever ``_generation`` is bumped, so
 an entry's module is alive (its ``_cache`` entry's weak reference would have bumped it) and
 its name current."""
-_is_dynamo_compiling = torch.compiler.is_dynamo_compiling  # True (constant-folded) under Dynamo
-_compiler = torch.compiler
+_is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", None) or torch.compiler.is_compiling
+"""True (constant-folded) while Dynamo traces; a plain ``return False`` in eager."""
+
+
+class _CompilingFlag:
+    """``torch.compiler``'s ``_is_compiling_flag`` for a torch that lacks the module attribute."""
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return torch.compiler.is_compiling()
+
+
+_compiler: object = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag()
+"""Whose ``_is_compiling_flag`` says a compilation is running (AOT tracing after Dynamo, export)."""
 
 
 def _clear_cache() -> None:

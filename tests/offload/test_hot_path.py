@@ -772,3 +772,27 @@ def test_inlined_pack_decides_and_records_as_the_general_path(kinds, min_size, e
             continue  # no values to compare (or no torch.equal for them): the records above decide
         ua, ub = engines[0].unpack_hook(ha), engines[1].unpack_hook(hb)
         assert torch.equal(ua, ub) and ua.stride() == ub.stride(), kind
+
+
+def test_module_calls_are_not_tracked_while_a_compilation_runs(fresh_wrapper, monkeypatch):
+    """While torch compiles (AOT tracing after Dynamo, export: ``torch.compiler``'s compiling flag, or
+    ``is_compiling()`` on a torch without the flag) a module call is the plain call: nothing pushed."""
+    om = fresh_wrapper
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(len(om.current_modules()))
+            return x
+
+    m = Probe()
+    with om.track_modules():
+        m(torch.zeros(1))
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True, raising=False)
+        m(torch.zeros(1))
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False, raising=False)
+        monkeypatch.setattr(om, "_compiler", om._CompilingFlag())  # a torch without the flag
+        m(torch.zeros(1))
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        m(torch.zeros(1))
+    assert seen == [1, 0, 1, 0]
