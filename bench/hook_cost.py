@@ -189,7 +189,12 @@ def _torchtune_keep_hooks() -> torch.autograd.graph.saved_tensors_hooks:
 
 @contextlib.contextmanager
 def _stand_ins(modules: dict[str, Any], attrs: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    """``sys.modules`` entries and attributes replaced for the block, all restored after it."""
+    """``sys.modules`` entries and attributes replaced for the block, all restored after it.
+
+    Only the named entries are restored: unlike ``unittest.mock.patch.dict(sys.modules)``, which
+    would also drop every module first imported inside the block (torchao's, here) and so make
+    the next import load a second copy of it.
+    """
     saved_mods = {k: sys.modules.get(k) for k in modules}
     saved_attrs = [(obj, name, getattr(obj, name)) for obj, name, _ in attrs]
     sys.modules.update(modules)
