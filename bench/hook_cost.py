@@ -27,6 +27,9 @@ of packs (forward) or unpacks (backward):
                   tensor it allocates an (unpinnable) host tensor and copies
   ours_keep       ``OffloadActivations(device="cpu", min_offload_size=2**40)``:
                   every tensor classified, recorded and kept
+  ours_keep_native  ``ours_keep`` with ``native_hooks=True``: the keep path in
+                  C++ (offload/_native/pack.cpp), same decisions and records;
+                  measured where the extension builds (a C++ compiler, ninja)
   ours_offload    ``OffloadActivations(device="cpu", min_offload_size=0)``: every
                   activation copied into the host pool and back
   modules_only    just the engine's module tracking (``track_modules``: a
@@ -93,7 +96,7 @@ import torch
 from torch import nn
 
 from bench.env import default_run_dir
-from offload import OffloadActivations
+from offload import OffloadActivations, OffloadError
 from offload import modules as _modules
 from offload.modules import track_modules
 
@@ -105,13 +108,16 @@ def default_out() -> Path:
 
 
 VARIANTS = ("none", "identity", "torchtune_keep", "torchtune_real", "trl_keep", "save_on_cpu", "ours_keep",
-            "ours_offload", "modules_only", "module_dispatch", "safe_keep_floor", "engine_floor")
-OPTIONAL = ("torchtune_real", "trl_keep")
-"""Peers measured only where their package is installed (the JSON says why one is missing)."""
+            "ours_keep_native", "ours_offload", "modules_only", "module_dispatch", "safe_keep_floor", "engine_floor")
+OPTIONAL = ("torchtune_real", "trl_keep", "ours_keep_native")
+"""Variants measured only where they can run: peers whose package is installed, the native hook where it
+builds (the JSON says why one is missing)."""
 RATIOS = {
     "ours_offload/save_on_cpu": ("ours_offload", "save_on_cpu"),
     "ours_keep/torchtune_keep": ("ours_keep", "torchtune_keep"),
     "ours_keep/torchtune_real": ("ours_keep", "torchtune_real"),
+    "ours_keep_native/torchtune_real": ("ours_keep_native", "torchtune_real"),
+    "ours_keep_native/torchtune_keep": ("ours_keep_native", "torchtune_keep"),
     "ours_keep/trl_keep": ("ours_keep", "trl_keep"),
     "ours_keep/identity": ("ours_keep", "identity"),
     "safe_keep_floor/torchtune_keep": ("safe_keep_floor", "torchtune_keep"),
@@ -120,7 +126,7 @@ RATIOS = {
 """Ratio name -> (numerator, denominator) of per-pack costs; the goal is <= 2 for the first two."""
 _PER_MODULE_CALL = ("modules_only", "module_dispatch")
 """Variants without saved-tensor hooks: their cost is per module call, not per pack."""
-_TRACKING = ("ours_keep", "ours_offload", "modules_only", "engine_floor")
+_TRACKING = ("ours_keep", "ours_keep_native", "ours_offload", "modules_only", "engine_floor")
 """Variants that run with ``nn.Module.__call__`` wrapped (offload.modules); the others run without it."""
 
 
@@ -258,14 +264,20 @@ def _trl_keep_hooks() -> torch.autograd.graph.saved_tensors_hooks:
         return TrlOffload(use_pin_memory=False, use_streams=False, min_offload_size=1 << 40)
 
 
+def _native_keep() -> OffloadActivations:
+    """``ours_keep`` with the keep path in C++ (raises OffloadError, saying why, where it cannot be built)."""
+    return OffloadActivations(device="cpu", min_offload_size=1 << 40, native_hooks=True)
+
+
 def _optional_contexts() -> tuple[dict[str, Callable[[], contextlib.AbstractContextManager]], dict[str, str]]:
     """The installed optional peers' context factories, and why each missing one is missing."""
     ctxs: dict[str, Callable[[], contextlib.AbstractContextManager]] = {}
     missing: dict[str, str] = {}
-    for name, make in (("torchtune_real", _torchtune_real_hooks), ("trl_keep", _trl_keep_hooks)):
+    for name, make in (("torchtune_real", _torchtune_real_hooks), ("trl_keep", _trl_keep_hooks),
+                       ("ours_keep_native", _native_keep)):
         try:
             hooks = make()
-        except ImportError as e:
+        except (ImportError, OffloadError) as e:  # OffloadError: native_hooks=True cannot build here
             missing[name] = str(e)
             continue
         ctxs[name] = (lambda h: lambda: h)(hooks)

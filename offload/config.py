@@ -102,9 +102,11 @@ class OffloadConfig:
     """Time copies (device events on accelerators, clocks on CPU)."""
     pin_allocator: str = "caching"
     """Pinned host memory: "caching" (torch's allocator) or "exact" (cudaHostRegister)."""
+    native_hooks: bool = False
+    """Keep path of the pack hook in C++ (offload._native; built on first use: a compiler, ninja)."""
 
     def __post_init__(self) -> None:
-        for name in ("use_pin_memory", "use_streams", "dedupe", "timing"):
+        for name in ("use_pin_memory", "use_streams", "dedupe", "timing", "native_hooks"):
             _check_bool(name, getattr(self, name))
         _check_int("max_fwd_stash_size", self.max_fwd_stash_size, 1,
                    "it bounds how many tensors may have a device-to-host copy in flight")

@@ -363,6 +363,20 @@ def _unpack_any(handle: Any) -> torch.Tensor:
     raise AssertionError  # unreachable
 
 
+def _load_native() -> Any:
+    """offload._native's built extension, or an error that says why it is not there and what to do."""
+    from . import _native
+
+    try:
+        return _native.load()
+    except _native.NativeUnavailable as e:
+        raise OffloadError(
+            f"OffloadActivations: native_hooks=True, but the C++ pack hook cannot be built here ({e}). "
+            "Install a C++ compiler and ninja (pip install ninja), or pass native_hooks=False: the "
+            "Python hook makes the same decisions, at more CPU time per saved tensor."
+        ) from e
+
+
 def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
     """The engine's pack hook, holding the engine weakly (Rule 10)."""
     ref = weakref.ref(engine)
@@ -516,6 +530,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         pin_allocator: "caching" (default: torch's pinned allocator, which rounds
             each block up to a power of two) or "exact" (CUDA: exact-size buffers
             registered with cudaHostRegister; not yet validated on a GPU).
+        native_hooks: run the pack hook's keep path in C++ (``offload._native``):
+            the same decisions and records for less CPU per kept tensor. Built on
+            first use (needs a C++ compiler and ninja); raises when it cannot be.
         config: an OffloadConfig holding every setting above but ``model``
             (then pass no other setting).
     """
@@ -538,6 +555,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         max_records: int = 10_000,
         timing: bool = True,
         pin_allocator: str = "caching",
+        native_hooks: bool = False,
         config: OffloadConfig | None = None,
     ) -> None:
         if positional:
@@ -557,7 +575,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             max_inflight_bytes=max_inflight_bytes, prefetch_bytes=prefetch_bytes,
             host_budget_bytes=host_budget_bytes, on_host_budget=on_host_budget,
             virtual_memory_safe_pct=virtual_memory_safe_pct, dedupe=dedupe, max_records=max_records,
-            timing=timing, pin_allocator=pin_allocator,
+            timing=timing, pin_allocator=pin_allocator, native_hooks=native_hooks,
         )
         if config is None:
             config = OffloadConfig(**settings)  # validates every setting (type and range)
@@ -650,6 +668,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._owner_memo: dict[tuple[int, int, int], tuple[frozenset[int], frozenset[int]]] = {}
         self._process = psutil.Process()
         self._ram_gauge = policy.RamCeiling()  # virtual_memory_safe_pct, sampled (no system call per tensor)
+        self._native = _load_native() if config.native_hooks else None
         # Rule 10: the pack hook holds the engine weakly; handles hold it.
         self._weak_pack_hook = _weak_pack(self)
         super().__init__(self._weak_pack_hook, _unpack_handle)
@@ -705,7 +724,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if hook is self._weak_pack_hook and not _profiler_enabled():
                 # The bound method itself: no wrapper frame per saved tensor. Only the
                 # thread's hook stack holds it, and only until __exit__ (no cycle: Rule 10).
-                hook = self._pack
+                # native_hooks: a builtin bound the same way, whose keep path is C++.
+                hook = self._pack if self._native is None or not self.enabled else self._native.hook_for(self, st)
             torch._C._autograd._push_saved_tensors_default_hooks(hook, self.unpack_hook)
         except BaseException:
             # A failed enter (e.g. under torch.autograd.graph.disable_saved_tensors_hooks)
@@ -721,8 +741,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _owns_pack_hook(self, fn: Any) -> bool:
         """Whether ``fn`` (a pack hook on the thread's hook stack) is the one ``__enter__`` pushed."""
-        return fn is self.pack_hook or (getattr(fn, "__self__", None) is self
-                                        and getattr(fn, "__func__", None) is OffloadActivations._pack)
+        if fn is self.pack_hook:
+            return True
+        if self._native is not None and self._native.is_hook_of(fn, self):
+            return True
+        return getattr(fn, "__self__", None) is self and getattr(fn, "__func__", None) is OffloadActivations._pack
 
     def _pop_engine(self) -> None:
         st = _engines()

@@ -237,3 +237,128 @@ def run_step(
 
 
 __all__.append("run_step")
+
+
+# -- the pack hook's fast paths against the general path ---------------------------------
+
+
+def saved_tensor_cases(p: nn.Parameter, frozen: nn.Parameter, n: int, dtype: torch.dtype) -> dict:
+    """Tensors the pack hook meets, by kind (built outside any engine: nothing here is packed)."""
+    import warnings
+
+    act = (torch.randn(n, requires_grad=True) * 2).to(dtype)
+    flagged = torch.randn(n)
+    flagged._is_param = True  # what nn.Parameter sets on tensors it cannot subclass
+    flagged_act = torch.randn(n, requires_grad=True).sin()
+    flagged_act._is_param = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested / quantized construction warnings
+        nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+        quantized = torch.quantize_per_tensor(torch.randn(n), 0.1, 0, torch.qint8)
+    return {
+        "activation": act,
+        "activation_view": act[1:],
+        "activation_t": act.view(2, n // 2).t(),  # not contiguous, the whole storage
+        "activation_head": act[: n // 2],
+        "activation_mid": act[n // 4: 3 * n // 4],  # overlaps the head from an offset
+        "activation_strided": act[::2],  # gaps: its span is longer than its bytes
+        "leaf_input": torch.randn(n, requires_grad=True),
+        "no_grad_leaf": torch.randn(n).to(dtype),
+        "int_leaf": torch.randint(0, 9, (n,)),
+        "parameter": p,
+        "frozen_parameter": frozen,
+        "parameter_view": p.view(2, n // 2).t(),  # history: a non-leaf view of a weight
+        "frozen_parameter_view": frozen[::2],  # no history: a leaf view of a weight
+        "parameter_alias": p.detach(),  # a weight's storage through a plain tensor (static ptrs)
+        "flagged_leaf": flagged,
+        "flagged_with_history": flagged_act,
+        "empty": torch.empty(0, requires_grad=True) * 1,
+        "scalar": torch.tensor(3.0, requires_grad=True) * 2,
+        "meta": torch.empty(n, device="meta", requires_grad=True) * 2,
+        "nested": nested,
+        "quantized": quantized,
+        "sparse": torch.randn(4, 4).to_sparse(),
+    }
+
+
+SAVED_TENSOR_KINDS = sorted(saved_tensor_cases(
+    nn.Parameter(torch.zeros(8)), nn.Parameter(torch.zeros(8), requires_grad=False), 8, torch.float32))
+"""The kinds ``saved_tensor_cases`` builds, plus "buffer" (a running module's buffer) when a model is given."""
+
+RECORD_FIELDS = ("step", "nbytes", "shape", "dtype", "device", "module", "decision", "reason", "storage_key",
+                 "storage_nbytes", "copy_bytes", "note")
+"""PackRecord fields two engines that decided alike agree on (all but seq and timings)."""
+
+
+def assert_pack_matches_general(kinds: list[str], min_size: int, excluded: bool, after_head: bool,
+                                with_model: bool, dtype: torch.dtype, in_backward: bool, *,
+                                native: bool = False) -> None:
+    """Pack ``kinds`` through the engine's fast hook (``_pack``, or with ``native`` the C++ hook
+    ``__enter__`` pushes) and through the general path (``_pack_other``, via ``policy.classify``):
+    equal records, totals and unique bytes, and handles that unpack to equal values."""
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = nn.Parameter(torch.randn(8))
+            self.frozen = nn.Parameter(torch.randn(8), requires_grad=False)
+            self.register_buffer("table", torch.randn(8))
+
+        def forward(self, run):
+            return run(self)
+
+    torch.manual_seed(0)
+    holder = Holder()
+    cases = saved_tensor_cases(holder.p, holder.frozen, 8, dtype)
+    cases["buffer"] = holder.table
+    kinds = list(kinds) + (["buffer"] if with_model else [])
+    model = holder if with_model else None
+    engines = [OffloadActivations(device="cpu", min_offload_size=min_size, model=model, native_hooks=native),
+               OffloadActivations(device="cpu", min_offload_size=min_size, model=model)]
+
+    def run(module):
+        handles: tuple[list, list] = ([], [])
+        for eng in engines:
+            ts = eng._thread()
+            ts.excluded_depth = int(excluded)
+            ts.after_head = after_head
+        fast = engines[0]._native.hook_for(engines[0], engines[0]._thread()) if native else engines[0]._pack
+        for kind in kinds:
+            t = cases[kind]
+            handles[0].append(fast(t))
+            handles[1].append(engines[1]._pack_other(t))
+        return handles
+
+    class Backward(torch.autograd.Function):  # packs made while a backward pass runs (Rule 11)
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            got.append(holder(run))
+            return g
+
+    got: list = []
+    y = Backward.apply(torch.randn(2, requires_grad=True)).sum()  # (built before the engines: nothing saved)
+    with engines[0], engines[1]:
+        if in_backward:
+            y.backward()
+        else:
+            got.append(holder(run))
+    fast_handles, general_handles = got[0]
+    recs = [list(e.ledger.records) for e in engines]
+    assert len(recs[0]) == len(recs[1]) == len(kinds)
+    for kind, a, b in zip(kinds, *recs):
+        have = {f: getattr(a, f) for f in RECORD_FIELDS}
+        want = {f: getattr(b, f) for f in RECORD_FIELDS}
+        assert have == want, (kind, have, want)
+    sums = [e.ledger.summary() for e in engines]
+    for key in ("packed_count", "packed_bytes", "offloaded_count", "offloaded_bytes", "kept_count", "kept_bytes",
+                "kept_by_reason", "kept_count_by_reason", "unique_bytes", "d2h_bytes"):
+        assert sums[0][key] == sums[1][key], (key, sums[0][key], sums[1][key])
+    for kind, ha, hb in zip(kinds, fast_handles, general_handles):
+        if kind in ("meta", "nested", "quantized", "sparse"):
+            continue  # no values to compare (or no torch.equal for them): the records above decide
+        ua, ub = engines[0].unpack_hook(ha), engines[1].unpack_hook(hb)
+        assert torch.equal(ua, ub) and ua.stride() == ub.stride(), kind

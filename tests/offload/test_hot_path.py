@@ -24,7 +24,18 @@ from torch import nn
 from offload import OffloadActivations
 from offload.ledger import Ledger, PackRecord
 
-from offload_testkit import TINY, ToyLlama, assert_reconciles, assert_same_grads, cpu_ctx, make_batch, no_gc, twin_of
+from offload_testkit import (
+    SAVED_TENSOR_KINDS,
+    TINY,
+    ToyLlama,
+    assert_pack_matches_general,
+    assert_reconciles,
+    assert_same_grads,
+    cpu_ctx,
+    make_batch,
+    no_gc,
+    twin_of,
+)
 
 
 def _toy() -> ToyLlama:
@@ -654,52 +665,8 @@ def test_observer_count_survives_double_removal():
     assert eng._observer_count[0] == base
 
 
-def _saved_tensor_cases(p: nn.Parameter, frozen: nn.Parameter, n: int, dtype: torch.dtype) -> dict:
-    """Tensors the pack hook meets, by kind (built outside any engine: nothing here is packed)."""
-    import warnings
-
-    act = (torch.randn(n, requires_grad=True) * 2).to(dtype)
-    flagged = torch.randn(n)
-    flagged._is_param = True  # what nn.Parameter sets on tensors it cannot subclass
-    flagged_act = torch.randn(n, requires_grad=True).sin()
-    flagged_act._is_param = True
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # nested / quantized construction warnings
-        nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
-    return {
-        "activation": act,
-        "activation_view": act[1:],
-        "activation_t": act.view(2, n // 2).t(),  # not contiguous, the whole storage
-        "activation_head": act[: n // 2],
-        "activation_mid": act[n // 4: 3 * n // 4],  # overlaps the head from an offset
-        "activation_strided": act[::2],  # gaps: its span is longer than its bytes
-        "leaf_input": torch.randn(n, requires_grad=True),
-        "no_grad_leaf": torch.randn(n).to(dtype),
-        "int_leaf": torch.randint(0, 9, (n,)),
-        "parameter": p,
-        "frozen_parameter": frozen,
-        "parameter_view": p.view(2, n // 2).t(),  # history: a non-leaf view of a weight
-        "frozen_parameter_view": frozen[::2],  # no history: a leaf view of a weight
-        "parameter_alias": p.detach(),  # a weight's storage through a plain tensor (static ptrs)
-        "flagged_leaf": flagged,
-        "flagged_with_history": flagged_act,
-        "empty": torch.empty(0, requires_grad=True) * 1,
-        "scalar": torch.tensor(3.0, requires_grad=True) * 2,
-        "meta": torch.empty(n, device="meta", requires_grad=True) * 2,
-        "nested": nested,
-        "quantized": torch.quantize_per_tensor(torch.randn(n), 0.1, 0, torch.qint8),
-        "sparse": torch.randn(4, 4).to_sparse(),
-    }
-
-
-_RECORD_FIELDS = ("step", "nbytes", "shape", "dtype", "device", "module", "decision", "reason", "storage_key",
-                  "storage_nbytes", "copy_bytes", "note")
-
-
 @settings(max_examples=60, deadline=None)
-@given(kinds=st.lists(st.sampled_from(sorted(_saved_tensor_cases(
-           nn.Parameter(torch.zeros(8)), nn.Parameter(torch.zeros(8), requires_grad=False), 8, torch.float32))),
-           min_size=1, max_size=6),
+@given(kinds=st.lists(st.sampled_from(SAVED_TENSOR_KINDS), min_size=1, max_size=6),
        min_size=st.sampled_from([0, 16, 1 << 40]), excluded=st.booleans(), after_head=st.booleans(),
        with_model=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), in_backward=st.booleans())
 def test_inlined_pack_decides_and_records_as_the_general_path(kinds, min_size, excluded, after_head, with_model,
@@ -708,70 +675,7 @@ def test_inlined_pack_decides_and_records_as_the_general_path(kinds, min_size, e
     and offloaded totals and unique bytes that the general path (``_pack_other``, through
     ``policy.classify``) gives it, and a handle that unpacks to the same values: the fast path's
     reordered reads and checks change the cost, never the decision."""
-
-    class Holder(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.p = nn.Parameter(torch.randn(8))
-            self.frozen = nn.Parameter(torch.randn(8), requires_grad=False)
-            self.register_buffer("table", torch.randn(8))
-
-        def forward(self, run):
-            return run(self)
-
-    torch.manual_seed(0)
-    holder = Holder()
-    cases = _saved_tensor_cases(holder.p, holder.frozen, 8, dtype)
-    cases["buffer"] = holder.table
-    kinds = list(kinds) + (["buffer"] if with_model else [])
-    engines = [OffloadActivations(device="cpu", min_offload_size=min_size, model=holder if with_model else None)
-               for _ in range(2)]
-
-    def run(module):
-        handles = ([], [])
-        for eng in engines:
-            ts = eng._thread()
-            ts.excluded_depth = int(excluded)
-            ts.after_head = after_head
-        for kind in kinds:
-            t = cases[kind]
-            handles[0].append(engines[0]._pack(t))
-            handles[1].append(engines[1]._pack_other(t))
-        return handles
-
-    class Backward(torch.autograd.Function):  # packs made while a backward pass runs (Rule 11)
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            got.append(holder(run))
-            return g
-
-    got: list = []
-    y = Backward.apply(torch.randn(2, requires_grad=True)).sum()  # (built before the engines: nothing saved)
-    with engines[0], engines[1]:
-        if in_backward:
-            y.backward()
-        else:
-            got.append(holder(run))
-    fast, general = got[0]
-    recs = [list(e.ledger.records) for e in engines]
-    assert len(recs[0]) == len(recs[1]) == len(kinds)
-    for kind, a, b in zip(kinds, *recs):
-        got = {f: getattr(a, f) for f in _RECORD_FIELDS}
-        want = {f: getattr(b, f) for f in _RECORD_FIELDS}
-        assert got == want, (kind, got, want)
-    sums = [e.ledger.summary() for e in engines]
-    for key in ("packed_count", "packed_bytes", "offloaded_count", "offloaded_bytes", "kept_count", "kept_bytes",
-                "kept_by_reason", "kept_count_by_reason", "unique_bytes", "d2h_bytes"):
-        assert sums[0][key] == sums[1][key], (key, sums[0][key], sums[1][key])
-    for kind, ha, hb in zip(kinds, fast, general):
-        if kind in ("meta", "nested", "quantized", "sparse"):
-            continue  # no values to compare (or no torch.equal for them): the records above decide
-        ua, ub = engines[0].unpack_hook(ha), engines[1].unpack_hook(hb)
-        assert torch.equal(ua, ub) and ua.stride() == ub.stride(), kind
+    assert_pack_matches_general(kinds, min_size, excluded, after_head, with_model, dtype, in_backward)
 
 
 def test_module_calls_are_not_tracked_while_a_compilation_runs(fresh_wrapper, monkeypatch):

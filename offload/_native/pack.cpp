@@ -1,0 +1,572 @@
+// The keep path of OffloadActivations._pack, in C++ (config: native_hooks=True).
+//
+// Why: the pack hook runs once per saved tensor on the thread that launches
+// kernels, so its CPU time is step time (`python -m bench.hook_cost`). In
+// Python each tensor fact costs a binding call (450-1,000 instructions) and
+// the hook's bytecode about 5k more; here a fact is a field read.
+//
+// What: `pack(t)` (a builtin bound to the engine and this thread's state by
+// `hook_for`, pushed as the pack hook by __enter__) decides and records exactly what the Python
+// `_pack` decides and records for a tensor it KEEPS. Everything else, and any
+// case this file does not know, is handed to `engine._pack(t)` BEFORE any
+// side effect: offload candidates, tensor subclasses, tensors that are not a
+// plain strided TensorImpl (sparse, nested, quantized, functorch wrappers,
+// efficient zeros, meta), tensors on another device, packs on a thread other
+// than the one that entered the engine, and every pack an observer would see
+// (the engine's own, or the thread's). The Python `_pack` is the reference: the two are
+// compared record by record in tests/offload/test_native.py.
+//
+// What can change between two packs (the open step, the ledger's logs, the
+// thread's region state, settings) is read on every call, so the engine stays
+// the single source of truth; what is fixed while the hook is pushed (the
+// engine's ledger, span set, sequence and device, the thread's state) is
+// captured by `hook_for` when __enter__ makes the hook. `configure()` hands
+// over the module-level constants once.
+
+#include <Python.h>
+#include <torch/extension.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <c10/core/impl/COW.h>
+
+#include <typeinfo>
+
+extern PyTypeObject THPSizeType;  // torch/csrc/Size.h (THPSize_New itself is not exported)
+
+namespace {
+
+// An owned reference, released on scope exit.
+struct Ref {
+  PyObject* p = nullptr;
+  Ref() = default;
+  explicit Ref(PyObject* o) : p(o) {}
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  Ref(Ref&& o) noexcept : p(o.p) { o.p = nullptr; }
+  Ref& operator=(Ref&& o) noexcept {
+    if (this != &o) {
+      Py_XDECREF(p);
+      p = o.p;
+      o.p = nullptr;
+    }
+    return *this;
+  }
+  ~Ref() { Py_XDECREF(p); }
+  PyObject* get() const { return p; }
+  PyObject* release() { PyObject* o = p; p = nullptr; return o; }
+  explicit operator bool() const { return p != nullptr; }
+};
+
+// Module-level constants handed over by configure().
+struct Consts {
+  PyObject* tensor_type = nullptr;      // torch.Tensor
+  PyObject* parameter_type = nullptr;   // torch.nn.Parameter
+  PyObject* parameter = nullptr;        // policy.PARAMETER (reasons: compared by identity, as in _pack)
+  PyObject* buffer = nullptr;
+  PyObject* excluded_region = nullptr;
+  PyObject* too_small = nullptr;
+  PyObject* in_backward = nullptr;
+  PyObject* after_head = nullptr;
+  PyObject* kept = nullptr;             // ledger.KEPT
+  PyObject* is_param = nullptr;         // policy._is_param
+  PyObject* module_names = nullptr;     // offload.modules._names (dict: id -> name)
+  PyObject* current_module_name = nullptr;
+  PyObject* observer_count = nullptr;   // engine._observer_count (a one-item list)
+  PyObject* observer_tls = nullptr;     // engine._tls (add_pack_observer's per-thread observers)
+  PyObject* step_type = nullptr;        // engine._Step
+  PyObject* byte_span = nullptr;        // _spans.byte_span
+  PyObject* empty = nullptr;            // ""
+} C;
+
+bool configured = false;
+
+// Interned attribute names.
+PyObject *s_pack, *s_device, *s_device_name, *s_min_offload_size,
+    *s_static_ptrs, *s_excluded_depth, *s_after_head, *s_module_stack, *s_ledger, *s_step_ref,
+    *s_seq, *s_current_step, *s_kept_log, *s_open_used, *s_seen, *s_entries, *s_add_span,
+    *s_unique_log, *s_records_log, *s_running_owner, *s_is_param_attr, *s_append, *s_observers,
+    *s_observers_attr;
+
+bool intern_all() {
+  struct { PyObject** slot; const char* name; } names[] = {
+      {&s_pack, "_pack"},
+      {&s_device, "device"}, {&s_device_name, "_device_name"},
+      {&s_min_offload_size, "min_offload_size"}, {&s_static_ptrs, "_static_ptrs"},
+      {&s_excluded_depth, "excluded_depth"}, {&s_after_head, "after_head"},
+      {&s_module_stack, "module_stack"}, {&s_ledger, "ledger"}, {&s_step_ref, "_step_ref"},
+      {&s_seq, "_seq"}, {&s_current_step, "current_step"}, {&s_kept_log, "kept_log"},
+      {&s_open_used, "_open_used"}, {&s_seen, "_seen"}, {&s_entries, "entries"},
+      {&s_add_span, "add_span"}, {&s_unique_log, "unique_log"}, {&s_records_log, "records_log"},
+      {&s_running_owner, "_running_owner"}, {&s_is_param_attr, "_is_param"}, {&s_append, "append"},
+      {&s_observers, "observers"}, {&s_observers_attr, "_observers"},
+  };
+  for (auto& n : names) {
+    *n.slot = PyUnicode_InternFromString(n.name);
+    if (!*n.slot) return false;
+  }
+  return true;
+}
+
+PyObject* python_pack(PyObject* engine, PyObject* t) {
+  return PyObject_CallMethodOneArg(engine, s_pack, t);
+}
+
+// torch.Size of t (what `t.shape` returns), built as THPSize_New builds it.
+PyObject* size_of(const at::Tensor& t) {
+  auto sizes = t.sizes();
+  PyObject* s = THPSizeType.tp_alloc(&THPSizeType, static_cast<Py_ssize_t>(sizes.size()));
+  if (!s) return nullptr;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    PyObject* v = PyLong_FromLongLong(sizes[i]);
+    if (!v) { Py_DECREF(s); return nullptr; }
+    PyTuple_SET_ITEM(s, static_cast<Py_ssize_t>(i), v);
+  }
+  return s;
+}
+
+// 1 / 0 for a truthy / falsy attribute, -1 with an exception set.
+int attr_true(PyObject* o, PyObject* name) {
+  Ref v(PyObject_GetAttr(o, name));
+  return v ? PyObject_IsTrue(v.get()) : -1;
+}
+
+// getattr(o, name, None), as a new reference or nullptr (-1: an exception is set).
+int lookup(PyObject* o, PyObject* name, PyObject** out) {
+#if PY_VERSION_HEX >= 0x030D0000
+  return PyObject_GetOptionalAttr(o, name, out);
+#else
+  return _PyObject_LookupAttr(o, name, out);
+#endif
+}
+
+// Whether this pack has observers to notify (_pack's test): the engine's own, or
+// this thread's global ones; the process-wide count spares both reads when zero.
+int observed(PyObject* engine) {
+  int any = PyObject_IsTrue(PyList_GET_ITEM(C.observer_count, 0));
+  if (any <= 0) return any;
+  Ref mine(PyObject_GetAttr(engine, s_observers_attr));
+  if (!mine) return -1;
+  int has = PyObject_IsTrue(mine.get());
+  if (has != 0) return has;
+  PyObject* glob = nullptr;
+  if (lookup(C.observer_tls, s_observers, &glob) < 0) return -1;
+  Ref owned(glob);
+  return glob ? PyObject_IsTrue(glob) : 0;
+}
+
+int append(PyObject* seq, PyObject* item) {
+  if (PyList_CheckExact(seq)) return PyList_Append(seq, item);
+  Ref r(PyObject_CallMethodOneArg(seq, s_append, item));
+  return r ? 0 : -1;
+}
+
+struct Facts {
+  int64_t itemsize = 0, nbytes = 0, lo = 0, version = 0;
+  uintptr_t ptr = 0;
+  size_t storage_nbytes = 0;
+  bool leaf = false, view = false, contiguous = false;
+};
+
+bool read_facts(const at::Tensor& t, Facts& f) {
+  try {
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    // Only a plain strided tensor with bytes: every TensorImpl subclass (sparse,
+    // nested, quantized, functorch and functionalization wrappers) goes to Python.
+    if (typeid(*impl) != typeid(c10::TensorImpl) || t.layout() != at::kStrided || t.is_quantized() ||
+        t.is_nested() || t._is_zerotensor() || !t.has_storage() || t.device().is_meta())
+      return false;
+    const c10::Storage& storage = t.storage();
+    // A copy-on-write storage: Python's data_ptr() would materialise it (a new address).
+    if (c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return false;
+    f.itemsize = static_cast<int64_t>(t.element_size());
+    f.nbytes = t.numel() * f.itemsize;
+    f.ptr = reinterpret_cast<uintptr_t>(storage.data());
+    f.storage_nbytes = storage.nbytes();
+    f.lo = t.storage_offset() * f.itemsize;
+    f.contiguous = t.is_contiguous();
+    f.leaf = t.is_leaf();
+    f.view = t.is_view();  // a leaf can be a view too (a frozen weight's w.t())
+    f.version = t._version();
+    (void)t.sizes();  // symbolic sizes raise here, not after a side effect
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// The hook's bound state (hook_for): a tuple of these, in this order.
+enum { H_ENGINE, H_TS, H_THREAD, H_LEDGER, H_SEEN, H_ENTRIES, H_SEQ, H_DEVICE, H_DEV_NAME, H_SIZE };
+
+// Untrack a tuple holding only objects the cycle collector does not follow
+// (what CPython's own collector does to such a tuple on its first pass), so
+// records that live in the ledger's ring are never traversed again.
+void untrack_if_atomic(PyObject* tup) {
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tup); ++i) {
+    PyObject* item = PyTuple_GET_ITEM(tup, i);
+    if (PyObject_IS_GC(item) && PyObject_GC_IsTracked(item)) return;
+  }
+  PyObject_GC_UnTrack(tup);
+}
+
+PyObject* pack_impl(PyObject* state, PyObject* obj) {
+  PyObject* engine = PyTuple_GET_ITEM(state, H_ENGINE);
+  PyTypeObject* cls = Py_TYPE(obj);
+  const bool is_parameter = reinterpret_cast<PyObject*>(cls) == C.parameter_type;
+  if (reinterpret_cast<PyObject*>(cls) != C.tensor_type && !is_parameter) return python_pack(engine, obj);
+  {
+    // Observers see every pack with its tensor: the Python path notifies them.
+    int any = observed(engine);
+    if (any != 0) return any < 0 ? nullptr : python_pack(engine, obj);
+  }
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  // Every fact the decision and the record need, read up front: a tensor any
+  // of them fails on (symbolic sizes, inference tensors, ...) goes to Python.
+  Facts f;
+  if (!read_facts(t, f)) return python_pack(engine, obj);
+  if (t.device() != reinterpret_cast<THPDevice*>(PyTuple_GET_ITEM(state, H_DEVICE))->device)
+    return python_pack(engine, obj);  // another device: the Python path names it
+  // The thread state captured is __enter__'s thread's. Autograd hands the hook
+  // to its device threads with the rest of the thread-local state (a recompute
+  // inside backward): there the Python path reads that thread's own state.
+  if (PyLong_AsUnsignedLong(PyTuple_GET_ITEM(state, H_THREAD)) != PyThread_get_thread_ident())
+    return python_pack(engine, obj);
+  PyObject* ts = PyTuple_GET_ITEM(state, H_TS);  // borrowed, as are the captured objects below
+
+  const int64_t itemsize = f.itemsize;
+  const int64_t nbytes = f.nbytes;
+  const uintptr_t ptr = f.ptr;
+  const bool leaf = f.leaf;
+
+  // The reason, in _pack's order. Python calls here (_is_param, _running_owner)
+  // are the rare cases: a view of a weight, a leaf that is no weight.
+  PyObject* reason = nullptr;  // borrowed
+  Ref owner;                   // keeps _running_owner's result alive
+  Ref base;
+  if (is_parameter) {
+    reason = C.parameter;
+  } else {
+    if (f.view) {
+      base = Ref(THPVariable_Wrap(t._base()));
+      if (!base) return nullptr;
+      Ref p(PyObject_CallOneArg(C.is_param, base.get()));
+      if (!p) return nullptr;
+      int is = PyObject_IsTrue(p.get());
+      if (is < 0) return nullptr;
+      if (is) reason = C.parameter;
+    }
+    if (!reason && leaf) {
+      PyObject* flag = nullptr;
+      if (lookup(obj, s_is_param_attr, &flag) < 0) return nullptr;
+      Ref owned_flag(flag);
+      if (flag) {
+        int is = PyObject_IsTrue(flag);
+        if (is < 0) return nullptr;
+        if (is) reason = C.parameter;
+      }
+    }
+  }
+  if (!reason) {
+    Ref depth(PyObject_GetAttr(ts, s_excluded_depth));
+    if (!depth) return nullptr;
+    long long d = PyLong_AsLongLong(depth.get());
+    if (d == -1 && PyErr_Occurred()) return nullptr;
+    if (d > 0) {
+      reason = C.excluded_region;
+    } else {
+      Ref min_size(PyObject_GetAttr(engine, s_min_offload_size));
+      if (!min_size) return nullptr;
+      long long m = PyLong_AsLongLong(min_size.get());
+      if (m == -1 && PyErr_Occurred()) return nullptr;
+      Ref ptr_obj(PyLong_FromSize_t(ptr));
+      if (!ptr_obj) return nullptr;
+      if (nbytes == 0 || nbytes < m) {
+        reason = C.too_small;
+      } else {
+        Ref statics(PyObject_GetAttr(engine, s_static_ptrs));
+        if (!statics) return nullptr;
+        int in = PySequence_Contains(statics.get(), ptr_obj.get());
+        if (in < 0) return nullptr;
+        if (in) {
+          reason = C.parameter;
+        } else if (leaf) {
+          owner = Ref(PyObject_CallMethodOneArg(engine, s_running_owner, ptr_obj.get()));
+          if (!owner) return nullptr;
+          int nonempty = PyObject_IsTrue(owner.get());
+          if (nonempty < 0) return nullptr;
+          if (nonempty) reason = owner.get();
+        }
+      }
+      if (!reason || reason == C.too_small) {
+        if (torch::autograd::get_current_graph_task_id() >= 0) {
+          reason = C.in_backward;  // Rule 11
+        } else {
+          int after = attr_true(ts, s_after_head);
+          if (after < 0) return nullptr;
+          if (after) reason = C.after_head;  // Rule 8
+        }
+      }
+    }
+  }
+  if (!reason) return python_pack(engine, obj);  // an offload candidate: nothing done yet
+
+  // -- kept: record it (no Python fallback past this line) --------------------
+  PyObject* ledger = PyTuple_GET_ITEM(state, H_LEDGER);
+  Ref step;
+  {
+    Ref step_ref(PyObject_GetAttr(engine, s_step_ref));
+    if (!step_ref) return nullptr;
+    step = Ref(PyObject_CallNoArgs(step_ref.get()));
+    if (!step) return nullptr;
+    if (step.get() == Py_None) {  // _open_step, inlined as in _pack
+      step = Ref(PyObject_CallOneArg(C.step_type, engine));
+      if (!step) return nullptr;
+      Ref wr(PyWeakref_NewRef(step.get(), nullptr));
+      if (!wr || PyObject_SetAttr(engine, s_step_ref, wr.get()) < 0) return nullptr;
+    }
+  }
+  Ref module;
+  {
+    Ref stack(PyObject_GetAttr(ts, s_module_stack));
+    if (!stack) return nullptr;
+    int has = PyObject_IsTrue(stack.get());
+    if (has < 0) return nullptr;
+    if (has) {
+      Ref top(PySequence_GetItem(stack.get(), -1));
+      if (!top) return nullptr;
+      Ref key(PyLong_FromVoidPtr(top.get()));  // id()
+      if (!key) return nullptr;
+      PyObject* name = PyDict_GetItemWithError(C.module_names, key.get());  // borrowed
+      if (name) {
+        Py_INCREF(name);
+        module = Ref(name);
+      } else {
+        if (PyErr_Occurred()) return nullptr;
+        module = Ref(PyObject_CallNoArgs(C.current_module_name));
+        if (!module) return nullptr;
+      }
+    } else {
+      Py_INCREF(C.empty);
+      module = Ref(C.empty);
+    }
+  }
+  PyObject* dev = PyTuple_GET_ITEM(state, H_DEV_NAME);
+
+  // The handle (alias, version, step): a leaf is held as is; a tensor with
+  // history through an alias sharing its storage and version counter but no
+  // grad_fn (Rule 10), what autograd itself saves for an output.
+  Ref alias;
+  if (leaf) {
+    Py_INCREF(obj);
+    alias = Ref(obj);
+  } else {
+    alias = Ref(THPVariable_Wrap(t.tensor_data()));
+    if (!alias) return nullptr;
+  }
+  Ref version(PyLong_FromLongLong(f.version));
+  if (!version) return nullptr;
+  Ref handle(PyTuple_Pack(3, alias.get(), version.get(), step.get()));
+  if (!handle) return nullptr;
+
+  Ref seq(PyIter_Next(PyTuple_GET_ITEM(state, H_SEQ)));
+  if (!seq) return PyErr_Occurred() ? nullptr : (PyErr_SetString(PyExc_RuntimeError, "engine._seq ended"), nullptr);
+  Ref cur(PyObject_GetAttr(ledger, s_current_step));
+  if (!cur) return nullptr;
+  Ref nb(PyLong_FromLongLong(nbytes));
+  Ref shape(size_of(t));
+  if (shape) PyObject_GC_UnTrack(shape.get());  // ints only
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));  // borrowed
+  Ref ptr_obj(PyLong_FromSize_t(ptr));
+  Ref st_nbytes(PyLong_FromSize_t(f.storage_nbytes));
+  if (!nb || !shape || !ptr_obj || !st_nbytes) return nullptr;
+  Ref rec(PyTuple_Pack(11, seq.get(), cur.get(), nb.get(), shape.get(), dtype, dev, module.get(),
+                       C.kept, reason, ptr_obj.get(), st_nbytes.get()));
+  if (!rec) return nullptr;
+  untrack_if_atomic(rec.get());
+  {
+    Ref kept_log(PyObject_GetAttr(ledger, s_kept_log));
+    if (!kept_log) return nullptr;
+    Ref log(PyObject_GetItem(kept_log.get(), reason));  // every reason has its list (Ledger.reset)
+    if (!log || append(log.get(), nb.get()) < 0) return nullptr;
+  }
+  if (PyObject_SetAttr(ledger, s_open_used, Py_True) < 0) return nullptr;
+
+  if (reason != C.parameter && reason != C.buffer) {
+    // The bytes this save's span adds to the step's union of saved spans.
+    PyObject* seen = PyTuple_GET_ITEM(state, H_SEEN);
+    Ref unique;
+    if (ptr) {
+      const int64_t lo = f.lo;
+      int64_t hi;
+      if (f.contiguous) {
+        hi = lo + nbytes;
+      } else {
+        Ref span(PyObject_CallOneArg(C.byte_span, obj));
+        if (!span) return nullptr;
+        Ref hi_obj(PySequence_GetItem(span.get(), 1));
+        if (!hi_obj) return nullptr;
+        hi = PyLong_AsLongLong(hi_obj.get());
+        if (hi == -1 && PyErr_Occurred()) return nullptr;
+      }
+      Ref ident(PyTuple_Pack(2, dev, ptr_obj.get()));
+      PyObject* entries = PyTuple_GET_ITEM(state, H_ENTRIES);
+      Ref lo_obj(PyLong_FromLongLong(lo));
+      Ref hi_obj(PyLong_FromLongLong(hi));
+      if (!ident || !lo_obj || !hi_obj) return nullptr;
+      untrack_if_atomic(ident.get());
+      int present = PyDict_Contains(entries, ident.get());
+      if (present < 0) return nullptr;
+      if (!present && hi > lo) {  // a storage not seen this step (most saves)
+        Ref wr(PyWeakref_NewRef(base ? base.get() : obj, nullptr));
+        if (!wr) return nullptr;
+        Ref entry(PyTuple_Pack(3, wr.get(), lo_obj.get(), hi_obj.get()));
+        if (!entry || PyDict_SetItem(entries, ident.get(), entry.get()) < 0) return nullptr;
+        unique = Ref(PyLong_FromLongLong(hi - lo));
+      } else {
+        unique = Ref(PyObject_CallMethodObjArgs(seen, s_add_span, obj, ident.get(), lo_obj.get(),
+                                                hi_obj.get(), nullptr));
+      }
+    } else {  // an empty storage (all at address 0): keyed by the tensor itself
+      Ref id_obj(PyLong_FromVoidPtr(obj));
+      Ref id_str(PyUnicode_FromString("id"));
+      if (!id_obj || !id_str) return nullptr;
+      Ref ident(PyTuple_Pack(2, id_str.get(), id_obj.get()));
+      Ref zero(PyLong_FromLong(0));
+      if (!ident || !zero) return nullptr;
+      unique = Ref(PyObject_CallMethodObjArgs(seen, s_add_span, obj, ident.get(), zero.get(), nb.get(),
+                                              nullptr));
+    }
+    if (!unique) return nullptr;
+    int nonzero = PyObject_IsTrue(unique.get());
+    if (nonzero < 0) return nullptr;
+    if (nonzero) {
+      Ref unique_log(PyObject_GetAttr(ledger, s_unique_log));
+      if (!unique_log || append(unique_log.get(), unique.get()) < 0) return nullptr;
+    }
+  }
+  Ref records(PyObject_GetAttr(ledger, s_records_log));
+  if (!records || append(records.get(), rec.get()) < 0) return nullptr;
+  return handle.release();
+}
+
+PyObject* pack(PyObject* state, PyObject* obj) {
+  try {
+    return pack_impl(state, obj);
+  } catch (const std::exception& e) {  // c10::Error included: never let one cross into Python
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef pack_def = {"_native_pack", reinterpret_cast<PyCFunction>(pack), METH_O,
+                        "OffloadActivations' pack hook, keep path in C++ (offload/_native/pack.cpp)."};
+
+// hook_for(engine, thread_state): called by __enter__ on the thread it pushes the hook on.
+PyObject* hook_for(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!configured) {
+    PyErr_SetString(PyExc_RuntimeError, "offload._native: configure() was not called");
+    return nullptr;
+  }
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "hook_for(engine, thread_state)");
+    return nullptr;
+  }
+  PyObject* engine = args[0];
+  Ref state(PyTuple_New(H_SIZE));
+  if (!state) return nullptr;
+  Py_INCREF(engine);
+  PyTuple_SET_ITEM(state.get(), H_ENGINE, engine);
+  Py_INCREF(args[1]);
+  PyTuple_SET_ITEM(state.get(), H_TS, args[1]);
+  PyObject* thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+  if (!thread) return nullptr;
+  PyTuple_SET_ITEM(state.get(), H_THREAD, thread);
+  Ref ledger(PyObject_GetAttr(engine, s_ledger));
+  Ref seen(PyObject_GetAttr(engine, s_seen));
+  Ref entries(seen ? PyObject_GetAttr(seen.get(), s_entries) : nullptr);
+  Ref seq(PyObject_GetAttr(engine, s_seq));
+  Ref device(PyObject_GetAttr(engine, s_device));
+  Ref dev_name(PyObject_GetAttr(engine, s_device_name));
+  if (!ledger || !entries || !seq || !device || !dev_name) return nullptr;
+  if (!THPDevice_Check(device.get()) || !PyDict_CheckExact(entries.get()) || !PyIter_Check(seq.get())) {
+    PyErr_SetString(PyExc_TypeError, "offload._native.hook_for: the engine has no device (pass-through), "
+                                     "or its span set or sequence is not what pack.cpp expects");
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(state.get(), H_LEDGER, ledger.release());
+  PyTuple_SET_ITEM(state.get(), H_SEEN, seen.release());
+  PyTuple_SET_ITEM(state.get(), H_ENTRIES, entries.release());
+  PyTuple_SET_ITEM(state.get(), H_SEQ, seq.release());
+  PyTuple_SET_ITEM(state.get(), H_DEVICE, device.release());
+  PyTuple_SET_ITEM(state.get(), H_DEV_NAME, dev_name.release());
+  // A builtin bound to the state: it holds the engine while pushed, as the bound
+  // method _pack does (only the thread's hook stack holds it, until __exit__).
+  return PyCFunction_New(&pack_def, state.get());
+}
+
+PyObject* is_hook_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "is_hook_of(fn, engine)");
+    return nullptr;
+  }
+  PyObject* fn = args[0];
+  bool ours = PyCFunction_Check(fn) && reinterpret_cast<PyCFunctionObject*>(fn)->m_ml == &pack_def &&
+              PyTuple_GET_ITEM(PyCFunction_GET_SELF(fn), H_ENGINE) == args[1];
+  return PyBool_FromLong(ours);
+}
+
+PyObject* configure(PyObject*, PyObject* kwargs) {
+  if (!PyDict_Check(kwargs)) {
+    PyErr_SetString(PyExc_TypeError, "configure(dict)");
+    return nullptr;
+  }
+  struct { PyObject** slot; const char* key; } items[] = {
+      {&C.tensor_type, "tensor_type"}, {&C.parameter_type, "parameter_type"}, {&C.parameter, "parameter"},
+      {&C.buffer, "buffer"}, {&C.excluded_region, "excluded_region"}, {&C.too_small, "too_small"},
+      {&C.in_backward, "in_backward"}, {&C.after_head, "after_head"}, {&C.kept, "kept"},
+      {&C.is_param, "is_param"}, {&C.module_names, "module_names"},
+      {&C.current_module_name, "current_module_name"}, {&C.observer_count, "observer_count"},
+      {&C.step_type, "step_type"}, {&C.byte_span, "byte_span"}, {&C.observer_tls, "observer_tls"},
+  };
+  for (auto& it : items) {
+    PyObject* v = PyDict_GetItemString(kwargs, it.key);  // borrowed
+    if (!v) {
+      PyErr_Format(PyExc_KeyError, "offload._native.configure: missing %s", it.key);
+      return nullptr;
+    }
+    Py_INCREF(v);
+    Py_XSETREF(*it.slot, v);
+  }
+  if (!PyDict_Check(C.module_names) || !PyList_Check(C.observer_count) || PyList_GET_SIZE(C.observer_count) < 1) {
+    PyErr_SetString(PyExc_TypeError, "offload._native.configure: module_names must be a dict, "
+                                     "observer_count a one-item list");
+    return nullptr;
+  }
+  if (!C.empty && !(C.empty = PyUnicode_InternFromString(""))) return nullptr;
+  configured = true;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"configure", configure, METH_O, "Hand over the engine module's constants (once, at load)."},
+    {"hook_for", reinterpret_cast<PyCFunction>(hook_for), METH_FASTCALL,
+     "hook_for(engine, thread_state): the pack hook __enter__ pushes on this thread."},
+    {"is_hook_of", reinterpret_cast<PyCFunction>(is_hook_of), METH_FASTCALL,
+     "Whether fn is the hook hook_for(engine) made."},
+    {nullptr, nullptr, 0, nullptr}};
+
+#define OFFLOAD_STR_(x) #x
+#define OFFLOAD_STR(x) OFFLOAD_STR_(x)
+#define OFFLOAD_CAT_(a, b) a##b
+#define OFFLOAD_CAT(a, b) OFFLOAD_CAT_(a, b)
+
+// TORCH_EXTENSION_NAME: torch's JIT build names a rebuilt source offload_native_pack_v1, _v2, ...
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, OFFLOAD_STR(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC OFFLOAD_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  if (!intern_all()) return nullptr;
+  return PyModule_Create(&module_def);
+}

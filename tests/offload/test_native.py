@@ -1,0 +1,277 @@
+"""``native_hooks=True``: the pack hook's keep path in C++ (offload/_native) decides, records and keeps
+exactly what the Python hook does, and hands everything else to it.
+
+The extension is built on first use (about 20 s). Where it cannot be built the tests skip with the
+reason, except in CI (``CI=true``), where that is a failure: CI must test it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from offload import OffloadActivations, OffloadConfig, OffloadError, _native, add_pack_observer
+from offload import engine as eng_mod
+from offload import get_act_offloading_ctx_manager
+
+from offload_testkit import (
+    RECORD_FIELDS,
+    SAVED_TENSOR_KINDS,
+    assert_pack_matches_general,
+    assert_same_grads,
+    loss_of,
+    make_inputs,
+    make_model,
+    no_gc,
+    run_step,
+    twin_of,
+)
+
+INPLACE = "modified by an inplace operation"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_built():
+    try:
+        return _native.load()
+    except _native.NativeUnavailable as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must build offload's native pack hook: {e}")
+        pytest.skip(f"offload's native pack hook cannot be built here: {e}")
+
+
+def _timing_free(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if not k.endswith("_seconds") and k not in ("pool", "bandwidth")}
+
+
+@settings(max_examples=60, deadline=None)
+@given(kinds=st.lists(st.sampled_from(SAVED_TENSOR_KINDS), min_size=1, max_size=6),
+       min_size=st.sampled_from([0, 16, 1 << 40]), excluded=st.booleans(), after_head=st.booleans(),
+       with_model=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), in_backward=st.booleans())
+def test_native_pack_decides_and_records_as_the_general_path(kinds, min_size, excluded, after_head, with_model,
+                                                           dtype, in_backward):
+    """For random mixes of 23 kinds of saved tensors (activations and their views, leaves, weights,
+    frozen weights and views of both, aliases, flagged tensors, empty, scalar, meta, nested, quantized,
+    sparse, a running module's buffer), under every size / region / head / in-backward state: the C++
+    hook's records, totals, unique bytes and unpacked values are the general path's."""
+    assert_pack_matches_general(kinds, min_size, excluded, after_head, with_model, dtype, in_backward, native=True)
+
+
+def _engines(model: nn.Module | None, **kw) -> list[OffloadActivations]:
+    if model is not None:
+        return [get_act_offloading_ctx_manager(model, True, device="cpu", native_hooks=n, **kw) for n in (False, True)]
+    return [OffloadActivations(device="cpu", native_hooks=n, **kw) for n in (False, True)]
+
+
+@pytest.mark.parametrize("min_size", [0, 1024, 1 << 40], ids=["offload_all", "default", "keep_all"])
+@pytest.mark.parametrize("kind", ["mlp", "conv", "toy", "toy_tied"])
+def test_native_training_steps_match_the_python_hook(kind, min_size):
+    """Three steps of each model: bitwise the no-offload twin's loss and grads, and the Python hook's
+    ledger (every record, every total) and pool; head exclusion on for the toy LMs."""
+    models = [make_model(kind) for _ in range(2)]
+    twin = twin_of(models[0])
+    head = kind.startswith("toy")
+    engines = [_engines(m if head else None, min_offload_size=min_size)[i] for i, m in enumerate(models)]
+    for step in range(3):
+        inputs = make_inputs(kind, seed=20 + step)
+        want = run_step(twin, inputs)
+        for model, ctx in zip(models, engines):
+            got = run_step(model, inputs, ctx)
+            assert torch.equal(got, want), (kind, step, ctx.config.native_hooks)
+            assert_same_grads(model, twin)
+        for m in (*models, twin):
+            m.zero_grad(set_to_none=True)
+    recs = [list(e.ledger.records) for e in engines]
+    assert len(recs[0]) == len(recs[1]) > 0
+    fields = [f for f in RECORD_FIELDS if f != "storage_key"]  # addresses: two runs, two allocations
+    for a, b in zip(*recs):
+        assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}
+    sums = [_timing_free(e.ledger.summary()) for e in engines]
+    assert sums[0] == sums[1]
+    assert engines[0].pool.stats()["allocations"] == engines[1].pool.stats()["allocations"]
+    reasons = set(sums[1]["kept_by_reason"])
+    if head:
+        assert "after_head" in reasons or "excluded_region" in reasons, reasons
+
+
+def test_native_hook_is_what_enter_pushes_and_it_holds_nothing_after_exit():
+    """__enter__ pushes the C++ hook (recognised as the engine's own); after __exit__ nothing holds the
+    engine: an engine built per step is freed by reference counting (Rule 10)."""
+    ctx = OffloadActivations(device="cpu", native_hooks=True)
+    with ctx:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        assert type(top[0]).__name__ == "builtin_function_or_method" and ctx._owns_pack_hook(top[0])
+        assert not OffloadActivations(device="cpu")._owns_pack_hook(top[0])
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    a = torch.randn(64, requires_grad=True)
+    with no_gc():
+        ctx = OffloadActivations(device="cpu", native_hooks=True, min_offload_size=1 << 30)
+        with ctx:
+            y = a.exp()  # kept: a saved output
+        y.sum().backward()
+        ref = weakref.ref(ctx)
+        del ctx, y
+        assert ref() is None
+
+
+def test_native_kept_saved_output_forms_no_cycle():
+    """A kept saved output (exp saves its result) is freed by refcount: the handle holds an alias with
+    no grad_fn, and forward-only steps free their graphs at once (issue 12 item 4)."""
+    a = torch.randn(256, requires_grad=True)
+    ctx = OffloadActivations(device="cpu", native_hooks=True, min_offload_size=1 << 30)
+    with no_gc():
+        for _ in range(3):
+            with ctx:
+                y = a.exp().tanh()
+            ref = weakref.ref(y)
+            del y
+            assert ref() is None
+            assert ctx._step_ref() is None, "a handle of the freed graph is still alive"
+
+
+def test_native_kept_tensor_modified_in_place_raises_autograd_error():
+    """Rule 6 on the C++ path: the alias shares the version counter, so autograd's in-place error is
+    raised at backward, as without offloading (issue 12 item 1)."""
+    a = torch.randn(64, requires_grad=True)
+    with OffloadActivations(device="cpu", native_hooks=True, min_offload_size=1 << 30):
+        x = a.exp()
+        out = (x * x).sum()
+    x.masked_fill_(a > 0, 0.5)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        out.backward()
+
+
+def test_native_hands_observed_and_foreign_thread_packs_to_python():
+    """While an observer is registered on the engine the Python hook runs (it notifies), not for another
+    engine's observer; a pack on a thread other than __enter__'s (autograd's device threads) reads that
+    thread's state through the Python hook."""
+    ctx = OffloadActivations(device="cpu", native_hooks=True, min_offload_size=1 << 30)
+    other = OffloadActivations(device="cpu")
+    other_handle = other.add_observer(lambda e: None)  # the process-wide count is not zero from here on
+    seen = []
+    calls = []
+    real = OffloadActivations._pack
+
+    def spy(self, t):
+        calls.append(threading.get_ident())
+        return real(self, t)
+
+    a = torch.randn(8, requires_grad=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(OffloadActivations, "_pack", spy)
+        with ctx:
+            a.exp().sum().backward()
+        assert calls == []  # kept tensors: the C++ hook alone
+        handle = ctx.add_observer(seen.append)
+        with ctx:
+            a.exp().sum().backward()
+        assert len(calls) == 1 and len(seen) == 1
+        handle.remove()
+        with ctx:
+            a.exp().sum().backward()
+        assert len(calls) == 1  # the C++ hook again
+        with add_pack_observer(seen.append), ctx:  # this thread's observers see every engine's packs
+            a.exp().sum().backward()
+        assert len(calls) == 2 and len(seen) == 2
+        with ctx:
+            hook = torch._C._autograd._top_saved_tensors_default_hooks(False)[0]
+            ctx._thread().excluded_depth = 1  # the entering thread's state: "excluded_region" there
+            out = []
+            th = threading.Thread(target=lambda: out.append(hook(a.sin())))
+            th.start()
+            th.join()
+            ctx._thread().excluded_depth = 0
+        assert len(calls) == 3 and calls[-1] != threading.get_ident()
+    assert ctx.ledger.records[-1].reason == "too_small"  # the other thread's own (fresh) state
+    other_handle.remove()
+
+
+def test_native_hooks_setting_is_checked_and_unavailability_is_explained(monkeypatch):
+    with pytest.raises(TypeError, match="native_hooks"):
+        OffloadConfig(native_hooks="yes")
+    assert OffloadConfig.from_dict({"native_hooks": True}).native_hooks is True
+
+    def unavailable():
+        raise _native.NativeUnavailable("RuntimeError: Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(_native, "load", unavailable)
+    with pytest.raises(OffloadError, match="native_hooks=True.*Ninja is required.*native_hooks=False"):
+        OffloadActivations(device="cpu", native_hooks=True)
+    OffloadActivations(device="cpu")  # the default never builds or loads it
+
+
+def test_native_pass_through_engine_uses_the_python_hook():
+    """A pass-through engine (no device) keeps the Python hook: it records reason 'disabled'."""
+    if torch.accelerator.is_available():
+        pytest.skip("pass-through needs a machine without an accelerator")
+    with pytest.warns(UserWarning, match="pass-through"):
+        ctx = OffloadActivations(device=None, native_hooks=True)
+    a = torch.randn(8, requires_grad=True)
+    with ctx:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)[0]
+        assert getattr(top, "__func__", None) is OffloadActivations._pack
+        a.exp().sum().backward()
+    assert {r.reason for r in ctx.ledger.records} == {"disabled"}
+
+
+def test_native_constants_match_the_engine_module():
+    """configure() got the engine's own objects (identity compares in C++ rely on it)."""
+    consts = _native._constants()
+    assert consts["observer_count"] is eng_mod._observer_count
+    assert consts["step_type"] is eng_mod._Step
+    assert consts["parameter"] is eng_mod._PARAMETER
+
+
+def test_native_loss_of_toy_under_autocast_matches():
+    """bf16 autocast on CPU: casts saved inside autocast go through the C++ hook, bitwise the twin."""
+    model = make_model("toy")
+    twin = twin_of(model)
+    inputs = make_inputs("toy")
+    ctx = get_act_offloading_ctx_manager(model, True, device="cpu", native_hooks=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with ctx:
+            got = loss_of(model, inputs)
+        got.backward()
+        want = loss_of(twin, inputs)
+        want.backward()
+    assert torch.equal(got, want)
+    assert_same_grads(model, twin)
+
+
+def test_native_under_torch_compile_bitwise():
+    """A torch.compile'd toy Llama under the C++ hook (kept and offloaded saves mixed): the compiled
+    twin's loss and grads bit for bit, and the Python hook's records."""
+    import dataclasses
+
+    from offload_testkit import TINY, ToyLlama
+
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        model = ToyLlama(dataclasses.replace(TINY, n_layers=1))
+        compiled = torch.compile(model)
+        inputs = make_inputs("toy")
+        want = loss_of(compiled, inputs)
+        want.backward()
+        ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+        records = []
+        for native in (True, False):
+            model.zero_grad(set_to_none=True)
+            ctx = OffloadActivations(device="cpu", native_hooks=native)
+            with ctx:
+                got = loss_of(compiled, inputs)
+            got.backward()
+            assert torch.equal(got, want)
+            for n, p in model.named_parameters():
+                assert torch.equal(p.grad, ref[n]), (native, n)
+            records.append([(r.reason, r.decision, r.nbytes, r.shape) for r in ctx.ledger.records])
+        assert records[0] == records[1] and {"too_small"} <= {r[0] for r in records[0]}
+    finally:
+        torch._dynamo.reset()
