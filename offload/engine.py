@@ -830,6 +830,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # [ Ledger logs ]); no system call and no lock for a kept tensor.
         # Everything else (subclasses, sparse, nested, quantized, zero tensors,
         # pass-through) goes through _pack_other.
+        # native_hooks=True: offload/_native/pack.cpp restates the keep path of
+        # this method in C++; a change to what a kept tensor gets here is a change
+        # there too (tests/offload/test_native.py compares the two, record by record).
         cls = type(t)
         if (cls is not _Tensor and cls is not _Parameter) or not self.enabled:
             return self._pack_other(t)
