@@ -61,6 +61,12 @@ Two measures, in one run:
     run time. Deterministic, so it is the measure to compare across machines
     and commits (files before ``warmup_steps`` was recorded used one warm-up step).
 
+Plus the cycle collector's share (``--gc-steps``): each keep variant runs that many
+steps in a row with no forced collection (the CPU-time rounds collect before each
+round, which hides it), counting the collections each generation ran and the time
+they took, per pack: what long-lived objects the hooks leave behind (records, handles)
+cost in full collections, whose price grows with everything else the process holds.
+
 Plus an emulated side-stream measurement: the engine's stream backend on fake
 events that complete in order, K copies behind the newest, giving the pack
 cost as a function of copies in flight (it must not grow with K).
@@ -618,6 +624,52 @@ class _FakeDeviceModule:
         yield
 
 
+_GC_VARIANTS = ("none", "torchtune_real", "trl_keep", "ours_keep", "ours_keep_native")
+
+
+def measure_gc(layers: int, width: int, steps: int, variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+    """Collections by generation, and their time per pack, over ``steps`` uncollected steps per variant."""
+    model, x, saves = _setup(layers, width)
+    ctxs = _contexts()
+    names = [v for v in _GC_VARIANTS if v in variants and v in ctxs]
+    current: list[str | None] = [None]
+    started = [0.0]
+    runs: dict[str, dict[int, list[float]]] = {n: {0: [], 1: [], 2: []} for n in names}
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if current[0] is None:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            runs[current[0]][info["generation"]].append(time.perf_counter() - started[0])
+
+    out: dict[str, Any] = {"steps": steps, "saves_per_step": saves, "tracked_objects": 0, "variants": {}}
+    gc.callbacks.append(on_gc)
+    try:
+        for name in names:
+            _prepare(name)
+            for _ in range(3):  # warm-up, as everywhere else
+                _step(model, x, ctxs[name](), lambda phase: None)
+            gc.collect()
+            out["tracked_objects"] = max(out["tracked_objects"], len(gc.get_objects()))
+            current[0] = name
+            for _ in range(steps):
+                _step(model, x, ctxs[name](), lambda phase: None)
+            current[0] = None
+    finally:
+        current[0] = None
+        gc.callbacks.remove(on_gc)
+    for name, by_gen in runs.items():
+        packs = steps * saves
+        out["variants"][name] = {
+            "collections": {str(g): len(ts) for g, ts in by_gen.items()},
+            "gc_ns_per_pack": {str(g): sum(ts) * 1e9 / packs for g, ts in by_gen.items()},
+            "gc_ns_per_pack_total": sum(sum(ts) for ts in by_gen.values()) * 1e9 / packs,
+        }
+    return out
+
+
 def measure_stream_emulated(layers: int, width: int, rounds: int, in_flight: tuple[int, ...]) -> dict[str, Any]:
     """Per-pack CPU time (ns) of the offloading engine on an emulated side stream, by copies in flight."""
     from offload.streams import StreamBackend
@@ -661,6 +713,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--cg-steps", type=int, default=3, help="steps per variant under callgrind")
     p.add_argument("--instructions", action=argparse.BooleanOptionalAction, default=True,
                    help="also count instructions under callgrind (skipped with a reason when unavailable)")
+    p.add_argument("--gc-steps", type=int, default=100,
+                   help="uncollected steps per keep variant for the cycle collector's share (0 to skip)")
     p.add_argument("--stream-in-flight", default="0,64,500",
                    help="copies in flight for the emulated side-stream measurement ('' to skip)")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -692,6 +746,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "missing_variants": {v: why for v, why in _optional_contexts()[1].items() if v in variants},
     }
     result["cpu_time"] = measure_cpu_time(args.layers, args.width, args.rounds, args.warmup, variants)
+    if args.gc_steps > 0:
+        result["gc"] = measure_gc(args.layers, args.width, args.gc_steps, variants)
     ks = tuple(int(k) for k in args.stream_in_flight.split(",") if k.strip())
     if ks:
         result["stream_emulated"] = measure_stream_emulated(args.layers, args.width, max(3, args.rounds // 4), ks)
@@ -752,6 +808,11 @@ def _table(result: dict[str, Any]) -> str:
     if ins:
         lines.append(f"ratios (Ir): {result['instructions']['ratios_per_pack']}")
         lines.append(f"ratios (Ir, net): {result['instructions']['ratios_per_pack_net_of_module_hooks']}")
+    if "gc" in result:
+        g = result["gc"]
+        lines.append(f"cycle collector over {g['steps']} uncollected steps ({g['tracked_objects']} tracked objects): "
+                     + ", ".join(f"{n} {v['gc_ns_per_pack_total']:.0f} ns/pack (full collections: "
+                                 f"{v['collections']['2']})" for n, v in g["variants"].items()))
     if "stream_emulated" in result:
         em = result["stream_emulated"]["per_pack_ns_by_in_flight"]
         lines.append("emulated stream, ns per pack by copies in flight: "

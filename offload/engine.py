@@ -899,7 +899,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             # grad_fn), and the version to check at unpack (Rule 6). _saved_alias, inlined.
             handle: Any = (t if leaf else t.detach(), t._version, step)
             # The record as a tuple (NOTE [ Ledger logs ]); the ledger names the dtype on read.
-            rec: Any = (next(self._seq), ledger.current_step, nbytes, shape, dtype, dev, module,
+            # tuple(shape), not the torch.Size: a tuple of ints, strings, a dtype and a tuple
+            # of ints is untracked by the cycle collector at its first pass, so the records
+            # ring never grows the old generation (whose growth triggers full collections).
+            rec: Any = (next(self._seq), ledger.current_step, nbytes, tuple(shape), dtype, dev, module,
                         KEPT, reason, ptr, len(st))  # len: st.nbytes() without the argument parsing
             ledger.kept_log[reason].append(nbytes)  # every reason has its list (Ledger.reset)
         else:

@@ -19,9 +19,12 @@ is therefore appended, not summed: its logical bytes go to one list per kept
 reason (or to the offloaded list), the bytes it adds to the step's distinct
 saved bytes to another, and its record to the records ring, as the tuple of
 ``PackRecord``'s first eleven fields when nothing will change it later (a kept
-decision, its shape and dtype logged as the tensor's ``torch.Size`` and
-``torch.dtype``; ``record_from_log`` builds the ``PackRecord``, shape and dtype
-named, when ``records`` is read). Synchronous copies log their seconds and bytes the same way
+decision, its shape logged as a tuple and its dtype as the tensor's
+``torch.dtype``; ``record_from_log`` builds the ``PackRecord``, dtype named, when
+``records`` is read). Such a tuple holds no object the cycle collector follows, so
+the collector untracks it at its first pass (the C++ hook, ``native_hooks=True``,
+untracks it at once): the ring of up to ``max_records`` records never feeds the
+old generation, whose growth is what triggers full collections. Synchronous copies log their seconds and bytes the same way
 (``add_sync_copy``). ``list.append`` is atomic, so packs on several threads need no lock.
 The per-step totals are the sums of those lists: ``close_step`` (and
 ``totals()``, without consuming them) adds them up, taking exactly the first
@@ -170,7 +173,7 @@ _SECONDS_ATTR = {"d2h": "d2h_seconds", "h2d": "h2d_seconds", "stall": "stall_sec
 
 def record_from_log(r: tuple) -> PackRecord:
     """The ``PackRecord`` of a kept decision logged as a tuple (NOTE [ Ledger logs ]): its shape
-    (a ``torch.Size``) as a tuple, its dtype (a ``torch.dtype``) by name."""
+    as a tuple (a logged ``torch.Size`` too), its dtype (a ``torch.dtype``) by name."""
     dtype = r[4]
     return PackRecord(r[0], r[1], r[2], tuple(r[3]), dtype if type(dtype) is str else dtype_name(dtype), *r[5:])
 

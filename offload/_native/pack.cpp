@@ -33,7 +33,6 @@
 
 #include <typeinfo>
 
-extern PyTypeObject THPSizeType;  // torch/csrc/Size.h (THPSize_New itself is not exported)
 
 namespace {
 
@@ -113,10 +112,10 @@ PyObject* python_pack(PyObject* engine, PyObject* t) {
   return PyObject_CallMethodOneArg(engine, s_pack, t);
 }
 
-// torch.Size of t (what `t.shape` returns), built as THPSize_New builds it.
-PyObject* size_of(const at::Tensor& t) {
+// t's shape as a tuple of ints (what the Python hook logs: tuple(t.shape)).
+PyObject* shape_of(const at::Tensor& t) {
   auto sizes = t.sizes();
-  PyObject* s = THPSizeType.tp_alloc(&THPSizeType, static_cast<Py_ssize_t>(sizes.size()));
+  PyObject* s = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
   if (!s) return nullptr;
   for (size_t i = 0; i < sizes.size(); ++i) {
     PyObject* v = PyLong_FromLongLong(sizes[i]);
@@ -374,7 +373,7 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
   Ref cur(PyObject_GetAttr(ledger, s_current_step));
   if (!cur) return nullptr;
   Ref nb(PyLong_FromLongLong(nbytes));
-  Ref shape(size_of(t));
+  Ref shape(shape_of(t));
   if (shape) PyObject_GC_UnTrack(shape.get());  // ints only
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));  // borrowed
   Ref ptr_obj(PyLong_FromSize_t(ptr));

@@ -16,7 +16,7 @@ def test_hook_cost_tiny_run_structure(tmp_path):
     """A tiny run writes per-pack/unpack numbers for every variant, the ratios and the emulated stream sweep."""
     out = tmp_path / "hook_cost.json"
     res = hook_cost.main(["--layers", "6", "--width", "32", "--rounds", "2", "--warmup", "1",
-                          "--no-instructions", "--stream-in-flight", "0,8", "--out", str(out)])
+                          "--no-instructions", "--stream-in-flight", "0,8", "--gc-steps", "2", "--out", str(out)])
     on_disk = json.loads(out.read_text())
     assert on_disk["cpu_time"] == json.loads(json.dumps(res["cpu_time"]))
     cpu = on_disk["cpu_time"]
@@ -34,6 +34,11 @@ def test_hook_cost_tiny_run_structure(tmp_path):
     assert set(on_disk["stream_emulated"]["per_pack_ns_by_in_flight"]) == {"0", "8"}
     assert set(on_disk["variants"]) == set(hook_cost.VARIANTS)  # each variant described in the JSON
     assert "instructions" not in on_disk
+    gcs = on_disk["gc"]
+    assert gcs["steps"] == 2 and gcs["tracked_objects"] > 0
+    assert set(gcs["variants"]) == {v for v in hook_cost._GC_VARIANTS if v not in missing}
+    for row in gcs["variants"].values():
+        assert set(row["collections"]) == {"0", "1", "2"} and row["gc_ns_per_pack_total"] >= 0
 
 
 @pytest.mark.parametrize("make", ["_torchtune_keep_hooks", "_torchtune_real_hooks", "_trl_keep_hooks"])

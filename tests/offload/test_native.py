@@ -304,3 +304,18 @@ def test_gpu_native_matches_the_python_hook(use_streams):
     for s in sums:
         s.pop("peak_inflight_bytes")  # when copies complete: timing on a GPU
     assert sums[0] == sums[1]
+
+
+def test_native_kept_records_are_untracked_at_once():
+    """The C++ hook logs the same tuple the Python hook logs (shape as a tuple) and takes it off the
+    cycle collector's lists at once: the records ring never reaches the old generation."""
+    import gc
+
+    ctx = OffloadActivations(device="cpu", native_hooks=True, min_offload_size=1 << 30)
+    a = torch.randn(64, requires_grad=True)
+    with ctx:
+        y = a.exp().sin().sum()
+    logged = [r for r in ctx.ledger._records if type(r) is tuple]
+    assert len(logged) >= 2 and not any(gc.is_tracked(r) or gc.is_tracked(r[3]) for r in logged)
+    assert all(type(r[3]) is tuple for r in logged)
+    y.backward()
