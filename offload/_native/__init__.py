@@ -9,12 +9,14 @@ reference: ``tests/offload/test_native.py`` compares the two record by record.
 
 Built on first use with ``torch.utils.cpp_extension.load`` (a C++ compiler and
 ``ninja`` are needed; about 20 s once, then cached per torch version and source
-under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``).
+under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, as
+``offload_native_pack_<torch version>``).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -50,11 +52,12 @@ def load() -> ModuleType:
 
 
 def _reason(e: BaseException) -> str:
-    """One line: the compiler's first error when there is one (the build's own message ends in ninja's)."""
+    """One line: the compiler's first ``error:`` line when there is one (torch's build error carries
+    ninja's whole output, which ends in ninja's own line), else the message's first line."""
     texts = [str(x) for x in (e, e.__cause__) if x is not None]
     lines = [ln.strip() for text in texts for ln in text.splitlines() if ln.strip()]
-    first_error = next((ln for ln in lines if "error" in ln.lower() and "ninja" not in ln.lower()), None)
-    return f"{type(e).__name__}: {first_error or (lines[-1] if lines else repr(e))}"
+    first_error = next((ln for ln in lines if "error:" in ln and not ln.startswith("ninja")), None)
+    return f"{type(e).__name__}: {first_error or (lines[0] if lines else repr(e))}"
 
 
 def available() -> bool:
@@ -69,9 +72,14 @@ def available() -> bool:
 def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
-    _log.info("offload: building the native pack hook from %s (once per torch version and source)", _SOURCE)
+    import torch
+
+    # One build per torch version: torch's extension cache is keyed by Python version and
+    # accelerator, not by torch version, and the module reads torch's C++ structures.
+    name = f"{_NAME}_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}"
+    _log.info("offload: building the native pack hook %s from %s (once per torch version and source)", name, _SOURCE)
     module = cpp_extension.load(
-        name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"], is_python_module=True, verbose=False,
+        name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], is_python_module=True, verbose=False,
     )
     module.configure(_constants())
     return module

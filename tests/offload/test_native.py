@@ -319,3 +319,28 @@ def test_native_kept_records_are_untracked_at_once():
     assert len(logged) >= 2 and not any(gc.is_tracked(r) or gc.is_tracked(r[3]) for r in logged)
     assert all(type(r[3]) is tuple for r in logged)
     y.backward()
+
+
+def test_native_build_failure_is_remembered_and_names_the_compiler_error(monkeypatch):
+    """A failed build says which compiler error stopped it (not ninja's last line), and is not retried
+    by every engine built afterwards in the process."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(_native, "_module", None)
+    monkeypatch.setattr(_native, "_failure", None)
+    calls = []
+
+    def broken(**kwargs):
+        calls.append(kwargs["name"])
+        # What torch raises: its message carries ninja's output, which ends in ninja's own line.
+        raise RuntimeError(f"Error building extension '{kwargs['name']}': [1/2] c++ -MMD -c pack.cpp -o pack.o\n"
+                           "pack.cpp:10:3: error: 'Foo' was not declared in this scope\n"
+                           "ninja: build stopped: subcommand failed.\n")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    for _ in range(2):
+        with pytest.raises(_native.NativeUnavailable, match="error: 'Foo' was not declared"):
+            _native.load()
+    assert len(calls) == 1 and calls[0].startswith("offload_native_pack_") and not _native.available()
+    with pytest.raises(OffloadError, match="native_hooks=True.*'Foo' was not declared"):
+        OffloadActivations(device="cpu", native_hooks=True)
