@@ -362,3 +362,28 @@ def assert_pack_matches_general(kinds: list[str], min_size: int, excluded: bool,
             continue  # no values to compare (or no torch.equal for them): the records above decide
         ua, ub = engines[0].unpack_hook(ha), engines[1].unpack_hook(hb)
         assert torch.equal(ua, ub) and ua.stride() == ub.stride(), kind
+
+
+def pack_case_strategies() -> dict[str, Any]:
+    """Hypothesis strategies for ``assert_pack_matches_general``'s arguments (``@given(**...)``)."""
+    from hypothesis import strategies as st
+
+    return dict(kinds=st.lists(st.sampled_from(SAVED_TENSOR_KINDS), min_size=1, max_size=6),
+                min_size=st.sampled_from([0, 16, 1 << 40]), excluded=st.booleans(), after_head=st.booleans(),
+                with_model=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+                in_backward=st.booleans())
+
+
+def compiled_toy_reference(n_layers: int = 1) -> tuple[nn.Module, nn.Module, tuple, torch.Tensor, dict]:
+    """A toy Llama, its ``torch.compile``'d module, inputs, and the compiled loss and grads without
+    offloading (same kernels, same numerics); grads are zeroed after. Call ``torch._dynamo.reset()``
+    around it."""
+    torch.manual_seed(0)
+    model = ToyLlama(dataclasses.replace(TINY, n_layers=n_layers))
+    compiled = torch.compile(model)
+    inputs = make_inputs("toy")
+    want = loss_of(compiled, inputs)
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return model, compiled, inputs, want, ref

@@ -25,7 +25,6 @@ from offload import OffloadActivations
 from offload.ledger import Ledger, PackRecord
 
 from offload_testkit import (
-    SAVED_TENSOR_KINDS,
     TINY,
     ToyLlama,
     assert_pack_matches_general,
@@ -34,6 +33,7 @@ from offload_testkit import (
     cpu_ctx,
     make_batch,
     no_gc,
+    pack_case_strategies,
     twin_of,
 )
 
@@ -666,9 +666,7 @@ def test_observer_count_survives_double_removal():
 
 
 @settings(max_examples=60, deadline=None)
-@given(kinds=st.lists(st.sampled_from(SAVED_TENSOR_KINDS), min_size=1, max_size=6),
-       min_size=st.sampled_from([0, 16, 1 << 40]), excluded=st.booleans(), after_head=st.booleans(),
-       with_model=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), in_backward=st.booleans())
+@given(**pack_case_strategies())
 def test_inlined_pack_decides_and_records_as_the_general_path(kinds, min_size, excluded, after_head, with_model,
                                                             dtype, in_backward):
     """The pack hook's inlined path (plain tensors) gives every saved tensor the record, reason, kept

@@ -14,7 +14,6 @@ import weakref
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 from offload import OffloadActivations, OffloadConfig, OffloadError, _native, add_pack_observer
@@ -23,13 +22,14 @@ from offload import get_act_offloading_ctx_manager
 
 from offload_testkit import (
     RECORD_FIELDS,
-    SAVED_TENSOR_KINDS,
     assert_pack_matches_general,
     assert_same_grads,
+    compiled_toy_reference,
     loss_of,
     make_inputs,
     make_model,
     no_gc,
+    pack_case_strategies,
     run_step,
     twin_of,
 )
@@ -52,9 +52,7 @@ def _timing_free(summary: dict) -> dict:
 
 
 @settings(max_examples=60, deadline=None)
-@given(kinds=st.lists(st.sampled_from(SAVED_TENSOR_KINDS), min_size=1, max_size=6),
-       min_size=st.sampled_from([0, 16, 1 << 40]), excluded=st.booleans(), after_head=st.booleans(),
-       with_model=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), in_backward=st.booleans())
+@given(**pack_case_strategies())
 def test_native_pack_decides_and_records_as_the_general_path(kinds, min_size, excluded, after_head, with_model,
                                                            dtype, in_backward):
     """For random mixes of 23 kinds of saved tensors (activations and their views, leaves, weights,
@@ -248,19 +246,9 @@ def test_native_loss_of_toy_under_autocast_matches():
 def test_native_under_torch_compile_bitwise():
     """A torch.compile'd toy Llama under the C++ hook (kept and offloaded saves mixed): the compiled
     twin's loss and grads bit for bit, and the Python hook's records."""
-    import dataclasses
-
-    from offload_testkit import TINY, ToyLlama
-
     torch._dynamo.reset()
     try:
-        torch.manual_seed(0)
-        model = ToyLlama(dataclasses.replace(TINY, n_layers=1))
-        compiled = torch.compile(model)
-        inputs = make_inputs("toy")
-        want = loss_of(compiled, inputs)
-        want.backward()
-        ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model, compiled, inputs, want, ref = compiled_toy_reference()
         records = []
         for native in (True, False):
             model.zero_grad(set_to_none=True)

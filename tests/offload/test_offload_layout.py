@@ -20,6 +20,7 @@ from offload_testkit import (
     Recorder,
     assert_really_offloaded,
     assert_same_grads,
+    compiled_toy_reference,
     cpu_ctx,
     loss_of,
     make_inputs,
@@ -274,13 +275,7 @@ def test_torch_compile_whole_model_head_exclusion_not_silently_lost():
     from offload import get_act_offloading_ctx_manager
 
     torch._dynamo.reset()
-    model = ToyLlama(dataclasses.replace(TINY, n_layers=1))
-    compiled = torch.compile(model)
-    inputs = make_inputs("toy")
-    want = loss_of(compiled, inputs)
-    want.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
+    model, compiled, inputs, want, ref = compiled_toy_reference()
     with warnings.catch_warnings(record=True) as got_warnings:
         warnings.simplefilter("always")
         ctx = get_act_offloading_ctx_manager(compiled, True, device="cpu", min_offload_size=0)
