@@ -7,23 +7,19 @@ different layout, so layout preservation is part of bitwise correctness.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 
 import pytest
 import torch
 from torch import nn
 
-from bench.model import ToyLlama
 from offload_testkit import (
-    TINY,
     Recorder,
     assert_really_offloaded,
     assert_same_grads,
     compiled_toy_reference,
     cpu_ctx,
     loss_of,
-    make_inputs,
     twin_of,
 )
 
@@ -133,15 +129,8 @@ def test_small_view_then_whole_tensor_of_same_storage():
 def test_torch_compile_model_under_ctx_bitwise():
     """A torch.compile'd toy Llama (saved q/k/v views) runs under the engine with strides intact, bitwise."""
     torch._dynamo.reset()
-    cfg = dataclasses.replace(TINY, n_layers=1)
-    model = ToyLlama(cfg)
-    compiled = torch.compile(model)
-    inputs = make_inputs("toy")
     # Reference: the same compiled module without offloading (same kernels, same numerics).
-    want = loss_of(compiled, inputs)
-    want.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
+    model, compiled, inputs, want, ref = compiled_toy_reference()
     ctx = cpu_ctx()
     with ctx:
         got = loss_of(compiled, inputs)
