@@ -10,6 +10,36 @@ import torch
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--native-hooks", action="store_true", default=False,
+        help="run every engine built in the tests with native_hooks=True (the C++ keep path) by default",
+    )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _native_hooks_default(request):
+    """--native-hooks: the engine's and OffloadConfig's default for native_hooks becomes True, so the
+    whole suite runs through the C++ keep path (tests that pass native_hooks explicitly keep theirs)."""
+    if not request.config.getoption("--native-hooks"):
+        yield
+        return
+    from offload import OffloadActivations, OffloadConfig, _native
+
+    _native.load()  # fail here, once, when it cannot be built
+    patched = [OffloadActivations.__init__, OffloadConfig.__init__]
+    field = OffloadConfig.__dataclass_fields__["native_hooks"]  # what dataclasses.fields() reports
+    for f in patched:
+        f.__kwdefaults__["native_hooks"] = True
+    field.default = True
+    try:
+        yield
+    finally:
+        for f in patched:
+            f.__kwdefaults__["native_hooks"] = False
+        field.default = False
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

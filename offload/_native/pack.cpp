@@ -85,7 +85,7 @@ bool configured = false;
 PyObject *s_pack, *s_device, *s_device_name, *s_min_offload_size,
     *s_static_ptrs, *s_excluded_depth, *s_after_head, *s_module_stack, *s_ledger, *s_step_ref,
     *s_seq, *s_current_step, *s_kept_log, *s_open_used, *s_seen, *s_entries, *s_add_span,
-    *s_unique_log, *s_records_log, *s_running_owner, *s_is_param_attr, *s_append, *s_observers,
+    *s_unique_log, *s_records_log, *s_is_param_attr, *s_append, *s_observers,
     *s_observers_attr;
 
 bool intern_all() {
@@ -98,7 +98,7 @@ bool intern_all() {
       {&s_seq, "_seq"}, {&s_current_step, "current_step"}, {&s_kept_log, "kept_log"},
       {&s_open_used, "_open_used"}, {&s_seen, "_seen"}, {&s_entries, "entries"},
       {&s_add_span, "add_span"}, {&s_unique_log, "unique_log"}, {&s_records_log, "records_log"},
-      {&s_running_owner, "_running_owner"}, {&s_is_param_attr, "_is_param"}, {&s_append, "append"},
+      {&s_is_param_attr, "_is_param"}, {&s_append, "append"},
       {&s_observers, "observers"}, {&s_observers_attr, "_observers"},
   };
   for (auto& n : names) {
@@ -238,10 +238,9 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
   const uintptr_t ptr = f.ptr;
   const bool leaf = f.leaf;
 
-  // The reason, in _pack's order. Python calls here (_is_param, _running_owner)
-  // are the rare cases: a view of a weight, a leaf that is no weight.
+  // The reason, in _pack's order. The Python call here (_is_param) is the rare
+  // case of a view.
   PyObject* reason = nullptr;  // borrowed
-  Ref owner;                   // keeps _running_owner's result alive
   Ref base;
   if (is_parameter) {
     reason = C.parameter;
@@ -290,11 +289,9 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
         if (in) {
           reason = C.parameter;
         } else if (leaf) {
-          owner = Ref(PyObject_CallMethodOneArg(engine, s_running_owner, ptr_obj.get()));
-          if (!owner) return nullptr;
-          int nonempty = PyObject_IsTrue(owner.get());
-          if (nonempty < 0) return nullptr;
-          if (nonempty) reason = owner.get();
+          // A leaf big enough to move: a buffer of a running module, or an input the
+          // policy moves. Python asks the running modules (_running_owner) once.
+          return python_pack(engine, obj);
         }
       }
       if (!reason || reason == C.too_small) {

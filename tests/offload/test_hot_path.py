@@ -489,7 +489,7 @@ def test_pack_hook_pushed_is_the_bound_method_unless_replaced():
 
     from offload import _torch_private
 
-    ctx = OffloadActivations(device="cpu", min_offload_size=0)
+    ctx = OffloadActivations(device="cpu", min_offload_size=0, native_hooks=False)  # the Python hook's case
     with ctx:
         top = _torch_private.top_saved_tensors_hooks()
         assert top[0].__self__ is ctx and top[0].__func__ is OffloadActivations._pack

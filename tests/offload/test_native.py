@@ -202,7 +202,8 @@ def test_native_hooks_setting_is_checked_and_unavailability_is_explained(monkeyp
     monkeypatch.setattr(_native, "load", unavailable)
     with pytest.raises(OffloadError, match="native_hooks=True.*Ninja is required.*native_hooks=False"):
         OffloadActivations(device="cpu", native_hooks=True)
-    OffloadActivations(device="cpu")  # the default never builds or loads it
+    if not OffloadConfig().native_hooks:  # (pytest --native-hooks makes it the default)
+        OffloadActivations(device="cpu")  # the default never builds or loads it
 
 
 def test_native_pass_through_engine_uses_the_python_hook():
@@ -332,3 +333,15 @@ def test_native_build_failure_is_remembered_and_names_the_compiler_error(monkeyp
     assert len(calls) == 1 and calls[0].startswith("offload_native_pack_") and not _native.available()
     with pytest.raises(OffloadError, match="native_hooks=True.*'Foo' was not declared"):
         OffloadActivations(device="cpu", native_hooks=True)
+
+
+def test_native_hooks_default_follows_the_test_option(request):
+    """``pytest --native-hooks`` (CI's second pass) makes every engine the tests build use the C++ hook;
+    without it the default is the Python hook."""
+    native = request.config.getoption("--native-hooks")
+    assert OffloadConfig().native_hooks is native
+    ctx = OffloadActivations(device="cpu")
+    assert ctx.config.native_hooks is native
+    with ctx:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)[0]
+        assert (getattr(top, "__func__", None) is not OffloadActivations._pack) is native
