@@ -240,6 +240,8 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
 
   // The reason, in _pack's order. The Python call here (_is_param) is the rare
   // case of a view.
+  Ref ptr_obj(PyLong_FromSize_t(ptr));  // for the static-pointer test, the record and the span key
+  if (!ptr_obj) return nullptr;
   PyObject* reason = nullptr;  // borrowed
   Ref base;
   if (is_parameter) {
@@ -277,8 +279,6 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
       if (!min_size) return nullptr;
       long long m = PyLong_AsLongLong(min_size.get());
       if (m == -1 && PyErr_Occurred()) return nullptr;
-      Ref ptr_obj(PyLong_FromSize_t(ptr));
-      if (!ptr_obj) return nullptr;
       if (nbytes == 0 || nbytes < m) {
         reason = C.too_small;
       } else {
@@ -373,9 +373,8 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
   Ref shape(shape_of(t));
   if (shape) PyObject_GC_UnTrack(shape.get());  // ints only
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));  // borrowed
-  Ref ptr_obj(PyLong_FromSize_t(ptr));
   Ref st_nbytes(PyLong_FromSize_t(f.storage_nbytes));
-  if (!nb || !shape || !ptr_obj || !st_nbytes) return nullptr;
+  if (!nb || !shape || !st_nbytes) return nullptr;
   Ref rec(PyTuple_Pack(11, seq.get(), cur.get(), nb.get(), shape.get(), dtype, dev, module.get(),
                        C.kept, reason, ptr_obj.get(), st_nbytes.get()));
   if (!rec) return nullptr;

@@ -62,10 +62,11 @@ def test_native_pack_decides_and_records_as_the_general_path(kinds, min_size, ex
     assert_pack_matches_general(kinds, min_size, excluded, after_head, with_model, dtype, in_backward, native=True)
 
 
-def _engines(model: nn.Module | None, **kw) -> list[OffloadActivations]:
+def _engine(model: nn.Module | None, native: bool, **kw) -> OffloadActivations:
+    """A CPU engine; with ``model``, torchtune's ctx manager for it (its output head excluded)."""
     if model is not None:
-        return [get_act_offloading_ctx_manager(model, True, device="cpu", native_hooks=n, **kw) for n in (False, True)]
-    return [OffloadActivations(device="cpu", native_hooks=n, **kw) for n in (False, True)]
+        return get_act_offloading_ctx_manager(model, True, device="cpu", native_hooks=native, **kw)
+    return OffloadActivations(device="cpu", native_hooks=native, **kw)
 
 
 @pytest.mark.parametrize("min_size", [0, 1024, 1 << 40], ids=["offload_all", "default", "keep_all"])
@@ -76,7 +77,8 @@ def test_native_training_steps_match_the_python_hook(kind, min_size):
     models = [make_model(kind) for _ in range(2)]
     twin = twin_of(models[0])
     head = kind.startswith("toy")
-    engines = [_engines(m if head else None, min_offload_size=min_size)[i] for i, m in enumerate(models)]
+    engines = [_engine(m if head else None, native, min_offload_size=min_size)
+               for m, native in zip(models, (False, True))]
     for step in range(3):
         inputs = make_inputs(kind, seed=20 + step)
         want = run_step(twin, inputs)
