@@ -94,16 +94,16 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _torch_private, policy
-from . import config as _config
 from ._spans import SpanSet, byte_span
 from ._warn import user_stacklevel
+from .compat._peer_attributes import PeerAttributes
 from .config import OffloadConfig
 from .errors import OffloadError, _internal_assert
 from .ledger import KEPT, OFFLOADED, Ledger, PackRecord, record_from_log
 from .modules import _names as _module_names
 from .modules import _tls as _module_tls
 from .modules import current_module_name, current_modules, current_modules_view, register_model, track_modules
-from .pool import PIN_ALLOCATORS, HostBuffer, HostPool
+from .pool import HostBuffer, HostPool
 from .streams import Copy, make_backend
 
 if TYPE_CHECKING:
@@ -487,7 +487,7 @@ def _resolve_device(device: Any) -> torch.device | None:
 # -- the engine ----------------------------------------------------------------
 
 
-class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hooks):
     """Offload activations saved for backward to host memory; bring them back for backward.
 
     Enter it around the forward pass; run backward outside it (torchtune's
