@@ -118,6 +118,42 @@ def test_distinct_tensors_are_never_deduplicated():
         assert torch.equal(t.grad, torch.ones(4, 4))
 
 
+class SaveBufferView(torch.autograd.Function):
+    """Saves a fresh tensor over one shared bytearray: every save has the same address, and dies at once."""
+
+    @staticmethod
+    def forward(ctx, t, memory, value):
+        memory[:] = torch.full((64,), value).numpy().tobytes()  # a write no version counter sees
+        ctx.save_for_backward(torch.frombuffer(memory, dtype=torch.float32))
+        return t.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        (saved,) = ctx.saved_tensors
+        return saved * g, None, None
+
+
+@pytest.mark.parametrize("same_bytes", [False, True])
+def test_a_reused_address_is_not_a_duplicate(same_bytes):
+    """The bug class behind TRL's reused-storage-key test: a dead saver's address is no live view.
+
+    Each save is a new tensor at the same address (the allocator reusing a freed
+    source's block, made deterministic), whose first saver is already dead:
+    each must get its own host copy, not the first one's. With the same bytes
+    each time, the CPU byte comparison cannot tell: only the liveness rule does.
+    """
+    memory = bytearray(64 * 4)
+    xs = [torch.zeros(64, requires_grad=True) for _ in range(4)]
+    ctx = offload.OffloadActivations(min_offload_size=1, device="cpu", max_fwd_stash_size=1)
+    with ctx:
+        loss = sum(SaveBufferView.apply(x, memory, 7.0 if same_bytes else float(i)) for i, x in enumerate(xs))
+    assert _counts(ctx) == (4, 0)
+    assert len({r.storage_key for r in ctx.ledger.records}) == 1  # one address throughout
+    loss.backward()
+    for i, x in enumerate(xs):
+        assert torch.equal(x.grad, torch.full((64,), 7.0 if same_bytes else float(i)))
+
+
 def test_tracker_does_not_grow_across_steps_with_an_unused_branch():
     """TRL's test_stale_tracker_state_is_cleared_between_forwards: a branch never backpropagated."""
 
