@@ -649,7 +649,8 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         self._observers: OrderedDict[int, Callable[[PackEvent], None]] = OrderedDict()
         self._seq = itertools.count()
         self._lock = threading.RLock()
-        self._static_ptrs: set[int] = set()
+        # Storage -> PARAMETER / BUFFER of the model given up front (policy.model_storages).
+        self._static_ptrs: dict[int, str] = {}
         self._regions: list[Any] = []
         self._stash: deque[_StashEntry] = deque()
         self._stash_bytes = 0
@@ -714,9 +715,7 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
             model = self._model_ref() if self._model_ref is not None else None
             if model is not None:
                 register_model(model)  # ledger module names are fully qualified from it
-                self._static_ptrs = {
-                    policy.storage_ptr(t) for t in itertools.chain(model.parameters(), model.buffers())
-                }
+                self._static_ptrs = policy.model_storages(model)
             self._poll_stash()
             _engines().append(self)
             pushed = True
@@ -870,7 +869,7 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
             if nbytes == 0 or nbytes < self.min_offload_size:
                 reason = _TOO_SMALL
             elif ptr in self._static_ptrs:
-                reason = _PARAMETER
+                reason = self._static_ptrs[ptr]  # PARAMETER or BUFFER
             elif leaf:  # with autograd history it is no parameter or buffer (policy._classify)
                 reason = self._running_owner(ptr)
             else:

@@ -268,6 +268,16 @@ def owned_storages(modules: Iterable[nn.Module]) -> tuple[frozenset[int], frozen
     return frozenset(params), frozenset(bufs - params)
 
 
+def model_storages(model: nn.Module) -> dict[int, str]:
+    """Storage pointer -> PARAMETER / BUFFER for every parameter and buffer of ``model``.
+
+    What the engine keeps by storage when it knows the model up front (a storage
+    that holds both is a parameter's); the reason names which it was.
+    """
+    params, bufs = owned_storages(model.modules())
+    return {**dict.fromkeys(bufs, BUFFER), **dict.fromkeys(params, PARAMETER)}
+
+
 def _owns_storage(modules: Iterable[nn.Module], ptr: int) -> str:
     """PARAMETER / BUFFER when a direct parameter / buffer of one of ``modules`` lives on ``ptr``, else ""."""
     params, bufs = owned_storages(modules)
@@ -280,7 +290,7 @@ def classify(
     device: torch.device,
     min_offload_size: int,
     excluded: bool,
-    static_ptrs: set[int],
+    static_ptrs: "dict[int, str] | set[int]",
     stack_modules: Iterable[nn.Module] | Callable[[], Iterable[nn.Module]],
     nbytes: int | None = None,
     ptr: int | None | object = _UNREAD,
@@ -290,7 +300,8 @@ def classify(
     Order matters: what a tensor *is* (parameter, unsupported type, wrong
     device) wins over where it was saved (excluded region), which wins over
     how big it is. ``static_ptrs`` holds storages of a model given to the
-    engine up front; ``stack_modules`` are the modules whose forward is running
+    engine up front (``model_storages``: storage -> PARAMETER / BUFFER; a set
+    means PARAMETER for each); ``stack_modules`` are the modules whose forward is running
     now (or a function returning them, called only for a tensor that would
     otherwise be offloaded), so buffers such as RoPE tables are caught without
     knowing the model in advance. ``nbytes`` (numel x element size) and
@@ -304,7 +315,8 @@ def classify(
 
 
 def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excluded: bool,
-              static_ptrs: set[int], stack_modules: Any, nbytes: int | None, ptr: Any) -> str:
+              static_ptrs: "dict[int, str] | set[int]", stack_modules: Any, nbytes: int | None,
+              ptr: Any) -> str:
     """``classify`` with positional arguments (a keyword call costs the pack hook ~0.2 us)."""
     # is_static_tensor and is_unsupported, inlined for the plain-tensor case.
     if type(t) is _Tensor:
@@ -333,7 +345,7 @@ def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excl
     if nbytes == 0 or nbytes < min_offload_size:
         return TOO_SMALL
     if ptr in static_ptrs:
-        return PARAMETER
+        return static_ptrs[ptr] if type(static_ptrs) is dict else PARAMETER
     if not t.is_leaf:
         # Autograd history: computed in this forward, so not a parameter or buffer (a
         # parameter's view was caught through its _base above). Only leaves can be.

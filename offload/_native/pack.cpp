@@ -282,12 +282,21 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
       if (nbytes == 0 || nbytes < m) {
         reason = C.too_small;
       } else {
+        // The model's storages, given up front: storage -> "parameter" / "buffer"
+        // (policy.model_storages); the engine's own policy strings, so compared by identity.
         Ref statics(PyObject_GetAttr(engine, s_static_ptrs));
         if (!statics) return nullptr;
-        int in = PySequence_Contains(statics.get(), ptr_obj.get());
-        if (in < 0) return nullptr;
-        if (in) {
-          reason = C.parameter;
+        PyObject* owner = nullptr;  // borrowed
+        if (PyDict_CheckExact(statics.get())) {
+          owner = PyDict_GetItemWithError(statics.get(), ptr_obj.get());
+          if (!owner && PyErr_Occurred()) return nullptr;
+        } else {
+          int in = PySequence_Contains(statics.get(), ptr_obj.get());
+          if (in < 0) return nullptr;
+          owner = in ? C.parameter : nullptr;
+        }
+        if (owner) {
+          reason = owner == C.buffer ? C.buffer : C.parameter;
         } else if (leaf) {
           // A leaf big enough to move: a buffer of a running module, or an input the
           // policy moves. Python asks the running modules (_running_owner) once.

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..ledger import OFFLOADED
-from ..policy import storage_ptr
+from ..policy import model_storages, storage_ptr
 
 if TYPE_CHECKING:
     from ..engine import OffloadActivations
@@ -82,7 +82,7 @@ class PeerAttributes:
                 "then stay on the device)."
             )
         self._model_ref = weakref.ref(model)
-        self._static_ptrs = {storage_ptr(t) for t in (*model.parameters(), *model.buffers())}
+        self._static_ptrs = model_storages(model)
 
     @property
     def param_storages(self: "OffloadActivations") -> set[int]:
