@@ -15,8 +15,10 @@ checkpoint's recompute runs in backward, outside the engine.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+import warnings
 from typing import Any
 
 try:
@@ -33,6 +35,7 @@ from ..attach import AttachHandle
 from ..config import OffloadConfig
 from ..engine import OffloadActivations
 from ..engine import active_engine
+from .._warn import user_stacklevel
 from ..regions import find_output_head
 from . import _StepReporter
 
@@ -77,6 +80,7 @@ class OffloadCallback(TrainerCallback):
         if model is None:
             raise ValueError("OffloadCallback: the Trainer passed no model to on_train_begin.")
         self._report_first()
+        _warn_if_checkpoint_offload(model)
         if self.engine is None:
             self.engine = OffloadActivations.from_config(self.config, model=model)
         self.detach()
@@ -140,6 +144,35 @@ class OffloadCallback(TrainerCallback):
             f = f.f_back
         log.info("OffloadCallback: could not move ahead of the reporting callbacks; callbacks "
                  "listed before it will not see the offload/ figures")
+
+
+def _checkpoint_offloads(model: nn.Module) -> bool:
+    """Whether transformers' own checkpoint offload is on (``activation_checkpointing_enable(offload=True)``).
+
+    transformers (>= 5) then gives each checkpointed layer a ``functools.partial``
+    of a function that enters ``torch.autograd.graph.save_on_cpu`` around the checkpoint.
+    """
+    for m in model.modules():
+        fn = m.__dict__.get("_gradient_checkpointing_func")
+        if isinstance(fn, functools.partial):
+            code = getattr(fn.func, "__code__", None)
+            if code is not None and "save_on_cpu" in code.co_names:
+                return True
+    return False
+
+
+def _warn_if_checkpoint_offload(model: nn.Module) -> None:
+    if _checkpoint_offloads(model):
+        warnings.warn(
+            f"OffloadCallback: {type(model).__name__} has transformers' own checkpoint offload on "
+            "(activation_checkpointing_kwargs={'offload': True}, or activation_checkpointing_enable("
+            "offload=True)). It wraps each checkpointed layer in torch.autograd.graph.save_on_cpu, whose "
+            "hooks run instead of this engine's inside those layers (only the innermost saved-tensor "
+            "hooks run): the checkpoints' inputs are copied on the compute stream and never reach the "
+            "ledger. Drop offload=True and keep activation_checkpointing=True: this engine then offloads "
+            "the same inputs on a side stream, and accounts for them.",
+            stacklevel=user_stacklevel(),
+        )
 
 
 def _backbone(model: nn.Module) -> nn.Module | None:

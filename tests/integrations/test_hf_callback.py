@@ -10,6 +10,7 @@ the ``report_to`` integrations, which the Trainer runs before user callbacks).
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -221,3 +222,23 @@ def test_interrupt_in_the_tail_does_not_leave_offloading_off():
     assert cb.engine._excluded_depth == 0 and active_engine() is None
     cb.on_train_end(None, None, None)
     assert active_engine() is None
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_warns_when_transformers_own_checkpoint_offload_shadows_the_engine(offload):
+    """transformers >= 5's activation_checkpointing_enable(offload=True) wraps every checkpointed
+    layer in save_on_cpu, whose hooks replace ours there: the callback says so, with the fix."""
+    model = _model()
+    if not callable(getattr(model, "activation_checkpointing_enable", None)):
+        pytest.skip(f"transformers {transformers.__version__} has no checkpoint offload")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, offload=offload)
+    cb = OffloadCallback(device="cpu", min_offload_size=0)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        cb.on_train_begin(None, None, None, model=model)
+    cb.detach()
+    ours = [str(w.message) for w in got if "OffloadCallback" in str(w.message)]
+    if offload:
+        assert len(ours) == 1 and "own checkpoint offload" in ours[0] and "Drop offload=True" in ours[0], ours
+    else:
+        assert ours == []
