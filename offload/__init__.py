@@ -27,7 +27,7 @@ from .attach import AttachHandle
 from .errors import OffloadError
 
 # Regions that stay on the device (torchtune-compatible helpers included)
-from .regions import NoOpManager, RegionHandle, find_output_head, get_act_offloading_ctx_manager
+from .regions import NoOpManager, RegionHandle, find_backbone, find_output_head, get_act_offloading_ctx_manager
 
 # Accounting
 from .ledger import Ledger, PackRecord, StepTotals
@@ -54,6 +54,7 @@ __all__ = [
     "NoOpManager",
     "RegionHandle",
     "find_output_head",
+    "find_backbone",
     "get_act_offloading_ctx_manager",
     # accounting
     "Ledger",

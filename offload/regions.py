@@ -28,6 +28,8 @@ __all__ = [
     "NoOpManager",
     "RegionHandle",
     "exclude_module",
+    "keep_after_module",
+    "find_backbone",
     "warn_unused_regions",
     "find_output_head",
     "get_act_offloading_ctx_manager",
@@ -58,6 +60,8 @@ class RegionHandle:
         self.fired = 0
         """How many times the excluded module's forward has started."""
         self.warned = False
+        self.optional = False
+        """Never warned about by ``warn_unused_regions`` (another region covers it)."""
 
     @property
     def active(self) -> bool:
@@ -152,6 +156,49 @@ def exclude_module(engine: "OffloadActivations", module: nn.Module, *, keep_afte
     return handle
 
 
+def keep_after_module(engine: "OffloadActivations", module: nn.Module) -> RegionHandle:
+    """Keep what is saved after ``module``'s forward returns, until its next call (reason ``after_head``).
+
+    For a model's body (``find_backbone``): whatever runs on its output (the
+    head, the loss) is kept even when no head module runs, as with TRL's
+    SFTTrainer, which multiplies by ``lm_head.weight`` itself (a fused,
+    chunked head). The state is the one ``exclude_module(keep_after=True)``
+    sets, so the engine's outermost entry resets it too.
+    """
+    eng_ref = weakref.ref(engine)
+
+    @torch._dynamo.disable
+    def pre(mod: nn.Module, args: Any) -> None:
+        eng = eng_ref()
+        if eng is not None and eng in _active_engines():
+            eng._thread().after_head = False
+
+    @torch._dynamo.disable
+    def post(mod: nn.Module, args: Any, out: Any) -> None:
+        eng = eng_ref()
+        if eng is not None and eng in _active_engines():
+            eng._thread().after_head = True
+            handle.fired += 1
+
+    hooks = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    handle = RegionHandle(hooks, name=f"after {type(module).__name__}")
+    engine._regions.append(handle)
+    weakref.finalize(engine, handle.remove)
+    return handle
+
+
+def find_backbone(model: nn.Module) -> nn.Module | None:
+    """The body of a Hugging Face model with a head (``LlamaModel`` in ``LlamaForCausalLM``), or None.
+
+    Looked through DDP / ``torch.compile`` wrappers and PEFT (``get_base_model()``);
+    the body is the model's ``base_model`` when that is a submodule.
+    """
+    model = _unwrap(model)
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
+    body = getattr(inner, "base_model", None)
+    return body if isinstance(body, nn.Module) and body is not inner else None
+
+
 def _active_engines() -> list[Any]:
     from .engine import _engines
 
@@ -166,7 +213,7 @@ def warn_unused_regions(engine: "OffloadActivations") -> None:
     tensors are offloaded like the rest. Silence would hide exactly that.
     """
     for h in engine._regions:
-        if h.active and h.fired == 0 and not h.warned:
+        if h.active and h.fired == 0 and not h.warned and not h.optional:
             h.warned = True
             warnings.warn(
                 f"OffloadActivations.exclude({h.name}): a step finished without that module's "
@@ -265,7 +312,12 @@ def get_act_offloading_ctx_manager(
                 stacklevel=user_stacklevel(),
             )
     else:
-        ctx.exclude(head, keep_after=True)
-        log.info("offloading %s's activations; output head %s excluded",
-                 type(model).__name__, type(head).__name__)
+        region = ctx.exclude(head, keep_after=True)
+        body = find_backbone(model)
+        if body is not None:
+            # Also after the body: a fused head never runs the head module (TRL's SFTTrainer).
+            keep_after_module(ctx, body)
+            region.optional = True  # not running is no sign of a stale compiled graph then
+        log.info("offloading %s's activations; output head %s excluded%s", type(model).__name__,
+                 type(head).__name__, f", and what runs after {type(body).__name__}" if body is not None else "")
     return ctx

@@ -36,7 +36,7 @@ from ..config import OffloadConfig
 from ..engine import OffloadActivations
 from ..engine import active_engine
 from .._warn import user_stacklevel
-from ..regions import find_output_head
+from ..regions import find_backbone, find_output_head
 from . import _StepReporter
 
 __all__ = ["OffloadCallback"]
@@ -175,13 +175,6 @@ def _warn_if_checkpoint_offload(model: nn.Module) -> None:
         )
 
 
-def _backbone(model: nn.Module) -> nn.Module | None:
-    """The transformer body of an HF model with a head (``LlamaModel`` in ``LlamaForCausalLM``), or None."""
-    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
-    body = getattr(inner, "base_model", None)
-    return body if isinstance(body, nn.Module) and body is not inner else None
-
-
 class _TailRegion:
     """Keeps on the device what the model saves after its body returns: head, loss, fused heads.
 
@@ -239,7 +232,7 @@ class _TailRegion:
 
 def _exclude_tail(engine: OffloadActivations, model: nn.Module, attached: AttachHandle) -> Any:
     """Exclude the model's tail (after its body), else its output head module, else nothing (logged)."""
-    body = _backbone(model)
+    body = find_backbone(model)
     if body is not None:
         log.info("keeping %s's tail (after %s) on the device", type(model).__name__, type(body).__name__)
         return _TailRegion(engine, model, body, attached)

@@ -150,3 +150,32 @@ def test_hf_architecture_bitwise_under_offloading(name, checkpointing):
     static = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     moved = [r for r in ctx.ledger.records if r.decision == "offloaded" and r.storage_key in static]
     assert not moved, moved[:3]
+
+
+def test_fused_head_work_after_the_body_stays_on_the_device(recwarn):
+    """A fused head (TRL's SFTTrainer: the body's output times lm_head.weight, in chunks, no lm_head
+    call) still keeps the head's work on the device: get_act_offloading_ctx_manager keeps what runs
+    after the body (``after_head``), and does not warn that the unused head exclusion excluded nothing."""
+    model = _build("llama")
+    twin = copy.deepcopy(model)
+    ids = _ids()
+
+    def fused_loss(m):
+        hidden = m.model(input_ids=ids).last_hidden_state
+        losses = [torch.nn.functional.cross_entropy((h @ m.lm_head.weight.t()).flatten(0, 1), t.flatten())
+                  for h, t in zip(hidden.chunk(2, dim=1), ids.chunk(2, dim=1))]
+        return sum(losses)
+
+    ctx = get_act_offloading_ctx_manager(model, True, device="cpu", min_offload_size=0)
+    with ctx:
+        loss = fused_loss(model)
+    loss.backward()
+    fused_loss(twin).backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    records = list(ctx.ledger.records)
+    body_done = max(i for i, r in enumerate(records) if r.module)  # the last save inside a module
+    tail = records[body_done + 1:]
+    assert tail and all(r.decision == "kept" for r in tail), [(r.module, r.reason) for r in tail]
+    assert {r.reason for r in tail} >= {"after_head"}
+    assert not [w for w in recwarn if "nothing was excluded" in str(w.message)]

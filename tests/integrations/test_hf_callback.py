@@ -20,7 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 
 from offload import OffloadConfig  # noqa: E402
 from offload.integrations import FIGURE_KEYS  # noqa: E402
-from offload.integrations.hf import OffloadCallback, _backbone  # noqa: E402
+from offload.integrations.hf import OffloadCallback  # noqa: E402
+from offload.regions import find_backbone  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB = 2, 2, 16, 128
 
@@ -144,13 +145,12 @@ def test_peft_lora_grads_bitwise(tmp_path, gc):
     _assert_same_grads(cap, cap_ref)
     assert all("lora_" in n for n in cap.steps[0])
     # The tail (after the body, found through the PeftModel) is kept: head input, loss.
-    assert _backbone(trainer.model) is trainer.model.base_model.model.model
+    assert find_backbone(trainer.model) is trainer.model.base_model.model.model
     _assert_figures_logged(rec, trainer, cb)
 
 
-def test_trl_sft_trainer_grads_bitwise(tmp_path):
-    """TRL's SFTTrainer with OffloadCallback: grads bitwise, figures logged, and its fused LM head
-    (which multiplies by lm_head.weight without running the lm_head module) kept on the device."""
+def _sft(tmp_path, name: str, callbacks: list, **config_kw):
+    """Train the tiny Llama with TRL's SFTTrainer (a word-level tokenizer, no download)."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     from tokenizers import Tokenizer, models
@@ -159,24 +159,60 @@ def test_trl_sft_trainer_grads_bitwise(tmp_path):
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
                                   pad_token="t0", eos_token="t2", unk_token="t1")
-    ids = _Data().ids.tolist()
+    args = trl.SFTConfig(output_dir=str(tmp_path / name), max_steps=STEPS, per_device_train_batch_size=BATCH,
+                         learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
+                         use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                         max_length=SEQ, **config_kw)
+    trainer = trl.SFTTrainer(model=_model(), args=args, processing_class=tok,
+                             train_dataset=datasets.Dataset.from_dict({"input_ids": _Data().ids.tolist()}),
+                             callbacks=callbacks)
+    trainer.train()
+    return trainer
 
-    def run(name, with_offload):
-        cap, rec = _GradCapture(), _LogRecorder()
-        cbs = [rec, cap] + ([OffloadCallback(device="cpu", min_offload_size=0)] if with_offload else [])
-        args = trl.SFTConfig(output_dir=str(tmp_path / name), max_steps=STEPS, per_device_train_batch_size=BATCH,
-                             learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
-                             use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
-                             max_length=SEQ)
-        trainer = trl.SFTTrainer(model=_model(), args=args, processing_class=tok,
-                                 train_dataset=datasets.Dataset.from_dict({"input_ids": ids}), callbacks=cbs)
-        trainer.train()
-        return trainer, cap, rec, (cbs[2] if with_offload else None)
 
-    trainer, cap, rec, cb = run("on", True)
-    _, cap_ref, _, _ = run("off", False)
+def test_trl_sft_trainer_grads_bitwise(tmp_path):
+    """TRL's SFTTrainer with OffloadCallback: grads bitwise, figures logged, and its fused LM head
+    (which multiplies by lm_head.weight without running the lm_head module) kept on the device."""
+    cap, rec, cb = _GradCapture(), _LogRecorder(), OffloadCallback(device="cpu", min_offload_size=0)
+    trainer = _sft(tmp_path, "on", [rec, cap, cb])
+    cap_ref = _GradCapture()
+    _sft(tmp_path, "off", [cap_ref])
     _assert_same_grads(cap, cap_ref)
     _assert_figures_logged(rec, trainer, cb)
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "chunked_nll"])
+def test_trl_sft_trainer_activation_offloading_with_ours_dropped_in(tmp_path, monkeypatch, recwarn, loss_type):
+    """SFTConfig(activation_offloading=True) with TRL's get_act_offloading_ctx_manager replaced by ours:
+    TRL enters it around forward *and* backward (training_step); grads bitwise against no offloading,
+    the engine offloaded (its ledger), and the head's work stayed on the device."""
+    trl = pytest.importorskip("trl")
+    sft_module = __import__("trl.trainer.sft_trainer", fromlist=["get_act_offloading_ctx_manager"])
+    if not hasattr(sft_module, "get_act_offloading_ctx_manager"):
+        pytest.skip(f"trl {trl.__version__} has no activation_offloading")
+    if loss_type not in trl.SFTConfig.__dataclass_fields__["loss_type"].metadata.get("choices", [loss_type]):
+        pytest.skip(f"trl {trl.__version__} has no loss_type={loss_type!r}")
+    from offload.compat import trl as ours
+
+    engines = []
+
+    def get_ctx(**kw):
+        engines.append(ours.get_act_offloading_ctx_manager(device="cpu", min_offload_size=0, **kw))
+        return engines[-1]
+
+    monkeypatch.setattr(sft_module, "get_act_offloading_ctx_manager", get_ctx)
+    cap = _GradCapture()
+    _sft(tmp_path, "on", [cap], activation_offloading=True, loss_type=loss_type)
+    cap_ref = _GradCapture()
+    _sft(tmp_path, "off", [cap_ref], loss_type=loss_type)
+    _assert_same_grads(cap, cap_ref)
+    (engine,) = engines
+    s = engine.ledger.summary()
+    assert s["offloaded_bytes"] > 0 and s["steps"] >= STEPS, s
+    # TRL's fused head multiplies by lm_head.weight without running lm_head: what runs after the
+    # body is kept (after_head), and the unused head exclusion is no reason to warn.
+    assert s["kept_count_by_reason"].get("after_head", 0) > 0, s["kept_count_by_reason"]
+    assert not [w for w in recwarn if "nothing was excluded" in str(w.message)]
 
 
 def test_callback_takes_a_config_and_logs_to_the_offload_logger(tmp_path, caplog):
