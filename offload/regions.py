@@ -11,6 +11,7 @@ import contextlib
 import logging
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,8 +61,9 @@ class RegionHandle:
         self.fired = 0
         """How many times the excluded module's forward has started."""
         self.warned = False
-        self.optional = False
-        """Never warned about by ``warn_unused_regions`` (another region covers it)."""
+        self.optional: bool | Callable[[], bool] = False
+        """True (or a callable returning True) when not running is expected: ``warn_unused_regions``
+        then says nothing (another region covers it, or the model skips it by design)."""
 
     @property
     def active(self) -> bool:
@@ -213,7 +215,7 @@ def warn_unused_regions(engine: "OffloadActivations") -> None:
     tensors are offloaded like the rest. Silence would hide exactly that.
     """
     for h in engine._regions:
-        if h.active and h.fired == 0 and not h.warned and not h.optional:
+        if h.active and h.fired == 0 and not h.warned and not (h.optional() if callable(h.optional) else h.optional):
             h.warned = True
             warnings.warn(
                 f"OffloadActivations.exclude({h.name}): a step finished without that module's "
@@ -314,10 +316,16 @@ def get_act_offloading_ctx_manager(
     else:
         region = ctx.exclude(head, keep_after=True)
         body = find_backbone(model)
+        root = _unwrap(model)
         if body is not None:
             # Also after the body: a fused head never runs the head module (TRL's SFTTrainer).
             keep_after_module(ctx, body)
             region.optional = True  # not running is no sign of a stale compiled graph then
+        elif hasattr(root, "skip_output_layer"):
+            # torchtune's LinearCrossEntropyLoss sets model.skip_output_layer and projects
+            # through the head itself, in the loss, outside the context: no head runs by design.
+            root_ref = weakref.ref(root)
+            region.optional = lambda: bool(getattr(root_ref(), "skip_output_layer", False))
         log.info("offloading %s's activations; output head %s excluded%s", type(model).__name__,
                  type(head).__name__, f", and what runs after {type(body).__name__}" if body is not None else "")
     return ctx

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -356,3 +357,52 @@ def test_noop_manager_keeps_inplace_check():
         h.add_(1)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             z.sum().backward()
+
+
+class _TorchtuneStyleDecoder(nn.Module):
+    """torchtune's TransformerDecoder shape: ``.output`` head, ``skip_output_layer`` (set by its
+    LinearCrossEntropyLoss, which then projects through the head itself, in the loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(32, 16)
+        self.layer = nn.Linear(16, 16)
+        self.output = nn.Linear(16, 32)
+        self.skip_output_layer = False
+        self.bypass_head = False  # stands in for a stale compiled graph that skips the head's hooks
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.layer(self.tok(ids)))
+        if self.skip_output_layer:
+            return h
+        if self.bypass_head:
+            return F.linear(h, self.output.weight, self.output.bias)
+        return self.output(h)
+
+
+@pytest.mark.parametrize("case", ["skip_output_layer", "head_bypassed"])
+def test_unused_head_warning_only_when_the_head_should_have_run(case):
+    """torchtune's LinearCrossEntropyLoss sets model.skip_output_layer after the context exists and runs
+    the head in the loss, outside it: no warning then. A head that should have run but did not
+    (a stale compiled graph, here a bypass) still gets the warning."""
+    torch.manual_seed(0)
+    model = _TorchtuneStyleDecoder()
+    twin = twin_of(model)
+    ctx = get_act_offloading_ctx_manager(model, True, device="cpu", min_offload_size=0)
+    setattr(model, case.replace("head_bypassed", "bypass_head"), True)
+    setattr(twin, case.replace("head_bypassed", "bypass_head"), True)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def step(m, c):
+        with c:
+            out = m(ids)
+        logits = m.output(out) if case == "skip_output_layer" else out  # the loss's own projection
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        step(model, ctx)
+    step(twin, contextlib.nullcontext())
+    assert_same_grads(model, twin)
+    unused = [str(w.message) for w in got if "nothing was excluded" in str(w.message)]
+    assert len(unused) == (0 if case == "skip_output_layer" else 1), unused
