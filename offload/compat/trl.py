@@ -1,7 +1,8 @@
 """TRL's activation-offloading API with its exact signatures (positional order included).
 
 Replace ``from trl.models.activation_offloading import OffloadActivations,
-NoOpManager, get_act_offloading_ctx_manager`` with an import from here. See
+NoOpManager, get_act_offloading_ctx_manager`` (and ``from trl.models import
+enable_selective_activation_checkpointing``) with an import from here. See
 NOTE [ Positional peers ] in ``offload.compat``.
 """
 
