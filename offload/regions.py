@@ -30,6 +30,7 @@ __all__ = [
     "RegionHandle",
     "exclude_module",
     "keep_after_module",
+    "exclude_output_head",
     "find_backbone",
     "warn_unused_regions",
     "find_output_head",
@@ -269,6 +270,35 @@ def find_output_head(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def exclude_output_head(engine: "OffloadActivations", model: nn.Module) -> list[RegionHandle]:
+    """Keep ``model``'s output head, and what runs after it, on ``engine``'s device; [] if no head is found.
+
+    The head (``find_output_head``) is excluded with ``keep_after=True`` until
+    ``model``'s next call, so the loss computed on its output stays too. For a
+    Hugging Face model, what runs after its body (``find_backbone``) is kept as
+    well: a fused head never runs the head module (TRL's SFTTrainer). The
+    handles' ``remove()`` undo it.
+    """
+    head = find_output_head(model)
+    if head is None:
+        return []
+    region = exclude_module(engine, head, keep_after=True, root=model)
+    handles = [region]
+    body = find_backbone(model)
+    root = _unwrap(model)
+    if body is not None:
+        handles.append(keep_after_module(engine, body))
+        region.optional = True  # not running is no sign of a stale compiled graph then
+    elif hasattr(root, "skip_output_layer"):
+        # torchtune's LinearCrossEntropyLoss sets model.skip_output_layer and projects
+        # through the head itself, in the loss, outside the context: no head runs by design.
+        root_ref = weakref.ref(root)
+        region.optional = lambda: bool(getattr(root_ref(), "skip_output_layer", False))
+    log.info("%s: output head %s excluded%s", type(model).__name__, type(head).__name__,
+             f", and what runs after {type(body).__name__}" if body is not None else "")
+    return handles
+
+
 def get_act_offloading_ctx_manager(
     model: nn.Module,
     enable_activation_offloading: bool = True,
@@ -301,31 +331,15 @@ def get_act_offloading_ctx_manager(
 
     kwargs.setdefault("model", model)
     ctx = OffloadActivations(**kwargs)
-    head = find_output_head(model)
-    if head is None:
-        if warn_if_no_head:
-            warnings.warn(
-                f"get_act_offloading_ctx_manager: no output head found on {type(model).__name__} "
-                "(looked for get_output_embeddings(), .output, .lm_head and a Linear tied to an "
-                "Embedding), so the head's activations will be offloaded too: they are needed first "
-                "in backward, so their reload cannot overlap compute and costs step time for little "
-                "memory. Fix: call ctx.exclude(<your head module>) on the returned context, or pass "
-                "warn_if_no_head=False if the model has no such head.",
-                stacklevel=user_stacklevel(),
-            )
-    else:
-        region = ctx.exclude(head, keep_after=True)
-        body = find_backbone(model)
-        root = _unwrap(model)
-        if body is not None:
-            # Also after the body: a fused head never runs the head module (TRL's SFTTrainer).
-            keep_after_module(ctx, body)
-            region.optional = True  # not running is no sign of a stale compiled graph then
-        elif hasattr(root, "skip_output_layer"):
-            # torchtune's LinearCrossEntropyLoss sets model.skip_output_layer and projects
-            # through the head itself, in the loss, outside the context: no head runs by design.
-            root_ref = weakref.ref(root)
-            region.optional = lambda: bool(getattr(root_ref(), "skip_output_layer", False))
-        log.info("offloading %s's activations; output head %s excluded%s", type(model).__name__,
-                 type(head).__name__, f", and what runs after {type(body).__name__}" if body is not None else "")
+    handles = exclude_output_head(ctx, model)
+    if not handles and warn_if_no_head:
+        warnings.warn(
+            f"get_act_offloading_ctx_manager: no output head found on {type(model).__name__} "
+            "(looked for get_output_embeddings(), .output, .lm_head and a Linear tied to an "
+            "Embedding), so the head's activations will be offloaded too: they are needed first "
+            "in backward, so their reload cannot overlap compute and costs step time for little "
+            "memory. Fix: call ctx.exclude(<your head module>) on the returned context, or pass "
+            "warn_if_no_head=False if the model has no such head.",
+            stacklevel=user_stacklevel(),
+        )
     return ctx

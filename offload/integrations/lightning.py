@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import OffloadConfig
 from ..engine import OffloadActivations
-from ..regions import RegionHandle, find_output_head
+from ..regions import RegionHandle, exclude_output_head
 from . import _StepReporter
 
 __all__ = ["OffloadCallback"]
@@ -41,9 +41,9 @@ class OffloadCallback(pl.Callback):
     Args:
         config: every engine setting at once (an ``OffloadConfig``); or pass
             them as keywords (``device="cpu"``, ``min_offload_size=...``).
-        exclude_head: keep the output head's activations on the device (found
-            with ``offload.find_output_head`` on the LightningModule, then on
-            its ``.model``).
+        exclude_head: keep the output head's activations, and the loss computed on
+            its output, on the device (``offload.regions.exclude_output_head`` on
+            the LightningModule's ``.model``, else on the LightningModule).
         **engine_kwargs: ``OffloadConfig`` fields.
     """
 
@@ -61,7 +61,7 @@ class OffloadCallback(pl.Callback):
         self.exclude_head = exclude_head
         self.engine: OffloadActivations | None = None
         """The engine, built at the first fit (its ``ledger`` holds every decision)."""
-        self._head: RegionHandle | None = None
+        self._head: list[RegionHandle] = []
         self._entered = False
         self._reporter = _StepReporter()
 
@@ -70,14 +70,14 @@ class OffloadCallback(pl.Callback):
     def on_train_start(self, trainer: Any, pl_module: nn.Module) -> None:
         if self.engine is None:
             self.engine = OffloadActivations.from_config(self.config, model=pl_module)
-        if self.exclude_head and self._head is None:
-            head = find_output_head(pl_module)
-            inner = getattr(pl_module, "model", None)
-            if head is None and isinstance(inner, nn.Module):
-                head = find_output_head(inner)
-            if head is not None:
-                self._head = self.engine.exclude(head)
-            else:
+        if self.exclude_head and not self._head:
+            # The head, and what runs after it until the model's next call (the loss), as
+            # get_act_offloading_ctx_manager does. The wrapped .model first: its calls (one per
+            # forward, even when training_step makes two) are what ends "after the head".
+            for model in (getattr(pl_module, "model", None), pl_module):
+                if isinstance(model, nn.Module) and not self._head:
+                    self._head = exclude_output_head(self.engine, model)
+            if not self._head:
                 log.info("no output head found on %s: its activations are offloaded too",
                          type(pl_module).__name__)
         log.info("offloading %s's training steps with %r", type(pl_module).__name__, self.engine)
@@ -106,9 +106,9 @@ class OffloadCallback(pl.Callback):
 
     def on_train_end(self, trainer: Any, pl_module: nn.Module) -> None:
         self._leave()
-        if self._head is not None:
-            self._head.remove()
-            self._head = None
+        for handle in self._head:
+            handle.remove()
+        self._head = []
 
     def _leave(self, exception: BaseException | None = None) -> None:
         if self._entered and self.engine is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,19 +22,23 @@ STEPS = 3
 class _LM(pl.LightningModule):
     """A toy Llama whose training_step calls self.model (not self): the callback must not rely on forward hooks."""
 
-    def __init__(self, fail_at: int = -1) -> None:
+    def __init__(self, fail_at: int = -1, calls: int = 1, tied: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.model = ToyLlama(TINY)
+        self.model = ToyLlama(dataclasses.replace(TINY, tie_embeddings=tied))
         self.grads: list[dict[str, torch.Tensor]] = []
         self.fail_at = fail_at
+        self.calls = calls  # model calls per training_step (e.g. a chosen and a rejected half)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         if batch_idx == self.fail_at:
             raise KeyboardInterrupt
-        logits = self.model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = 0
+        for xs, ys in zip(x.chunk(self.calls), y.chunk(self.calls)):
+            logits = self.model(xs)
+            loss = loss + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1))
+        return loss
 
     def on_before_optimizer_step(self, optimizer):
         self.grads.append({n: p.grad.detach().clone() for n, p in self.named_parameters()})
@@ -108,3 +114,31 @@ def test_keyboard_interrupt_in_training_step_leaves_the_engine(tmp_path):
         pass
     assert active_engine() is None
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_loss_kept_and_a_second_model_call_offloaded_again(tmp_path, tied):
+    """The head is excluded as get_act_offloading_ctx_manager does: the loss on its logits stays on the
+    device (after_head), and a second model call in the same training_step is offloaded again (a tied
+    head is also found from the LightningModule itself, which training_step never calls)."""
+
+    def last_step(cb):
+        ledger = cb.engine.ledger
+        return [r for r in ledger.records if r.step == ledger.step_totals[-1].step]
+
+    def offloaded_in_blocks(records):
+        return sum(1 for r in records if ".layers." in r.module and r.decision == "offloaded")
+
+    one, two = OffloadCallback(device="cpu", min_offload_size=0), OffloadCallback(device="cpu", min_offload_size=0)
+    _fit(tmp_path, _LM(calls=1, tied=tied), [one])
+    on, off = _LM(calls=2, tied=tied), _LM(calls=2, tied=tied)
+    _fit(tmp_path, on, [two])
+    _fit(tmp_path, off, [])
+    for g, w in zip(on.grads, off.grads):
+        for name in w:
+            assert torch.equal(g[name], w[name]), name
+    records = last_step(two)
+    kept_after = [r for r in records if r.reason == "after_head"]
+    assert kept_after, "the loss on the logits was offloaded"
+    assert not [r for r in kept_after if ".layers." in r.module], sorted({r.module for r in kept_after})
+    assert offloaded_in_blocks(records) == 2 * offloaded_in_blocks(last_step(one)) > 0
