@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..ledger import OFFLOADED
-from ..policy import model_storages, storage_ptr
+from ..policy import model_storages, owned_storages
 
 if TYPE_CHECKING:
     from ..engine import OffloadActivations
@@ -95,7 +95,7 @@ class PeerAttributes:
         model = self._model_ref() if self._model_ref is not None else None
         if model is None:
             return set()
-        return {p for p in map(storage_ptr, model.parameters()) if p}
+        return set(owned_storages(model.modules())[0])
 
     @property
     def tensor_id(self: "OffloadActivations") -> int:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from offload import get_act_offloading_ctx_manager
+from offload.compat.trl import _checkpointing_entry
 
 transformers = pytest.importorskip("transformers")
 T = transformers
@@ -121,11 +122,8 @@ def _step(model: torch.nn.Module, inputs: dict, ctx=None) -> torch.Tensor:
 def test_hf_architecture_bitwise_under_offloading(name, checkpointing):
     model = _build(name)
     if checkpointing:
-        kwargs = {"use_reentrant": False}
-        if callable(getattr(model, "activation_checkpointing_enable", None)):  # transformers >= 5
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable, kwargs_name = _checkpointing_entry(model)  # transformers >= 5 renamed both
+        getattr(model, enable)(**{kwargs_name: {"use_reentrant": False}})
     twin = copy.deepcopy(model)
     inputs = ARCHS[name][3]()
     has_head = ARCHS[name][4]

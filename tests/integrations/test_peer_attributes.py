@@ -293,10 +293,6 @@ def _llama() -> nn.Module:
     return model
 
 
-def _entry(model) -> str:
-    return trl._checkpointing_entry(model)[0]
-
-
 def _step(model, ctx=None) -> tuple[torch.Tensor, int]:
     torch.manual_seed(1)
     inp = torch.randint(0, 64, (2, 16))
@@ -313,7 +309,8 @@ def _step(model, ctx=None) -> tuple[torch.Tensor, int]:
 @functools.lru_cache(maxsize=1)
 def _full_checkpointing() -> tuple[torch.Tensor, int]:
     model = _llama()
-    getattr(model, _entry(model))(**{trl._checkpointing_entry(model)[1]: {"use_reentrant": False}})
+    name, kwargs_name = trl._checkpointing_entry(model)
+    getattr(model, name)(**{kwargs_name: {"use_reentrant": False}})
     return _step(model)
 
 
@@ -323,7 +320,7 @@ def test_selective_checkpointing_saves_attention_with_full_checkpointings_grads(
     grads_full, sdpa_full = _full_checkpointing()
     model = _llama()
     trl.enable_selective_activation_checkpointing(model)
-    getattr(model, _entry(model))()
+    getattr(model, trl._checkpointing_entry(model)[0])()
     ctx = offload.OffloadActivations(device="cpu", min_offload_size=0) if offloaded else None
     grads_sac, sdpa_sac = _step(model, ctx)
     assert torch.equal(grads_sac, grads_full)
