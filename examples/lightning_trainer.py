@@ -15,12 +15,15 @@ Runbook (``pip install -e ".[lightning]"``, or ``PYTHONPATH=.`` from the repo ro
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is a repo tool: run from a checkout
 from bench.model import ToyLlama, ToyLlamaConfig, make_batch
 from offload.integrations.lightning import OffloadCallback
 

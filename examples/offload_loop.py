@@ -14,10 +14,13 @@ On CPU it runs with one intra-op thread (``--threads``), so its timings are stea
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is a repo tool: run from a checkout
 from bench.model import ToyLlama, ToyLlamaConfig, make_batch
 from offload import OffloadActivations
 

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is a repo tool: run from a checkout
 from bench.model import ToyLlama, ToyLlamaConfig, make_batch
 from offload import OffloadActivations
 

@@ -25,12 +25,14 @@ packed.json and rss.json the trackers' figures; <out>/trace/ holds the torch.pro
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is a repo tool: run from a checkout
 from bench.model import ToyLlama, ToyLlamaConfig, make_batch
 from offload import OffloadActivations, find_output_head, get_act_offloading_ctx_manager
 from profiling import (

@@ -15,11 +15,14 @@ On a GPU, drop ``device: cpu`` from the config: the engine then uses the current
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is a repo tool: run from a checkout
 from bench.model import ToyLlama, ToyLlamaConfig, make_batch
 from offload.integrations.torchtitan import config_from_section, ctx_for_mode
 

@@ -28,7 +28,7 @@ Time:
   forward + backward seconds (recompute >= keep is enforced).
 * A copy of ``x`` bytes costs ``x / BW_d2h`` in forward and ``x / BW_h2d`` in
   backward plus a per-copy engine overhead. ``BW`` comes from
-  ``bench.probe`` (pinned copies on a GPU; memcpy on CPU) or the caller.
+  a 64 MB copy timed once per process (pinned on a GPU; memcpy on CPU) or the caller.
 * CPU, or an engine without streams: copies are synchronous, so all their
   time is exposed (added to the step). The per-copy overhead is calibrated
   from the offload profile (measured slowdown minus bytes / BW).
@@ -88,31 +88,30 @@ class Hardware:
 
 @functools.lru_cache(maxsize=8)
 def _probe(device: str) -> tuple[float, float, str]:
-    dev = torch.device(device)
-    try:
-        from bench.probe import run_probe
+    """D2H and H2D GB/s of a 64 MB copy (pinned host memory on an accelerator; memcpy on CPU).
 
-        if dev.type == "cuda":
-            r = run_probe(dev, (256,), contention=False)
-            return float(r.pinned_d2h_gb_s), float(r.pinned_h2d_gb_s), "bench.probe pinned 256 MB"
-        r = run_probe(dev, (64,))
-        bw = float(r.best("memcpy", "host"))
-        return bw, bw, "bench.probe cpu memcpy 64 MB"
-    except Exception as e:  # bench not importable (installed without it): a small local probe
-        log.info("bench.probe unavailable (%s); measuring a 64 MB copy locally", e)
+    Measured here, not by ``bench.probe``: the library never imports the repo's bench tool.
+    """
+    dev = torch.device(device)
     n = 64 * _MB
-    src = torch.ones(n, dtype=torch.uint8, device=dev)
-    dst = torch.empty(n, dtype=torch.uint8, pin_memory=dev.type != "cpu")
-    dst.copy_(src)
-    if dev.type != "cpu":
-        torch.accelerator.synchronize(dev)
-    t0 = time.perf_counter()
-    for _ in range(4):
-        dst.copy_(src)
-    if dev.type != "cpu":
-        torch.accelerator.synchronize(dev)
-    bw = 4 * n / (time.perf_counter() - t0) / 1e9
-    return bw, bw, "local 64 MB copy"
+    accel = dev.type != "cpu"
+    dev_buf = torch.ones(n, dtype=torch.uint8, device=dev)
+    host_buf = torch.empty(n, dtype=torch.uint8, pin_memory=accel)
+
+    def _gb_s(dst: torch.Tensor, src: torch.Tensor) -> float:
+        dst.copy_(src)  # warm-up
+        if accel:
+            torch.accelerator.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            dst.copy_(src, non_blocking=accel)
+        if accel:
+            torch.accelerator.synchronize(dev)
+        return 4 * n / (time.perf_counter() - t0) / 1e9
+
+    d2h = _gb_s(host_buf, dev_buf)
+    h2d = _gb_s(dev_buf, host_buf)
+    return d2h, h2d, ("pinned 64 MB copy" if accel else "cpu memcpy 64 MB")
 
 
 def measure_hardware(device: torch.device | str, synchronous: bool,

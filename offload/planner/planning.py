@@ -291,7 +291,7 @@ def plan(
         min_offload_size, use_streams, engine_kwargs: passed to the plan's
             ``OffloadActivations``.
         bandwidth_gb_s: (D2H, H2D) GB/s, or one number; None = measured with
-            ``bench.probe`` once per process.
+            a 64 MB copy once per process (pinned on a GPU).
         solver: "auto" (exact Pareto DP, greedy fallback), "exact", "greedy", "brute_force".
 
     Raises:

@@ -1,0 +1,141 @@
+"""The distribution holds the two libraries and nothing else, installs into a fresh venv, and promises
+complete extras; the libraries never reach up into the repo's tools (bench, examples, scripts, tests)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARIES = ("offload", "profiling")
+REPO_TOOLS = ("bench", "examples", "scripts", "tests")
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _imported_top_levels(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_libraries_never_import_the_repo_tools():
+    """No module under offload/ or profiling/ imports bench, examples, scripts or tests (anywhere in the
+    file, lazily included): an installed wheel has none of them."""
+    offenders = [f"{p.relative_to(ROOT)} imports {sorted(_imported_top_levels(p) & set(REPO_TOOLS))}"
+                 for lib in LIBRARIES for p in sorted((ROOT / lib).rglob("*.py"))
+                 if _imported_top_levels(p) & set(REPO_TOOLS)]
+    assert not offenders, offenders
+
+
+def _dist_name(project: dict, spec: str) -> str:
+    return re.split(r"[<>=\[ ;!~]", spec, maxsplit=1)[0].lower()
+
+
+def test_extras_are_complete():
+    """Each extra brings what its feature imports (hf: transformers + accelerate, which Trainer needs),
+    and the test extra installs every other extra's packages, so CI tests what the extras promise."""
+    project = _project()
+    extras = {k: {_dist_name(project, s) for s in v} for k, v in project["optional-dependencies"].items()}
+    assert {"hf", "trl", "lightning", "qlora", "ilp", "docs", "test", "native", "plot"} <= set(extras)
+    assert {"transformers", "accelerate"} <= extras["hf"]
+    assert {"trl", "transformers", "accelerate"} <= extras["trl"]
+    assert "lightning" in extras["lightning"] and "torchao" in extras["qlora"]
+    assert {"mkdocs-material", "mkdocstrings"} <= extras["docs"]
+    others = set().union(*(v for k, v in extras.items() if k != "test"))
+    assert others <= extras["test"], sorted(others - extras["test"])
+    assert not any(_dist_name(project, d) == "torch" and d.strip() == "torch" for d in project["dependencies"])
+
+
+def test_metadata_is_set():
+    """Version, license (and its file), project URLs and classifiers are declared."""
+    project = _project()
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\w+\d*)?", project["version"])
+    assert project["license"] and all((ROOT / f).is_file() for f in project["license-files"])
+    assert {"Homepage", "Documentation", "Issues"} <= set(project["urls"])
+    assert any(c.startswith("Programming Language :: Python :: 3") for c in project["classifiers"])
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory) -> dict[str, Path]:
+    """A wheel and an sdist built by `python -m build` from a copy of the tracked files (so the build
+    writes nothing into this checkout), without build isolation (offline, the installed setuptools)."""
+    pytest.importorskip("build")
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    for f in filter(None, files):
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, src / f)
+    proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (wheel,), (sdist,) = out.glob("*.whl"), out.glob("*.tar.gz")
+    return {"wheel": wheel, "sdist": sdist}
+
+
+def test_wheel_holds_only_the_libraries(dists):
+    """The wheel's top-level entries are offload/, profiling/ and its .dist-info, with the typed markers and
+    the C++ source native_hooks builds; none of the repo tools."""
+    names = zipfile.ZipFile(dists["wheel"]).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == set(LIBRARIES), sorted(tops)
+    assert {"offload/py.typed", "profiling/py.typed", "offload/_native/pack.cpp"} <= set(names)
+    metadata = zipfile.ZipFile(dists["wheel"]).read(next(n for n in names if n.endswith("/METADATA"))).decode()
+    assert "Provides-Extra: hf" in metadata and "License-Expression: BSD-3-Clause" in metadata
+
+
+def test_sdist_holds_only_the_libraries(dists):
+    """The sdist ships the libraries, pyproject, README and LICENSE; none of the repo tools."""
+    with tarfile.open(dists["sdist"]) as tar:
+        parts = {n.split("/")[1] for n in tar.getnames() if "/" in n}
+    assert set(LIBRARIES) <= parts and {"pyproject.toml", "README.md", "LICENSE"} <= parts
+    assert not parts & set(REPO_TOOLS), sorted(parts & set(REPO_TOOLS))
+
+
+@pytest.mark.parametrize("kind", ["wheel", "sdist"])
+def test_dist_installs_and_imports_in_a_fresh_venv(dists, kind, tmp_path):
+    """Installed into a fresh venv (system site-packages visible for torch and the build tools, the system
+    pip: a venv's own bundled setuptools may predate the license field; --no-deps: offline), both
+    libraries import from the venv, not from this checkout, and run a step with the engine."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   check=True, timeout=120)
+    py = venv / "bin" / "python"
+    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation",
+                          str(dists[kind])], capture_output=True, text=True, timeout=600)
+    assert pip.returncode == 0, pip.stdout[-2000:] + pip.stderr[-3000:]
+    code = ("import offload, profiling, torch, pathlib, sys\n"
+            "site = pathlib.Path(sys.prefix).resolve()\n"
+            "for m in (offload, profiling):\n"
+            "    assert site in pathlib.Path(m.__file__).resolve().parents, m.__file__\n"
+            "net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))\n"
+            "with offload.OffloadActivations(device='cpu', min_offload_size=0) as ctx:\n"
+            "    loss = net(torch.randn(4, 8)).sum()\n"
+            "loss.backward()\n"
+            "assert ctx.ledger.summary()['offloaded_bytes'] > 0\n"
+            "print(offload.__version__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(py), "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == _project()["version"]
