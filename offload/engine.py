@@ -1330,9 +1330,7 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
             out = out.conj()
         if neg:
             out = _torch_private.neg_view(out)
-        consumer = self._backend.current_stream()
-        if consumer is not None and copy.stream is not None and consumer != copy.stream:
-            out.record_stream(consumer)  # Rule 4: consumed on another stream than allocated
+        self._backend.record_consumer(out, copy)  # Rule 4: consumed on another stream than allocated
         if p is not None:
             with self._lock:
                 if hc.used == 0:

@@ -13,6 +13,21 @@ Side-stream ordering (see Rules 2-4):
     (the block may have been freed by queued compute work), and compute waits
     on the copy's event before reading. If a later consumer runs on another
     stream, the engine calls ``record_stream`` for it.
+
+NOTE [ Ordering faults ]
+Each ordering call below can be switched off, one at a time, by name
+(``offload.testing.inject_fault(name)``; tests only): the emulated suite must
+fail for every one of them (tests/offload/test_emulated_faults.py lists which
+test catches which). ``_FAULTS`` is empty in every real run.
+  d2h_waits_producer   side.wait_stream(compute) before a D2H (Rule 2)
+  h2d_waits_compute    side.wait_stream(compute) before an H2D (Rule 4)
+  copy_event           done.record(side) after each copy (Rules 2, 4)
+  compute_waits_copy   compute.wait_event(done) before a reload is read (Rule 4)
+  release_waits_copy   producer.wait_event(done) before a source is dropped (Rule 2)
+  live_current_stream  current_stream() looked up at every call (Rule 3)
+  compute_outside_side the compute stream read outside the side-stream context (Rule 3)
+  h2d_alloc_on_compute reload destinations allocated on the compute stream (Rule 4)
+  record_stream        record_stream for a consumer on another stream (Rule 4)
 """
 
 from __future__ import annotations
@@ -25,6 +40,15 @@ import torch
 _perf_counter = time.perf_counter
 
 __all__ = ["Copy", "SyncBackend", "StreamBackend", "make_backend"]
+
+FAULT_NAMES = ("d2h_waits_producer", "h2d_waits_compute", "copy_event", "compute_waits_copy",
+               "release_waits_copy", "live_current_stream", "compute_outside_side", "h2d_alloc_on_compute",
+               "record_stream")
+_FAULTS: set[str] = set()
+"""Ordering calls switched off (NOTE [ Ordering faults ]): only offload.testing.inject_fault adds to it."""
+_DEVICE_MODULES: list[tuple[str, object]] = []
+"""(device type, module) pairs standing in for ``torch.<type>`` in backends built from now on, innermost
+last: offload.testing.EmulatedAccelerator registers itself for "cpu" while it is entered."""
 
 
 @dataclass(eq=False, slots=True)
@@ -84,8 +108,14 @@ class SyncBackend:
     def release_after(self, copy: Copy, producer_stream) -> None:
         pass
 
+    def record_consumer(self, t: torch.Tensor, copy: Copy) -> None:
+        pass
+
 
 def _device_module(device: torch.device):
+    for dev_type, mod in reversed(_DEVICE_MODULES):
+        if dev_type == device.type:
+            return mod
     return torch.get_device_module(device.type)
 
 
@@ -94,11 +124,14 @@ class StreamBackend:
 
     name = "stream"
 
-    def __init__(self, device: torch.device, *, timing: bool = True) -> None:
+    def __init__(self, device: torch.device, *, timing: bool = True, module: object | None = None) -> None:
         self.device = device
         self.timing = timing
-        self._mod = _device_module(device)
+        # The device module: torch.cuda (torch.xpu, ...), or a stand-in with its surface
+        # (offload.testing.EmulatedAccelerator) passed here or registered in _DEVICE_MODULES.
+        self._mod = module if module is not None else _device_module(device)
         self._side = None  # created lazily on first use, on the right device
+        self._cached = None  # only for the live_current_stream fault
 
     # The device module (torch.cuda, torch.xpu, ...) is used for streams and
     # events rather than the generic torch.Stream/torch.Event: its Stream,
@@ -112,38 +145,59 @@ class StreamBackend:
 
     def current_stream(self):
         """The live compute stream (Rule 3: looked up at every call, never cached)."""
+        if _FAULTS and "live_current_stream" in _FAULTS:
+            if self._cached is None:
+                self._cached = self._mod.current_stream(self.device)
+            return self._cached
         return self._mod.current_stream(self.device)
 
     def _event(self):
         return self._mod.Event(enable_timing=self.timing)
 
-    def _issue(self, fn) -> Copy:
+    def _issue(self, fn, wait_fault: str) -> Copy:
         """Run ``fn`` (one copy) on the side stream, ordered after the live compute stream."""
         side = self._side_stream()
         compute = self.current_stream()
-        side.wait_stream(compute)
+        if not (_FAULTS and wait_fault in _FAULTS):
+            side.wait_stream(compute)
         start = None
         with self._mod.stream(side):
+            if _FAULTS and "compute_outside_side" in _FAULTS:
+                compute = self.current_stream()  # torchtitan #2581: this is the side stream
             if self.timing:
                 start = self._event()
                 start.record(side)
             fn()
             done = self._event()
-            done.record(side)
+            if not (_FAULTS and "copy_event" in _FAULTS):
+                done.record(side)
         return Copy(done, None, start, compute)
 
     def d2h(self, src: torch.Tensor, dst: torch.Tensor) -> Copy:
-        return self._issue(lambda: dst.copy_(src, non_blocking=True))
+        return self._issue(lambda: dst.copy_(src, non_blocking=True), "d2h_waits_producer")
 
     def h2d(self, src: torch.Tensor) -> tuple[torch.Tensor, Copy]:
+        if _FAULTS and "h2d_alloc_on_compute" in _FAULTS:
+            side = self._side_stream()
+            with self._mod.stream(side):
+                out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+            copy = self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute")
+            copy.stream = side
+            return out, copy
         # Allocate on the compute stream (outside the side-stream context): Rule 4.
         out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-        return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()))
+        return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute")
 
     def wait(self, copy: Copy) -> None:
         """Make the live compute stream wait for ``copy`` (Rule 4)."""
-        if copy.done is not None:
+        if copy.done is not None and not (_FAULTS and "compute_waits_copy" in _FAULTS):
             self.current_stream().wait_event(copy.done)
+
+    def record_consumer(self, t: torch.Tensor, copy: Copy) -> None:
+        """Rule 4: ``t`` (allocated on ``copy.stream``) is read on the live stream: tell the allocator."""
+        consumer = self.current_stream()
+        if copy.stream is not None and consumer != copy.stream and not (_FAULTS and "record_stream" in _FAULTS):
+            t.record_stream(consumer)
 
     def release_after(self, copy: Copy, producer_stream) -> None:
         """Order the producer stream after ``copy`` before the source block can be reused.
@@ -154,14 +208,16 @@ class StreamBackend:
         host synchronize (Rule 2).
         """
         if copy.done is not None and producer_stream is not None:
-            producer_stream.wait_event(copy.done)
+            if not (_FAULTS and "release_waits_copy" in _FAULTS):
+                producer_stream.wait_event(copy.done)
 
 
 def make_backend(device: torch.device, use_streams: bool, *, timing: bool = True) -> SyncBackend | StreamBackend:
     """Streams for an accelerator when asked for; synchronous copies otherwise."""
-    mod = getattr(torch, device.type, None)
-    if use_streams and device.type != "cpu" and all(
+    mod = _device_module(device) if hasattr(torch, device.type) else None
+    stand_in = mod is not None and mod is not getattr(torch, device.type)
+    if use_streams and (device.type != "cpu" or stand_in) and all(
         hasattr(mod, n) for n in ("Stream", "Event", "stream", "current_stream")
     ):
-        return StreamBackend(device, timing=timing)
+        return StreamBackend(device, timing=timing, module=mod)
     return SyncBackend(device)

@@ -1,0 +1,326 @@
+"""The happens-before checker: PyTorch's CUDA sanitizer core fed from CPU ops, plus frees.
+
+``torch.cuda._sanitizer.EventHandler`` (the core of ``TORCH_CUDA_SANITIZER=1``)
+is device-agnostic: it takes stream ids, event ids and data pointers. This
+module feeds it every aten op the emulator sees (keyed by *storage*, so two
+views of one storage conflict), and adds what it lacks:
+
+* **Frees.** The CUDA caching allocator hands a freed block to the next
+  allocation on the block's *allocation stream* at once, unless
+  ``record_stream`` named another stream. So when the last reference to a
+  storage drops, every access to it on another stream must already be ordered
+  before the allocation stream's current position (a wait on an event, a
+  synchronize), or be on a stream ``record_stream`` named. Otherwise the
+  block may be overwritten while the access is still queued: the deletion
+  race of torchtune #1867. The sanitizer itself only forgets the pointer.
+* **Reports** that name both sides by stream *name* and keep the sanitizer's
+  own text (operators, argument names, Python stacks, allocation stack).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.cuda._sanitizer import (
+    FACTORY_FUNCTION_REGEX,
+    Access,
+    AccessType,
+    ArgumentHandler,
+    EventHandler,
+    SynchronizationError,
+    UnsynchronizedAccessError,
+)
+
+__all__ = ["Hazard", "HazardError", "Checker", "FreeBeforeAccessError"]
+
+aten = torch.ops.aten
+
+
+def _stack() -> traceback.StackSummary:
+    """The caller's Python stack, outermost first (as the sanitizer captures it)."""
+    s = traceback.StackSummary.extract(traceback.walk_stack(inspect.currentframe()), lookup_lines=False)
+    s.reverse()
+    return s
+
+
+_MACHINERY = ("offload/testing/", "torch/utils/_python_dispatch", "torch/_compile.py", "torch/_dynamo/",
+              "torch/cuda/_sanitizer.py")
+"""Frames of the checker's own machinery, left out of reports."""
+_FRAMES = 16
+"""Innermost frames shown per stack in a report."""
+
+
+def _user_frames(stack: traceback.StackSummary | None) -> str:
+    """A stack without the frames of torch's dispatch machinery and of this package."""
+    if not stack:
+        return "    (no stack recorded)\n"
+    keep = [f for f in stack if not any(m in f.filename.replace("\\", "/") for m in _MACHINERY)]
+    keep = (keep or list(stack))[-_FRAMES:]
+    return "".join(traceback.StackSummary.from_list(keep).format())
+
+
+class FreeBeforeAccessError(SynchronizationError):
+    """A storage freed while an access to it on another stream was not ordered before the free."""
+
+    def __init__(self, data_ptr: int, allocation_stack_trace: traceback.StackSummary | None,
+                 alloc_stream: int, free_stack: traceback.StackSummary, access: Access) -> None:
+        self.data_ptr = data_ptr
+        self.allocation_stack_trace = allocation_stack_trace
+        self.alloc_stream = alloc_stream
+        self.free_stack = free_stack
+        self.access = access
+
+
+@dataclass
+class Hazard:
+    """One ordering error: two accesses (or an access and a free) on different streams, unordered."""
+
+    kind: str
+    """``"unordered access"`` (two accesses, one a write) or ``"free before access"``."""
+    data_ptr: int
+    """Data pointer of the storage both touch."""
+    streams: tuple[str, str]
+    """Names of the streams of (the later event, the earlier access)."""
+    ops: tuple[str, str]
+    """Operators of (the later event, the earlier access); ``"free"`` for a free."""
+    error: SynchronizationError = field(repr=False)
+    """The sanitizer's error object (``current_access`` / ``previous_access`` and stacks)."""
+
+    def __str__(self) -> str:
+        e = self.error
+        if isinstance(e, UnsynchronizedAccessError):
+            cur, prev = e.current_access, e.previous_access
+            return (
+                f"offload.testing: unordered access on storage {self.data_ptr:#x}: stream "
+                f"{self.streams[0]!r} {cur.type} it in\n    {cur.operator}\nwith no wait on stream "
+                f"{self.streams[1]!r}, which earlier was {prev.type} it in\n    {prev.operator}\n"
+                f"-- stack of the later access (stream {self.streams[0]!r}):\n{_user_frames(cur.stack_trace)}"
+                f"-- stack of the earlier access (stream {self.streams[1]!r}):\n{_user_frames(prev.stack_trace)}"
+                f"-- allocation stack:\n{_user_frames(e.allocation_stack_trace)}"
+            )
+        assert isinstance(e, FreeBeforeAccessError)
+        a = e.access
+        return (
+            f"offload.testing: storage {self.data_ptr:#x} allocated on stream {self.streams[0]!r} was freed "
+            f"(its last reference dropped) while stream {self.streams[1]!r} {a.type} it in\n    {a.operator}\n"
+            f"was not ordered before the free (no wait of stream {self.streams[0]!r} on it, no host "
+            f"synchronize, no record_stream({self.streams[1]!r})): the allocator may hand the block out "
+            f"again while that access is still queued.\n"
+            f"-- stack of the free:\n{_user_frames(e.free_stack)}"
+            f"-- stack of the access (stream {self.streams[1]!r}):\n{_user_frames(a.stack_trace)}"
+            f"-- allocation stack:\n{_user_frames(e.allocation_stack_trace)}"
+        )
+
+
+class HazardError(AssertionError):
+    """Raised by ``EmulatedAccelerator.assert_no_hazards`` (and at once with ``raise_on_hazard=True``)."""
+
+    def __init__(self, hazards: list[Hazard], total: int | None = None) -> None:
+        self.hazards = hazards
+        n = total if total is not None else len(hazards)
+        super().__init__(
+            f"offload.testing: {n} stream-ordering hazard(s); the first:\n{hazards[0]}" if hazards else "no hazards"
+        )
+
+
+class _Args(ArgumentHandler):
+    """The sanitizer's argument parser for CPU tensors, keyed by storage (it skips non-CUDA tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, Any] = {}
+        self.inputs: set[int] = set()
+        self._parsing_outputs = False
+
+    def _handle_argument(self, value: Any, is_write: bool, metadata_only: bool, name: str | None = None,
+                         is_output: bool = False) -> None:
+        if type(value) is not torch.Tensor and not isinstance(value, torch.Tensor):
+            return
+        if value.device.type != "cpu" or value.layout is not torch.strided:
+            return
+        try:
+            st = value.untyped_storage()
+            ptr = st.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return
+        if not ptr:
+            return  # an empty storage: nothing to race on
+        self.storages.setdefault(ptr, st)
+        if not is_output:
+            self.inputs.add(ptr)
+        if is_write:
+            self.dataptrs_written.add(ptr)
+        elif not metadata_only:
+            self.dataptrs_read.add(ptr)
+        aliases = self.tensor_aliases.setdefault(ptr, [])
+        if name is not None:
+            aliases.append(name)
+        if is_output:
+            self.outputs.add(ptr)
+
+
+@dataclass(eq=False)
+class _Live:
+    """What the checker knows of one live storage."""
+
+    ref: Any
+    alloc_stream: int
+    recorded: set[int] = field(default_factory=set)
+
+
+class Checker:
+    """Feeds one ``EventHandler`` and tracks frees; owned by an ``EmulatedAccelerator``."""
+
+    def __init__(self, names: dict[int, str], *, raise_on_hazard: bool = False, max_hazards: int = 200) -> None:
+        self.handler = EventHandler()
+        self.names = names
+        self.raise_on_hazard = raise_on_hazard
+        self.max_hazards = max_hazards
+        self.hazards: list[Hazard] = []
+        self.count = 0
+        self.ops = 0
+        self._live: dict[int, _Live] = {}
+        self._lock = threading.RLock()
+
+    # -- streams and events (the sanitizer's trace callbacks) ----------------------
+
+    def stream_created(self, sid: int) -> None:
+        with self._lock:
+            self.handler._handle_stream_creation(sid)
+
+    def event_created(self, eid: int) -> None:
+        with self._lock:
+            self.handler._handle_event_creation(eid)
+
+    def event_deleted(self, eid: int) -> None:
+        with self._lock:
+            if eid in self.handler.syncs.recorded_sync_states:
+                self.handler._handle_event_deletion(eid)
+
+    def event_recorded(self, eid: int, sid: int) -> None:
+        with self._lock:
+            self.handler._handle_event_record(eid, sid)
+
+    def event_waited(self, eid: int, sid: int) -> None:
+        with self._lock:
+            self.handler._handle_event_wait(eid, sid)
+
+    def stream_synchronized(self, sid: int) -> None:
+        with self._lock:
+            self.handler._handle_stream_synchronization(sid)
+
+    def event_synchronized(self, eid: int) -> None:
+        with self._lock:
+            self.handler._handle_event_synchronization(eid)
+
+    def device_synchronized(self) -> None:
+        with self._lock:
+            self.handler._handle_device_synchronization()
+
+    # -- ops ------------------------------------------------------------------
+
+    @staticmethod
+    def parse_inputs(func: Any, args: tuple, kwargs: dict) -> _Args:
+        h = _Args()
+        h.parse_inputs(func._schema, args, kwargs, is_factory=bool(FACTORY_FUNCTION_REGEX.match(func._schema.name)))
+        return h
+
+    def launched(self, h: _Args, func: Any, outputs: Any, sid: int, metadata_only: bool = False) -> None:
+        """Record one op issued on stream ``sid`` (after it was parsed and issued)."""
+        schema = func._schema
+        h.parse_outputs(schema, outputs, is_factory=bool(FACTORY_FUNCTION_REGEX.match(schema.name)))
+        with self._lock:
+            self.ops += 1
+            for ptr, st in h.storages.items():
+                self._track(ptr, st, sid, fresh=ptr not in h.inputs)
+            if metadata_only:
+                return  # set_, resize_ of an empty tensor, in-place views: no bytes touched
+            errors = self.handler._handle_kernel_launch(
+                sid, h.dataptrs_read - h.dataptrs_written, h.dataptrs_written, h.outputs, schema, h.tensor_aliases
+            )
+            for e in errors:
+                self._report(Hazard("unordered access", e.data_ptr,
+                                    (self._name(e.current_access.stream), self._name(e.previous_access.stream)),
+                                    (str(e.current_access.operator.name), str(e.previous_access.operator.name)), e))
+
+    def record_stream(self, t: torch.Tensor, sid: int) -> None:
+        """``t.record_stream(stream)``: a free of ``t``'s storage waits for ``sid``'s work issued so far."""
+        try:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return
+        if not ptr:
+            return
+        with self._lock:
+            self._track(ptr, st, sid, fresh=False)
+            self._live[ptr].recorded.add(sid)
+
+    # -- storages and frees -----------------------------------------------------
+
+    def _track(self, ptr: int, st: Any, sid: int, *, fresh: bool) -> None:
+        info = self._live.get(ptr)
+        if info is not None and info.ref() is st:
+            return
+        if info is not None:  # a new storage at an address whose free was not seen
+            self._forget(ptr)
+        if fresh:
+            self.handler._handle_memory_allocation(ptr)
+        else:
+            self.handler.tensors_accessed.ensure_tensor_does_not_exist(ptr)
+            self.handler.tensors_accessed.create_tensor(ptr, None)
+        # Storages keep their Python object while the C++ storage lives (PyObject
+        # preservation), so the weak reference dies exactly when the storage is freed.
+        ref = weakref.ref(st, lambda r, ptr=ptr: self._freed(ptr, r))
+        # A storage first seen as an input came from before the checker: allocated on
+        # the default stream, as far as anyone can tell.
+        self._live[ptr] = _Live(ref, sid if fresh else 0)
+
+    def _forget(self, ptr: int) -> None:
+        self._live.pop(ptr, None)
+        if ptr in self.handler.tensors_accessed.accesses:
+            self.handler._handle_memory_deallocation(ptr)
+
+    def _freed(self, ptr: int, ref: Any) -> None:
+        with self._lock:
+            info = self._live.get(ptr)
+            if info is None or info.ref is not ref:
+                return
+            ta = self.handler.tensors_accessed.accesses.get(ptr)
+            if ta is not None:
+                accesses = ([ta.write] if ta.write is not None else []) + list(ta.reads)
+                free_stack = None
+                for a in accesses:
+                    if a.stream == info.alloc_stream or a.stream in info.recorded:
+                        continue
+                    if self.handler.syncs.is_ordered_after(info.alloc_stream, a.seq_num, a.stream):
+                        continue
+                    if free_stack is None:
+                        free_stack = _stack()
+                    e = FreeBeforeAccessError(ptr, ta.allocation_stack_trace, info.alloc_stream, free_stack, a)
+                    self._report(Hazard("free before access", ptr,
+                                        (self._name(info.alloc_stream), self._name(a.stream)),
+                                        ("free", str(a.operator.name)), e))
+                    break
+            self._forget(ptr)
+
+    # -- reports ------------------------------------------------------------------
+
+    def _name(self, sid: int) -> str:
+        return self.names.get(sid, f"stream {sid}")
+
+    def _report(self, hazard: Hazard) -> None:
+        self.count += 1
+        if len(self.hazards) < self.max_hazards:
+            self.hazards.append(hazard)
+        if self.raise_on_hazard:
+            raise HazardError([hazard])
+
+
+
