@@ -9,6 +9,10 @@ config). Each error names the setting, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -39,9 +43,72 @@ def _check_int(name: str, value: Any, minimum: int, why: str, allow_none: bool =
         return
     if isinstance(value, bool) or not isinstance(value, int):
         _fail(name, value, f"an int{' or None' if allow_none else ''} ({why})",
-              "Pass a Python int (e.g. 1024, not '1024' or 1024.0).", TypeError)
+              "Pass a whole number (e.g. 1024, not '1024').", TypeError)
     if value < minimum:
         _fail(name, value, f"an int >= {minimum}{' or None' if allow_none else ''} ({why})")
+
+
+SIZE_FIELDS = ("min_offload_size", "max_inflight_bytes", "prefetch_bytes", "host_budget_bytes")
+"""Settings in bytes: each also takes an integral float (``2e9``) or a string with a unit (``"2GiB"``)."""
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([KMGT]i?B|B)\s*", re.IGNORECASE)
+
+
+def parse_size(name: str, value: Any) -> Any:
+    """Bytes as an int from an int, an integral float (``2e9``) or a string with a unit (``"2GiB"`` =
+    2 * 2**30, ``"512MB"`` = 512 * 10**6); anything else is returned unchanged for the int check."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE.fullmatch(value)
+        if m is None:
+            _fail(name, value, "a size: an int of bytes, an integral float (2e9) or a string with a unit "
+                  f"({', '.join(repr('2' + u) for u in ('GiB', 'GB', 'MiB', 'MB', 'KiB', 'B'))})",
+                  "A number without a unit must not be quoted.", TypeError)
+        nbytes = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if not nbytes.is_integer():
+            _fail(name, value, "a whole number of bytes")
+        return int(nbytes)
+    return value
+
+
+def unknown_names_message(unknown: list[str], valid: tuple[str, ...] | list[str]) -> str:
+    """``'x' (did you mean 'y'?)`` for each unknown name, the closest valid one by ``difflib``."""
+    parts = []
+    for name in unknown:
+        longer = sorted((v for v in valid if v.startswith(str(name))), key=len)  # host_budget -> host_budget_bytes
+        close = longer[:1] or difflib.get_close_matches(str(name), list(valid), n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(parts)
+
+
+def check_keywords(owner: str, valid: tuple[str, ...] | list[str], given: Mapping[str, Any]) -> None:
+    """TypeError naming each keyword not in ``valid`` with the closest valid one (a typo is never
+    Python's bare "unexpected keyword argument", nor blamed on another class's ``__init__``)."""
+    unknown = [k for k in given if k not in valid]
+    if unknown:
+        raise TypeError(f"{owner}: unknown keyword argument(s) {unknown_names_message(unknown, valid)}; "
+                        f"valid ones are {list(valid)}.")
+
+
+def keywords_checked(init: Any) -> Any:
+    """Wrap an ``__init__`` so an unknown keyword raises ``check_keywords``' error, naming the class.
+
+    The wrapper shares ``init``'s keyword defaults (``__kwdefaults__`` is the same dict), so code that
+    changes a default on the class's ``__init__`` changes it for the real one.
+    """
+    names = tuple(p.name for p in inspect.signature(init).parameters.values()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self")
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        check_keywords(type(self).__name__, names, kwargs)
+        init(self, *args, **kwargs)
+
+    __init__.__kwdefaults__ = init.__kwdefaults__
+    return __init__
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...], why: str) -> None:
@@ -106,6 +173,8 @@ class OffloadConfig:
     """Keep path of the pack hook in C++ (offload._native; built on first use: a compiler, ninja)."""
 
     def __post_init__(self) -> None:
+        for name in SIZE_FIELDS:
+            object.__setattr__(self, name, parse_size(name, getattr(self, name)))
         for name in ("use_pin_memory", "use_streams", "dedupe", "timing", "native_hooks"):
             _check_bool(name, getattr(self, name))
         _check_int("max_fwd_stash_size", self.max_fwd_stash_size, 1,
@@ -147,7 +216,8 @@ class OffloadConfig:
         unknown = sorted(str(k) for k in d if k not in valid)
         if unknown:
             raise ValueError(
-                f"OffloadConfig.from_dict: unknown setting(s) {unknown}; valid settings are {list(valid)}."
+                f"OffloadConfig.from_dict: unknown setting(s) {unknown_names_message(unknown, valid)}; "
+                f"valid settings are {list(valid)}."
             )
         return cls(**dict(d))
 
@@ -158,9 +228,7 @@ class OffloadConfig:
     @classmethod
     def from_yaml(cls, text: str) -> "OffloadConfig":
         """A config from yaml text: a mapping of settings (``from_yaml(path.read_text())`` for a file)."""
-        import yaml
-
-        data = yaml.safe_load(text)
+        data = _yaml_load(text)
         return cls.from_dict({} if data is None else data)
 
     def to_yaml(self) -> str:
@@ -172,3 +240,22 @@ class OffloadConfig:
     def replace(self, **changes: Any) -> "OffloadConfig":
         """A copy with some settings changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+OffloadConfig.__init__ = keywords_checked(OffloadConfig.__init__)  # type: ignore[method-assign]
+
+
+def _yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` reading ``2e9`` as a float, as YAML 1.2 does (PyYAML's 1.1 rules need a dot,
+    so ``host_budget_bytes: 2e9`` would otherwise arrive as the string '2e9')."""
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    _Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?[eE][-+]?\d+)$"),
+        list("-+0123456789"),
+    )
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass

@@ -97,7 +97,7 @@ from . import _torch_private, policy
 from ._spans import SpanSet, byte_span
 from ._warn import user_stacklevel
 from .compat._peer_attributes import PeerAttributes
-from .config import OffloadConfig
+from .config import OffloadConfig, keywords_checked
 from .errors import OffloadError, _internal_assert
 from .ledger import KEPT, OFFLOADED, Ledger, PackRecord, record_from_log
 from .modules import _names as _module_names
@@ -537,6 +537,7 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
             (then pass no other setting).
     """
 
+    @keywords_checked
     def __init__(
         self,
         use_pin_memory: bool = True,

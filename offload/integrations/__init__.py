@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine import OffloadActivations
+from ..config import OffloadConfig, check_keywords
+from ..engine import OffloadActivations, _resolve_device
 from ..ledger import StepTotals
 
 __all__ = ["step_figures", "FIGURE_KEYS"]
@@ -43,6 +44,26 @@ def step_figures(t: StepTotals) -> dict[str, Any]:
         "offload/pool_reserved_bytes": t.pool.get("reserved_bytes", 0),
         "offload/pool_in_use_bytes": t.pool.get("in_use_bytes", 0),
     }
+
+
+def _callback_config(owner: str, config: OffloadConfig | None, engine_kwargs: dict[str, Any]) -> OffloadConfig:
+    """A callback's settings, checked when the callback is built (not at train begin): one way of
+    passing them, known names (with "did you mean"), valid values, and a device this machine has."""
+    if config is not None and engine_kwargs:
+        raise TypeError(
+            f"{owner}: pass settings as keywords or as config=, not both (got config and "
+            f"{sorted(engine_kwargs)}); config.replace(name=value) changes a config."
+        )
+    if config is not None and not isinstance(config, OffloadConfig):
+        raise TypeError(f"{owner}: config must be an OffloadConfig, got {type(config).__name__}.")
+    if config is None:
+        check_keywords(owner, ("config", "exclude_head", *OffloadConfig.field_names()), engine_kwargs)
+        config = OffloadConfig(**engine_kwargs)
+    try:
+        _resolve_device(config.device)
+    except ValueError as e:
+        raise ValueError(f"{owner}: {e}") from None
+    return config
 
 
 class _StepReporter:

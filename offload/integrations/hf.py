@@ -37,7 +37,7 @@ from ..engine import OffloadActivations
 from ..engine import active_engine
 from .._warn import user_stacklevel
 from ..regions import find_backbone, find_output_head
-from . import _StepReporter
+from . import _StepReporter, _callback_config
 
 __all__ = ["OffloadCallback"]
 
@@ -57,14 +57,7 @@ class OffloadCallback(TrainerCallback):
 
     def __init__(self, config: OffloadConfig | None = None, *, exclude_head: bool = True,
                  **engine_kwargs: Any) -> None:
-        if config is not None and engine_kwargs:
-            raise TypeError(
-                f"OffloadCallback: pass settings as keywords or as config=, not both (got config and "
-                f"{sorted(engine_kwargs)}); config.replace(name=value) changes a config."
-            )
-        if config is not None and not isinstance(config, OffloadConfig):
-            raise TypeError(f"OffloadCallback: config must be an OffloadConfig, got {type(config).__name__}.")
-        self.config = config if config is not None else OffloadConfig(**engine_kwargs)
+        self.config = _callback_config("OffloadCallback", config, engine_kwargs)
         """The engine's settings (validated when the callback is built)."""
         self.exclude_head = exclude_head
         self.engine: OffloadActivations | None = None

@@ -28,7 +28,7 @@ from torch import nn
 from ..config import OffloadConfig
 from ..engine import OffloadActivations
 from ..regions import RegionHandle, exclude_output_head
-from . import _StepReporter
+from . import _StepReporter, _callback_config
 
 __all__ = ["OffloadCallback"]
 
@@ -49,14 +49,7 @@ class OffloadCallback(pl.Callback):
 
     def __init__(self, config: OffloadConfig | None = None, *, exclude_head: bool = True,
                  **engine_kwargs: Any) -> None:
-        if config is not None and engine_kwargs:
-            raise TypeError(
-                f"OffloadCallback: pass settings as keywords or as config=, not both (got config and "
-                f"{sorted(engine_kwargs)}); config.replace(name=value) changes a config."
-            )
-        if config is not None and not isinstance(config, OffloadConfig):
-            raise TypeError(f"OffloadCallback: config must be an OffloadConfig, got {type(config).__name__}.")
-        self.config = config if config is not None else OffloadConfig(**engine_kwargs)
+        self.config = _callback_config("OffloadCallback", config, engine_kwargs)
         """The engine's settings (validated when the callback is built)."""
         self.exclude_head = exclude_head
         self.engine: OffloadActivations | None = None

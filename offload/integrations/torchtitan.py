@@ -35,7 +35,7 @@ from typing import Any
 
 from torch import nn
 
-from ..config import OffloadConfig
+from ..config import OffloadConfig, unknown_names_message
 from ..engine import OffloadActivations
 from ..regions import get_act_offloading_ctx_manager
 
@@ -57,8 +57,21 @@ def config_from_section(section: Mapping[str, Any]) -> tuple[str, OffloadConfig]
     """Split an ``activation_offload`` section into its mode and an OffloadConfig of the other keys."""
     if not isinstance(section, Mapping):
         raise TypeError(f"activation_offload: expected a mapping, got {type(section).__name__}.")
+    unknown = [str(k) for k in section if k != "mode" and k not in OffloadConfig.field_names()]
+    if unknown:
+        raise ValueError(
+            f"activation_offload: unknown key(s) "
+            f"{unknown_names_message(unknown, ('mode', *OffloadConfig.field_names()))}; the section takes "
+            f"'mode' and OffloadConfig's fields {list(OffloadConfig.field_names())}."
+        )
+    if "mode" not in section:
+        raise ValueError(
+            f"activation_offload: the section has no 'mode' (keys: {sorted(map(str, section))}); "
+            f"add 'mode: full' to offload, or 'mode: none' to leave offloading off. Without it the "
+            "engine settings beside it would be silently unused."
+        )
     rest = dict(section)
-    mode = rest.pop("mode", "none")
+    mode = rest.pop("mode")
     _check_mode(mode)
     return mode, OffloadConfig.from_dict(rest)
 
