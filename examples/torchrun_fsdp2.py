@@ -8,8 +8,8 @@ file runs on CPU with gloo and on GPUs with nccl, the backend follows the hardwa
     torchrun --nproc_per_node=2 examples/torchrun_fsdp2.py --parallel ddp --steps 20 --out /tmp/offload_run
     torchrun --nproc_per_node=8 examples/torchrun_fsdp2.py --dim 1024 --layers 8 --seq 2048 --ac   # 8 GPUs
 
-Each rank writes ``<out>/ledger_rank<R>.json`` (every pack decision and per-step
-totals) and prints one line: offloaded vs kept bytes. On GPU, activations move to
+Each rank writes ``<out>/ledger_rank<R>.json`` (default ``<temp dir>/offload_run``, never the
+checkout; every pack decision and per-step totals) and prints one line: offloaded vs kept bytes. On GPU, activations move to
 pinned host memory; on CPU, ``device="cpu"`` copies them into the host pool so the
 whole path runs for real. Sharded (DTensor) parameters and the unsharded weight
 views FSDP2 gathers are never offloaded: they show up as kept, reason "parameter";
@@ -22,6 +22,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,7 +81,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--ac", action="store_true", help="checkpoint each block: offload only block inputs")
-    ap.add_argument("--out", type=Path, default=Path("offload_run"))
+    ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "offload_run",
+                    help="folder for ledger_rank<R>.json (default: <temp dir>/offload_run)")
     args = ap.parse_args()
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -121,6 +123,8 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     ctx.ledger.to_json(str(args.out / f"ledger_rank{rank}.json"))
+    if rank == 0:
+        print(f"ledgers in {args.out}", flush=True)
     s = ctx.ledger.summary()
     print(
         f"rank {rank}/{world} {args.parallel} {backend}: loss {loss.item():.4f}, steps {s['steps']}, "

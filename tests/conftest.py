@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +56,31 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """A fresh git repository holding this checkout's tracked files (as a clone would), committed:
+    what a job run from a fresh clone sees (one per test module)."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    root = Path(__file__).resolve().parents[1]
+    try:
+        files = _git(root, "ls-files", "-z").split("\0")
+    except subprocess.CalledProcessError:
+        pytest.skip("not a git checkout")
+    dst = tmp_path_factory.mktemp("clone")
+    for f in filter(None, files):
+        src = root / f
+        if src.is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / f)
+    _git(dst, "init", "-q")
+    _git(dst, "add", "-A")
+    _git(dst, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "snapshot")
+    assert _git(dst, "status", "--porcelain") == ""
+    return dst

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -35,28 +34,6 @@ def _env(root: Path) -> dict[str, str]:
 
 def _git(cwd: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
-
-
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory) -> Path:
-    """A fresh git repository holding this checkout's tracked files (as a clone would), committed."""
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
-    try:
-        files = _git(ROOT, "ls-files", "-z").split("\0")
-    except subprocess.CalledProcessError:
-        pytest.skip("not a git checkout")
-    dst = tmp_path_factory.mktemp("clone")
-    for f in filter(None, files):
-        src = ROOT / f
-        if src.is_file():
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / f)
-    _git(dst, "init", "-q")
-    _git(dst, "add", "-A")
-    _git(dst, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "snapshot")
-    assert _git(dst, "status", "--porcelain") == ""
-    return dst
 
 
 @pytest.mark.parametrize("cmd", [
