@@ -1,9 +1,13 @@
-"""README.md stays true: every Python block runs as written, and the lists it gives match the code.
+"""README.md and docs/ stay true: every code block runs as written, and the lists they give match the code.
 
 Convention: every ```python block is executed on CPU in a fresh interpreter (cwd: a temporary
-folder, the repo on PYTHONPATH). A block that cannot run on a CPU in a few seconds (it needs a GPU,
-a dataset, a long trainer run) starts with the line ``# not run: <reason>`` and is only compiled.
-Shell commands go in ```bash blocks, which are not run.
+folder, the repo on PYTHONPATH). A block that needs objects the reader already has (a model, a
+dataset, trainer arguments) is preceded by ``<!-- prelude: NAME -->``: the test runs
+``PRELUDES[NAME]`` first (a tiny random model, CPU arguments, no download), then the block as
+written, then ``EPILOGUES[NAME]``, which checks the block did what it says. A block that cannot run
+on a CPU in a few seconds starts with ``# not run: <reason>`` and is only compiled. ```yaml blocks
+are parsed (an ``activation_offload`` section through ``offload.integrations.torchtitan``); ```bash
+blocks are not run (the set-up commands are checked against .ci/run instead).
 """
 
 from __future__ import annotations
@@ -15,78 +19,221 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import offload
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
 NOT_RUN = re.compile(r"#\s*not run:\s*(\S.*)")
+PRELUDE = re.compile(r"<!--\s*prelude:\s*(\w+)\s*-->")
+
+_TINY_LLAMA = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+"""
+
+PRELUDES = {
+    "hf": _TINY_LLAMA + """
+import tempfile
+from transformers import Trainer, TrainingArguments
+ds = [{"input_ids": r, "labels": r} for r in ids]
+args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, use_cpu=True,
+                         report_to="none", save_strategy="no", disable_tqdm=True)
+""",
+    "trl": _TINY_LLAMA + """
+import tempfile
+import datasets
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+from trl import SFTConfig, SFTTrainer
+tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)},
+                              unk_token="t1")), pad_token="t0", eos_token="t2", unk_token="t1")
+ds = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
+args = SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, use_cpu=True,
+                 report_to="none", save_strategy="no", disable_tqdm=True, max_length=16)
+""",
+    "lightning": """
+import lightning
+import torch
+import torch.nn.functional as F
+from bench.model import ToyLlama, ToyLlamaConfig, make_batch
+
+class Module(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = ToyLlama(ToyLlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=1, max_seq_len=16))
+    def training_step(self, batch, i):
+        tokens, targets = batch
+        return F.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten())
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+module = Module()
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*make_batch(module.model.cfg, 4, 16)), batch_size=2)
+""",
+    "loop": """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+x, y, loss_fn = torch.randn(8, 64), torch.randn(8, 1), torch.nn.functional.mse_loss
+""",
+    "torchtitan": """
+import torch, yaml
+from bench.model import ToyLlama, ToyLlamaConfig, make_batch
+model = ToyLlama(ToyLlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=1, max_seq_len=16))
+job_config = yaml.safe_load(PREVIOUS_YAML)   # the yaml block just above this one on the page
+""",
+}
+
+EPILOGUES = {
+    # The callbacks ran and their engines recorded every step (pass-through on a machine without a GPU).
+    "hf": """
+(cb,) = [c for c in trainer.callback_handler.callbacks if type(c).__name__ == "OffloadCallback"]
+assert len(cb.engine.ledger.step_totals) == 2, cb.engine.ledger.step_totals
+""",
+    "lightning": """
+(cb,) = [c for c in trainer.callbacks if type(c).__name__ == "OffloadCallback"]
+assert len(cb.engine.ledger.step_totals) == 2, cb.engine.ledger.step_totals
+""",
+    "loop": """
+assert len(ctx.ledger.step_totals) == 1 and ctx.ledger.summary()["packed_count"] > 0
+""",
+    "torchtitan": """
+assert ctx.config.host_budget_bytes == 16 << 30
+tokens, targets = make_batch(model.cfg, 2, 16)
+with ctx:
+    logits = model(tokens)
+logits.sum().backward()
+assert len(ctx.ledger.step_totals) == 1
+""",
+}
+EPILOGUES["trl"] = EPILOGUES["hf"] + "assert not args.activation_offloading\n"
 
 
-def _python_blocks() -> list[tuple[int, str]]:
-    """(first line number, code) of every ```python block."""
-    blocks, lines = [], README.read_text().splitlines()
-    i = 0
+def _blocks(page: Path) -> list[tuple[int, str, str, str | None, str]]:
+    """(first line, language, code, prelude name, previous yaml block) of every fenced block."""
+    out, lines = [], page.read_text().splitlines()
+    prev_yaml, i = "", 0
     while i < len(lines):
-        if lines[i].strip() == "```python":
+        m = re.fullmatch(r"\s*```(\w+)\s*", lines[i])
+        if m:
+            before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+            prelude = PRELUDE.fullmatch(before.strip())
             start, body = i + 2, []
             i += 1
             while i < len(lines) and lines[i].strip() != "```":
                 body.append(lines[i])
                 i += 1
-            blocks.append((start, "\n".join(body) + "\n"))
+            code = "\n".join(body) + "\n"
+            out.append((start, m.group(1), code, prelude.group(1) if prelude else None, prev_yaml))
+            if m.group(1) == "yaml":
+                prev_yaml = code
         i += 1
-    return blocks
+    return out
 
 
-BLOCKS = _python_blocks()
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
 
 
-def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 3
+ALL = [(f"{_name(p)}:{n}", lang, code, pre, prev) for p in PAGES for n, lang, code, pre, prev in _blocks(p)]
+# A snippet shown on two pages (the README's and its docs page) runs once, under its first place.
+_seen: set[tuple[str, str | None]] = set()
+PYTHON = [b for b in ALL if b[1] == "python" and not ((b[2], b[3]) in _seen or _seen.add((b[2], b[3])))]
+YAML = [b for b in ALL if b[1] == "yaml"]
 
 
-@pytest.mark.parametrize("line,code", BLOCKS, ids=[f"README.md:{n}" for n, _ in BLOCKS])
-def test_readme_python_block_runs(line, code, tmp_path):
-    """The block runs as written on CPU (or, marked ``# not run: <reason>``, at least compiles)."""
+def test_pages_have_python_blocks():
+    assert len([b for b in PYTHON if b[0].startswith("README.md")]) >= 5
+    assert len(PYTHON) >= 15
+
+
+@pytest.mark.parametrize("where,lang,code,prelude,prev_yaml", PYTHON, ids=[b[0] for b in PYTHON])
+def test_python_block_runs(where, lang, code, prelude, prev_yaml, tmp_path):
+    """The block runs as written on CPU, after its prelude (or, marked ``# not run: <reason>``, compiles)."""
     first = code.lstrip().splitlines()[0] if code.strip() else ""
-    compile(code, f"README.md:{line}", "exec")  # every block must at least be valid Python
+    compile(code, where, "exec")  # every block must at least be valid Python
     if NOT_RUN.match(first):
         return
+    script = code
+    if prelude is not None:
+        assert prelude in PRELUDES, f"{where}: no prelude named {prelude!r} in tests/test_readme.py"
+        for module in {"hf": "transformers", "trl": "trl", "lightning": "lightning"}.get(prelude, "").split():
+            pytest.importorskip(module)
+        script = (f"PREVIOUS_YAML = {prev_yaml!r}\n" + PRELUDES[prelude] + "\n" + code + "\n"
+                  + EPILOGUES.get(prelude, ""))
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="default")
     env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=180)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, (
-        f"README.md block at line {line} failed (mark it '# not run: <reason>' only if it cannot run on "
-        f"a CPU in seconds):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        f"{where}: block failed (mark it '# not run: <reason>' only if it cannot run on a CPU in seconds):\n"
+        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+@pytest.mark.parametrize("where,lang,code,prelude,prev_yaml", YAML, ids=[b[0] for b in YAML])
+def test_yaml_block_loads(where, lang, code, prelude, prev_yaml):
+    """A yaml block parses; an activation_offload section is one offload.integrations.torchtitan accepts."""
+    data = yaml.safe_load(code)
+    if isinstance(data, dict) and "activation_offload" in data:
+        from offload.integrations.torchtitan import config_from_section
+
+        config_from_section(data["activation_offload"])
 
 
 def test_not_run_blocks_give_a_reason():
     """A skipped block says why (``# not run:`` followed by text)."""
-    for line, code in BLOCKS:
+    for where, _, code, _, _ in PYTHON:
         first = code.lstrip().splitlines()[0] if code.strip() else ""
         if first.lstrip().startswith("# not run"):
-            assert NOT_RUN.match(first), f"README.md:{line}: '# not run:' needs a reason"
+            assert NOT_RUN.match(first), f"{where}: '# not run:' needs a reason"
+
+
+def test_readme_snippets_are_short():
+    """The README's trainer snippets stay at most 5 lines each (the depth lives in docs/)."""
+    for where, _, code, prelude, _ in PYTHON:
+        if where.startswith("README.md"):
+            assert prelude is not None and len(code.strip().splitlines()) <= 5, where
+
+
+def _bash_commands(page: Path) -> list[str]:
+    return [line.strip() for _, lang, code, _, _ in _blocks(page) if lang == "bash" for line in code.splitlines()]
+
+
+def test_set_up_commands_match_ci():
+    """The README's test command is the one .ci/run runs, and both set-up commands install everything
+    from a fresh clone (the pinned torch first, then the test extra)."""
+    commands = _bash_commands(README)
+    setup = [c for c in commands if c.startswith('pip install torch==2.13.0 && pip install -e ".[test]" && ')]
+    assert [c.split(" && ")[2] for c in setup] == ["python -m bench", 'pytest -m "not slow"'], setup
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert setup[1] in ci.splitlines(), "README's test command and .ci/run differ"
 
 
 def _backticked(text: str) -> list[str]:
     return re.findall(r"`([a-z_]+)`", text)
 
 
-def test_readme_lists_exactly_the_reasons():
-    """The API table's REASONS row and the glossary list every reason in offload.REASONS, in order."""
-    text = README.read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| `REASONS` |"))
+def test_docs_list_exactly_the_reasons():
+    """The API page's REASONS row and the ledger page's list give every reason in offload.REASONS, in order."""
+    row = next(line for line in (DOCS / "api.md").read_text().splitlines() if line.startswith("| `REASONS` |"))
     assert tuple(_backticked(row.split("|")[2])) == offload.REASONS
-    glossary = text.split("## Glossary", 1)[1].split("\n## ", 1)[0]
-    listed = re.findall(r"^  - `([a-z_]+)`:", glossary, flags=re.M)
+    listed = re.findall(r"^  - `([a-z_]+)`:", (DOCS / "ledger.md").read_text(), flags=re.M)
     assert tuple(listed) == offload.REASONS
 
 
-def test_readme_cites_results_files_that_exist():
-    """Every bench/results/... file the README cites is in the repo."""
-    cited = set(re.findall(r"`(bench/results/[\w./-]+\.(?:json|md|png))`", README.read_text()))
-    assert cited, "the README cites no results file"
-    missing = sorted(p for p in cited if not (ROOT / p).is_file())
+def test_pages_cite_results_files_that_exist():
+    """Every bench/results/... file the README or the docs cite is in the repo; the README cites one."""
+    cited = {}
+    for page in PAGES:
+        for p in re.findall(r"`(bench/results/[\w./-]+\.(?:json|md|png))`", page.read_text()):
+            cited.setdefault(p, _name(page))
+    assert any(page == "README.md" for page in cited.values()), "the README cites no results file"
+    missing = sorted(f"{p} (cited in {page})" for p, page in cited.items() if not (ROOT / p).is_file())
     assert not missing, missing

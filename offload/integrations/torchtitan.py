@@ -77,7 +77,7 @@ def config_from_section(section: Mapping[str, Any]) -> tuple[str, OffloadConfig]
 
 
 def ctx_for_mode(
-    model: nn.Module, mode: str, *, config: OffloadConfig | None = None, **engine_kwargs: Any
+    model: nn.Module, mode: str, config: OffloadConfig | None = None, **engine_kwargs: Any
 ) -> "OffloadActivations | contextlib.nullcontext":
     """The context for ``activation_offload.mode``: an engine (head excluded) for "full", else a null one."""
     _check_mode(mode)
