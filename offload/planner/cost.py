@@ -130,13 +130,13 @@ def measure_hardware(device: torch.device | str, synchronous: bool,
 
 @dataclass
 class Option:
-    """One decision for one block, as the solver sees it."""
+    """One decision for one call position, as the solver sees it."""
 
     decision: str
     retained: int
     """``r``: bytes held from the block's forward to its backward (adds to the prefix)."""
     event: int
-    """Largest peak constant of the block's own windows, above ``B + prefix``."""
+    """Largest peak constant of the position's own windows, above ``B + prefix``."""
     seconds: float
     """Predicted forward + backward seconds, exposed copies included."""
     compute_s: float = 0.0
@@ -149,24 +149,38 @@ class Option:
     fwd_event: int = 0
     bwd_event: int = 0
     head_event: int = 0
+    """Last position only: head forward, loss and head backward."""
+    pre_event: int = 0
+    """First position only: everything before the first block (the stem, an embedding)."""
+    post_event: int = 0
+    """First position only: everything after the first block's backward (and, when the first block's
+    input needs no grad, its backward too)."""
+    fwd_s_all: list[float] = field(default_factory=list)
+    bwd_s_all: list[float] = field(default_factory=list)
 
 
 @dataclass
 class BlockCost:
+    """One call of a candidate block (a position of the chain); a block called twice has two."""
+
     name: str
     saved_bytes: int
-    """Bytes the block saves for backward when kept (engine ledger)."""
+    """Bytes the call saves for backward when kept (engine ledger)."""
     in_bytes: int
     options: dict[str, Option] = field(default_factory=dict)
+    call: int = 0
+    """Which call of the block this is (0 for the first)."""
 
 
 @dataclass
 class CostModel:
-    """Predicts peak and step time of any assignment of decisions to blocks."""
+    """Predicts peak and step time of any assignment of decisions to blocks.
+
+    ``blocks`` are call positions in the order they run; a decision is per
+    module, so every position of a block called twice takes the same one.
+    """
 
     base: int
-    pre_event: int
-    post_event: int
     rest_s: float
     blocks: list[BlockCost]
     hardware: Hardware
@@ -175,23 +189,44 @@ class CostModel:
     """Bytes backward may load ahead (charged to every backward peak of a plan that offloads)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Settings of the engine the profile ran with; applied plans use the same."""
+    no_recompute: dict[str, str] = field(default_factory=dict)
+    """Blocks never recomputed, and why (a forward that mutates buffers: see ``planning``)."""
+    rest_s_all: list[float] = field(default_factory=list)
 
     @property
     def names(self) -> list[str]:
-        return [b.name for b in self.blocks]
+        """Candidate module FQNs, each once, in the order of their first call."""
+        return list(dict.fromkeys(b.name for b in self.blocks))
+
+    def per_position(self, decisions: dict[str, str] | list[str] | tuple[str, ...]) -> list[str]:
+        if isinstance(decisions, dict):
+            return [decisions[b.name] for b in self.blocks]
+        ds = list(decisions)
+        if len(ds) != len(self.blocks):
+            raise ValueError(f"offload.plan: {len(ds)} decisions for {len(self.blocks)} call positions")
+        return ds
 
     def events(self, decisions: dict[str, str] | list[str]) -> list[tuple[int, str]]:
-        """Every predicted peak of the step as (bytes, where)."""
-        ds = [decisions[b.name] for b in self.blocks] if isinstance(decisions, dict) else list(decisions)
+        """Every predicted peak of the step as (bytes, where): the solver sees each of them."""
+        return [(v, w) for v, w, _ in self.breakdown(decisions)]
+
+    def breakdown(self, decisions: dict[str, str] | list[str]) -> list[tuple[int, str, int]]:
+        """Every predicted peak as (bytes, where, bytes kept by earlier calls for their backward)."""
+        ds = self.per_position(decisions)
         ahead = self.prefetch_bytes if any(d in OFFLOADING for d in ds) else 0
-        out = [(self.base + self.pre_event, "embedding forward"), (self.base + self.post_event, "end of backward")]
+        out = []
         prefix = 0
         for b, d in zip(self.blocks, ds):
             o = b.options[d]
-            out.append((self.base + prefix + o.fwd_event, f"forward of {b.name} ({d})"))
-            out.append((self.base + prefix + o.bwd_event + ahead, f"backward of {b.name} ({d})"))
+            call = f" (call {b.call + 1})" if b.call or sum(x.name == b.name for x in self.blocks) > 1 else ""
+            if o.pre_event:
+                out.append((self.base + o.pre_event, "stem, before the first block", 0))
+            out.append((self.base + prefix + o.fwd_event, f"forward of {b.name}{call} ({d})", prefix))
+            out.append((self.base + prefix + o.bwd_event + ahead, f"backward of {b.name}{call} ({d})", prefix))
             if o.head_event:
-                out.append((self.base + prefix + o.head_event, f"head and loss (after {b.name}: {d})"))
+                out.append((self.base + prefix + o.head_event, f"head and loss (after {b.name}: {d})", prefix))
+            if o.post_event:
+                out.append((self.base + o.post_event, f"end of backward (after {b.name}: {d})", 0))
             prefix += o.retained
         return out
 
@@ -202,7 +237,7 @@ class CostModel:
         return max(self.events(decisions))[1]
 
     def seconds(self, decisions: dict[str, str] | list[str]) -> float:
-        ds = [decisions[b.name] for b in self.blocks] if isinstance(decisions, dict) else list(decisions)
+        ds = self.per_position(decisions)
         return self.rest_s + sum(b.options[d].seconds for b, d in zip(self.blocks, ds))
 
     def to_dict(self) -> dict[str, Any]:
@@ -214,12 +249,24 @@ def _retained(s: Any) -> int:
 
 
 def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str, Any] | None = None) -> CostModel:
-    """Turn per-decision profiles into per-block options (see the module docstring)."""
+    """Turn per-decision profiles into per-position options (see the module docstring)."""
     keep = profile.by_decision["keep"]
-    n = len(profile.names)
+    calls = keep.calls
+    for d, p in profile.by_decision.items():
+        if p.calls != calls:
+            raise ValueError(
+                f"offload.plan: the candidate blocks ran differently under {d!r} than under 'keep' "
+                f"({[profile.names[i] for i in p.calls]} vs {[profile.names[i] for i in calls]})."
+            )
+    n = len(calls)
     B = keep.base
-    blocks = [BlockCost(name, keep.blocks[i].saved_bytes, keep.blocks[i].in_bytes) for i, name in enumerate(profile.names)]
-    compute = {d: [p.blocks[i].fwd_s + p.blocks[i].bwd_s for i in range(n)] for d, p in profile.by_decision.items()}
+    seen: dict[int, int] = {}
+    blocks = []
+    for p, i in enumerate(calls):
+        blocks.append(BlockCost(profile.names[i], keep.blocks[p].saved_bytes, keep.blocks[p].in_bytes,
+                                call=seen.get(i, 0)))
+        seen[i] = seen.get(i, 0) + 1
+    compute = {d: [p.blocks[k].fwd_s + p.blocks[k].bwd_s for k in range(n)] for d, p in profile.by_decision.items()}
 
     def link_s(nbytes: int) -> tuple[float, float]:
         return nbytes / (hw.d2h_gb_s * 1e9), nbytes / (hw.h2d_gb_s * 1e9)
@@ -229,32 +276,37 @@ def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str
     for d, base_d in (("offload", "keep"), ("recompute_offload", "recompute")):
         if d not in profile.by_decision or base_d not in profile.by_decision:
             continue
-        for i in range(n):
-            s = profile.by_decision[d].blocks[i]
+        for k in range(n):
+            s = profile.by_decision[d].blocks[k]
             if s.copies:
                 d2h, h2d = link_s(s.copy_bytes)
-                extra = compute[d][i] - max(compute[base_d][i], compute["keep"][i]) - d2h - h2d
+                extra = compute[d][k] - max(compute[base_d][k], compute["keep"][k]) - d2h - h2d
                 overheads.append(max(0.0, extra) / s.copies)
     overhead = statistics.median(overheads) if (overheads and hw.synchronous) else 0.0
 
     for d, prof in profile.by_decision.items():
         r = [_retained(s) for s in prof.blocks]
         prefix = 0
-        for i, s in enumerate(prof.blocks):
-            keep_c = compute["keep"][i]
-            comp = keep_c if d in ("keep", "offload") else max(keep_c, compute[d][i] if d == "recompute"
-                                                              else compute.get("recompute", compute[d])[i])
+        for k, s in enumerate(prof.blocks):
+            keep_c = compute["keep"][k]
+            if d in ("keep", "offload"):
+                comp = keep_c
+            else:
+                # A recompute re-runs the block's forward: never cheaper than keep + that forward,
+                # whatever two noisy totals say.
+                measured = compute[d][k] if d == "recompute" else compute.get("recompute", compute[d])[k]
+                comp = max(measured, keep_c + keep.blocks[k].fwd_s)
             d2h, h2d = link_s(s.copy_bytes)
             if hw.synchronous:
                 exposed = d2h + h2d + s.copies * overhead
             else:
-                nxt = keep.blocks[i + 1] if i + 1 < n else None
+                nxt = keep.blocks[k + 1] if k + 1 < n else None
                 win_f = nxt.fwd_s if nxt else 0.0
                 win_b = nxt.bwd_s if nxt else 0.0
                 exposed = max(0.0, d2h - win_f) + max(0.0, h2d - win_b)
             opt = Option(
                 decision=d,
-                retained=r[i],
+                retained=r[k],
                 event=0,
                 seconds=comp + exposed,
                 compute_s=keep_c,
@@ -264,15 +316,20 @@ def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str
                 exposed_s=exposed,
                 fwd_event=s.fwd_peak - prof.base - prefix,
                 bwd_event=s.bwd_peak - prof.base - prefix,
+                fwd_s_all=list(s.fwd_s_all),
+                bwd_s_all=list(s.bwd_s_all),
             )
-            if i == n - 1:
+            if k == n - 1:
                 opt.head_event = prof.head_peak - prof.base - prefix
-            opt.event = max(opt.fwd_event, opt.bwd_event, opt.head_event)
-            blocks[i].options[d] = opt
-            prefix += r[i]
+            if k == 0:
+                # The windows before the first call and after the first call's backward: no other
+                # block holds anything then, so they depend on the first block's decision only.
+                opt.pre_event = max(1, prof.pre_peak - prof.base)
+                opt.post_event = max(1, prof.post_peak - prof.base)
+            opt.event = max(opt.fwd_event, opt.bwd_event, opt.head_event, opt.pre_event, opt.post_event)
+            blocks[k].options[d] = opt
+            prefix += r[k]
     rest = max(0.0, keep.step_s - sum(compute["keep"]))
-    pre = max(p.pre_peak - p.base for p in profile.by_decision.values())
-    post = max(p.post_peak - p.base for p in profile.by_decision.values())
     ekw = dict(engine_kwargs or {})
     ahead = 0
     if not hw.synchronous:
@@ -280,5 +337,5 @@ def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str
         ahead = ekw.get("prefetch_bytes")
         if ahead is None:
             ahead = ekw["prefetch_bytes"] = 2 * biggest
-    return CostModel(base=B, pre_event=pre, post_event=post, rest_s=rest, blocks=blocks, hardware=hw,
-                     copy_overhead_s=overhead, prefetch_bytes=int(ahead), engine_kwargs=ekw)
+    return CostModel(base=B, rest_s=rest, blocks=blocks, hardware=hw, copy_overhead_s=overhead,
+                     prefetch_bytes=int(ahead), engine_kwargs=ekw, rest_s_all=list(keep.step_s_all))

@@ -36,7 +36,8 @@ DECISIONS = ("keep", "offload", "recompute", "recompute_offload")
 """Per-block decisions, cheapest in time first (keep) to least memory (recompute_offload)."""
 
 _EXCLUDED = ("keep", "recompute")
-_RECOMPUTE = ("recompute", "recompute_offload")
+RECOMPUTE = ("recompute", "recompute_offload")
+"""Decisions that re-run the block's forward in backward."""
 
 
 class Installed:
@@ -72,6 +73,33 @@ class Installed:
         self.remove()
 
 
+def caching_off(model: nn.Module, why: str) -> Callable[[], None]:
+    """Turn off a Hugging Face model's KV cache (``config.use_cache``), as its own gradient checkpointing
+    does: a recomputed block would append to the cache a second time. Logs one line; returns the undo."""
+    import logging
+
+    configs = []
+    seen: set[int] = set()
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and id(cfg) not in seen and getattr(cfg, "use_cache", False) is True:
+            seen.add(id(cfg))
+            configs.append(cfg)
+    if not configs:
+        return lambda: None
+    for cfg in configs:
+        cfg.use_cache = False
+    logging.getLogger("offload.planner").info(
+        "offload.plan: config.use_cache=False on %s %s (a recomputed block would append to the KV cache "
+        "twice; Hugging Face's gradient checkpointing does the same); restored after", type(model).__name__, why)
+
+    def undo() -> None:
+        for cfg in configs:
+            cfg.use_cache = True
+
+    return undo
+
+
 def _block_forward(inst: Installed, index: int, name: str, orig: Callable) -> Callable:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -81,13 +109,18 @@ def _block_forward(inst: Installed, index: int, name: str, orig: Callable) -> Ca
         if probe is not None:
             args, kwargs = probe.fwd_pre(index, args, kwargs)
         engine = inst.engine
-        with engine:
-            region = engine.excluded() if decision in _EXCLUDED else contextlib.nullcontext()
-            with region:
-                if decision in _RECOMPUTE:
-                    out = checkpoint(orig, *args, use_reentrant=False, **kwargs)
-                else:
-                    out = orig(*args, **kwargs)
+        try:
+            with engine:
+                region = engine.excluded() if decision in _EXCLUDED else contextlib.nullcontext()
+                with region:
+                    if decision in RECOMPUTE:
+                        out = checkpoint(orig, *args, use_reentrant=False, **kwargs)
+                    else:
+                        out = orig(*args, **kwargs)
+        except BaseException:
+            if probe is not None:
+                probe.fwd_abort()
+            raise
         if probe is not None:
             out = probe.fwd_post(index, out)
         return out
@@ -96,8 +129,10 @@ def _block_forward(inst: Installed, index: int, name: str, orig: Callable) -> Ca
     return forward
 
 
-def install(blocks: list[tuple[str, nn.Module]], decisions: dict[str, str], engine: Any) -> Installed:
-    """Wrap each block's forward with its decision; returns the removable handle."""
+def install(blocks: list[tuple[str, nn.Module]], decisions: dict[str, str], engine: Any,
+            model: nn.Module | None = None) -> Installed:
+    """Wrap each block's forward with its decision; returns the removable handle. With ``model``, a
+    Hugging Face model's KV cache is off until ``remove()`` (see :func:`caching_off`)."""
     for name, d in decisions.items():
         if d not in DECISIONS:
             raise ValueError(f"offload.plan: decision {d!r} for {name!r} is not one of {DECISIONS}")
@@ -120,4 +155,6 @@ def install(blocks: list[tuple[str, nn.Module]], decisions: dict[str, str], engi
                 del m.forward
 
         inst._restore.append(restore)
+    if model is not None:
+        inst._restore.insert(0, caching_off(model, "while the plan is applied"))
     return inst

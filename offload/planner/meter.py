@@ -18,8 +18,10 @@ does not break the rule:
 
 * before the step, by walking the pool object (its attributes, containers and
   ``HostBuffer`` objects) for every tensor it holds, and
-* during the step, by wrapping the pool instance's ``take``/``overflow`` so
-  every buffer handed out is recorded before a copy can write into it.
+* during the step, by wrapping the pool instance's public methods: every buffer
+  ``take``/``overflow`` hands out is recorded before a copy can write into it, and
+  whatever a pool method allocates (a new chunk, a re-layout at the end of a step,
+  as when ``warmup=0``) is host memory.
 
 Containment is tested on data-pointer ranges, so a buffer that is a view into
 a larger slab is covered by the slab's range and vice versa.
@@ -34,6 +36,7 @@ not silently).
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -91,6 +94,8 @@ class _HostRanges:
     def __init__(self) -> None:
         self._ranges: list[tuple[int, int]] = []
         self._starts: list[int] = []
+        self.inside_pool = 0
+        """> 0 while a pool method runs: what it allocates (a new chunk) is host memory."""
 
     def add(self, start: int, end: int) -> None:
         if end <= start:
@@ -136,6 +141,9 @@ def _make_tracker_class() -> type:
             except (RuntimeError, NotImplementedError, TypeError):
                 ptr = 0
             if ptr and self._host.contains(ptr):
+                return
+            if ptr and self._host.inside_pool:  # the pool growing (its first take, with warmup=0)
+                self._host.add_tensor(t)
                 return
             super()._track(reftype, t)
 
@@ -226,15 +234,24 @@ class _Tracking:
         return m
 
     def _wrap(self, pool: Any) -> None:
+        """Wrap the pool instance's public methods: whatever they allocate (a chunk, a re-layout at the
+        end of a step) is host memory, and every buffer ``take``/``overflow`` hands out is recorded."""
         host = self.meter._host
-        for name in ("take", "overflow"):
-            orig = getattr(pool, name, None)
-            if orig is None or name in vars(pool):
+        for name in dir(type(pool)):
+            if name.startswith("_") or name in vars(pool):
                 continue
+            if not callable(getattr(type(pool), name, None)) or isinstance(getattr(type(pool), name), type):
+                continue
+            orig = getattr(pool, name)
+            records = name in ("take", "overflow")
 
-            def wrapped(*a: Any, _orig: Callable = orig, **k: Any) -> Any:
-                buf = _orig(*a, **k)
-                if buf is not None:
+            def wrapped(*a: Any, _orig: Callable = orig, _records: bool = records, **k: Any) -> Any:
+                host.inside_pool += 1
+                try:
+                    buf = _orig(*a, **k)
+                finally:
+                    host.inside_pool -= 1
+                if _records and buf is not None:
                     host.add_tensor(getattr(buf, "tensor", buf if isinstance(buf, torch.Tensor) else None))
                 return buf
 
@@ -263,11 +280,11 @@ class StepMeasurement:
 
     peak_bytes: int
     """Peak device memory of the measured step (see the module docstring)."""
-    step_seconds: float
-    """Fastest of the timed steps (synchronised on accelerators; on CPU timed by
-    :func:`host_clock`): the least-disturbed step estimates the step's own cost (the
-    profile uses the same statistic and clock)."""
+    step_seconds: float | None
+    """Median of the timed steps (synchronised on accelerators; on CPU timed by
+    :func:`host_clock`; the profile uses the same statistic and clock); None when no step was timed."""
     step_seconds_all: list[float] = field(default_factory=list)
+    """Every timed step's seconds (their spread is the measurement's noise)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -285,7 +302,7 @@ def measure_step(
     timed: int = 3,
     before_each: Callable[[], None] | None = None,
 ) -> StepMeasurement:
-    """Warm up, measure the peak of one step, then time ``timed`` steps without the tracker (keeps the fastest).
+    """Warm up, measure the peak of one step, then time ``timed`` steps without the tracker (keeps the median).
 
     ``run`` performs one whole training step (forward and backward); ``pools``
     are the host pools of any engine it uses (their buffers are left out on CPU).
@@ -312,5 +329,5 @@ def measure_step(
         run()
         _sync(dev)
         times.append(clock() - t0)
-    return StepMeasurement(peak_bytes=meter.peak, step_seconds=min(times) if times else float("nan"),
+    return StepMeasurement(peak_bytes=meter.peak, step_seconds=statistics.median(times) if times else None,
                            step_seconds_all=times)

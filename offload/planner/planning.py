@@ -16,8 +16,11 @@ that were None when it started.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +30,7 @@ from torch import nn
 
 from ..errors import OffloadError
 from .cost import OFFLOADING, CostModel, build_cost_model, measure_hardware
-from .install import Installed, install
+from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install
 from .meter import measure_step
 from .profile import StepProfile, profile_step, run_step, zero_grads_
 from .solve import Choice, min_peak, solve
@@ -44,18 +47,44 @@ def _fmt(n: float) -> str:
     return f"{int(n)} B"
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _leaves(prefix: str, m: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The callable blocks of a (possibly nested) container, in order: a list of lists gives its leaves."""
+    if not isinstance(m, _CONTAINERS):
+        return [(prefix, m)]
+    out = []
+    for k, c in m.named_children():
+        out += _leaves(f"{prefix}.{k}" if prefix else k, c)
+    return out
+
+
 def find_blocks(model: nn.Module, blocks: Sequence[str | nn.Module] | None = None) -> list[tuple[str, nn.Module]]:
-    """Candidate blocks as (FQN, module): the given ones, or the children of the largest ModuleList."""
+    """Candidate blocks as (FQN, module): the given ones, or the blocks of the model's largest ``nn.ModuleList``
+    (a list of lists, as in a staged model, gives its inner blocks).
+
+    Candidates must be disjoint: one listed inside another (nested), a container (``nn.ModuleList``,
+    which never runs) or the same module twice is refused, naming the modules. Candidates that never
+    run, or that run inside another candidate, are refused when the step is profiled.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload.plan: model must be an nn.Module, got model={model!r} ({type(model).__name__}).")
     names = {id(m): n for n, m in model.named_modules()}
     if blocks is None:
-        lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+        all_lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+        # Outermost lists only: a list of lists counts once, with its inner blocks.
+        inner = {id(c) for _, m in all_lists for c in m.modules() if c is not m}
+        lists = [(n, m) for n, m in all_lists if id(m) not in inner]
         if not lists:
             raise ValueError(
                 f"offload.plan: {type(model).__name__} has no nn.ModuleList, so there are no default "
                 "candidate blocks; pass blocks=[...] (module names or modules)."
             )
-        prefix, ml = max(lists, key=lambda nm: len(nm[1]))
-        return [(f"{prefix}.{i}" if prefix else str(i), m) for i, m in enumerate(ml)]
+        found = [_leaves(n, m) for n, m in lists]
+        return max(found, key=len)
+    if isinstance(blocks, (str, nn.Module)):
+        raise TypeError(f"offload.plan: blocks must be a list of module names or modules, got blocks={blocks!r}.")
     modules = dict(model.named_modules())
     out = []
     for b in blocks:
@@ -71,6 +100,21 @@ def find_blocks(model: nn.Module, blocks: Sequence[str | nn.Module] | None = Non
         raise ValueError("offload.plan: blocks=[] names no candidate block.")
     if len({id(m) for _, m in out}) != len(out):
         raise ValueError("offload.plan: blocks lists the same module twice.")
+    for n, m in out:
+        if isinstance(m, _CONTAINERS):
+            inner = [x for x, _ in _leaves(n, m)]
+            raise ValueError(
+                f"offload.plan: blocks names {n!r}, an {type(m).__name__}: a container, which never runs "
+                f"(its blocks do). Name its blocks instead: {inner[:6]}{' ...' if len(inner) > 6 else ''}."
+            )
+    for n, m in out:
+        inside = {id(x) for x in m.modules()} - {id(m)}
+        for n2, m2 in out:
+            if id(m2) in inside:
+                raise ValueError(
+                    f"offload.plan: candidate {n2!r} is inside candidate {n!r}: candidates must be disjoint "
+                    "(each decision covers a whole module). Pass one of them, not both."
+                )
     return out
 
 
@@ -109,6 +153,7 @@ class Plan:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     measured_peak_bytes: int | None = None
     measured_step_seconds: float | None = None
+    measured_step_seconds_all: list[float] = field(default_factory=list)
 
     # -- applying ---------------------------------------------------------------
 
@@ -124,11 +169,14 @@ class Plan:
 
         blocks = find_blocks(model, list(self.decisions))
         engine = OffloadActivations(device=_engine_device(self.device), model=model, **self.engine_kwargs)
-        return install(blocks, self.decisions, engine)
+        return install(blocks, self.decisions, engine, model)
 
     def measure(self, model: nn.Module, step: Callable[[], torch.Tensor], *, warmup: int = 1,
-                timed: int = 3) -> tuple[int, float]:
-        """Apply, run ``warmup`` + 1 tracked + ``timed`` steps, remove; record and return (peak, seconds)."""
+                timed: int = 3) -> tuple[int, float | None]:
+        """Apply, run ``warmup`` + 1 tracked + ``timed`` steps, remove; record and return (peak, median
+        seconds; None when ``timed=0``)."""
+        _nonneg_int("warmup", warmup)
+        _nonneg_int("timed", timed)
         handle = self.apply(model)
         try:
             m = measure_step(lambda: run_step(step), device=self.device, model=model,
@@ -136,7 +184,9 @@ class Plan:
                              before_each=lambda: zero_grads_(model))
         finally:
             handle.remove()
-        self.measured_peak_bytes, self.measured_step_seconds = m.peak_bytes, m.step_seconds
+        self.measured_peak_bytes = m.peak_bytes
+        if m.step_seconds is not None:
+            self.measured_step_seconds, self.measured_step_seconds_all = m.step_seconds, m.step_seconds_all
         return m.peak_bytes, m.step_seconds
 
     # -- reporting --------------------------------------------------------------
@@ -154,9 +204,11 @@ class Plan:
                 copy = "hidden" if o.exposed_s <= 1e-3 * max(o.copy_s, 1e-12) else (
                     "exposed" if o.exposed_s >= o.copy_s else "partly hidden")
             rows.append({
-                "module": b.name, "decision": d, "saved_bytes": b.saved_bytes, "retained_bytes": o.retained,
-                "recompute_s": o.recompute_s, "copy_bytes": o.copy_bytes, "copy_s": o.copy_s,
-                "exposed_s": o.exposed_s, "copy": copy, "seconds": o.seconds,
+                "module": b.name, "call": b.call, "decision": d, "saved_bytes": b.saved_bytes,
+                "retained_bytes": o.retained, "recompute_s": o.recompute_s, "copy_bytes": o.copy_bytes,
+                "copy_s": o.copy_s, "exposed_s": o.exposed_s, "copy": copy, "seconds": o.seconds,
+                "forward_s": _spread(b.options["keep"].fwd_s_all if "keep" in b.options else o.fwd_s_all),
+                "backward_s": _spread(o.bwd_s_all),
             })
         return rows
 
@@ -173,14 +225,14 @@ class Plan:
         ]
         for r in self._rows():
             lines.append(
-                f"{r['module']:<24} {r['decision']:<18} {_fmt(r['saved_bytes']):>11} {_fmt(r['retained_bytes']):>11} "
+                f"{_label(r):<24} {r['decision']:<18} {_fmt(r['saved_bytes']):>11} {_fmt(r['retained_bytes']):>11} "
                 f"{r['recompute_s'] * 1e3:>8.2f}ms {_fmt(r['copy_bytes']):>11} {r['copy_s'] * 1e3:>8.2f}ms "
                 f"{r['exposed_s'] * 1e3:>8.2f}ms  {r['copy']}"
             )
         meas_p = "not measured" if self.measured_peak_bytes is None else (
             f"measured {_fmt(self.measured_peak_bytes)} "
             f"({100 * (self.predicted_peak_bytes / self.measured_peak_bytes - 1):+.1f}% predicted vs measured)")
-        meas_t = "not measured" if self.measured_step_seconds is None else (
+        meas_t = "not timed" if not self.measured_step_seconds else (
             f"measured {self.measured_step_seconds * 1e3:.1f} ms "
             f"({100 * (self.predicted_step_seconds / self.measured_step_seconds - 1):+.1f}%)")
         lines += [
@@ -189,6 +241,8 @@ class Plan:
             f"without a plan: peak {_fmt(self.unplanned_peak_bytes)}, step {self.unplanned_step_seconds * 1e3:.1f} ms; "
             f"smallest reachable peak {_fmt(self.min_peak_bytes)}",
         ]
+        for name, why in (self.cost.no_recompute if self.cost is not None else {}).items():
+            lines.append(f"never recomputed: {name} ({why})")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -209,19 +263,49 @@ class Plan:
             "hardware": {"d2h_gb_s": hw.d2h_gb_s, "h2d_gb_s": hw.h2d_gb_s, "synchronous": hw.synchronous,
                          "source": hw.source},
             "base_bytes": self.cost.base,
+            "measured_step_seconds_spread": _spread(self.measured_step_seconds_all),
+            "rest_seconds": self.cost.rest_s,
+            "never_recomputed": dict(self.cost.no_recompute),
             "modules": self._rows(),
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
+        """Strict JSON (no NaN or Infinity: a value that is not a finite number is null)."""
+        return json.dumps(_finite(self.to_dict()), indent=1, allow_nan=False)
+
+
+def _label(row: dict[str, Any]) -> str:
+    return row["module"] + (f" (call {row['call'] + 1})" if row["call"] else "")
+
+
+def _spread(xs: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max and count of timed samples (the timing's noise, for ``to_json``)."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _engine_device(device: str) -> str | None:
     return "cpu" if torch.device(device).type == "cpu" else device
 
 
-def _choices(cost: CostModel, *, offloading: bool = True) -> list[list[Choice]]:
-    """Solver input; with ``offloading`` every option's backward is charged the prefetch bytes."""
+def _choices(cost: CostModel, *, offloading: bool = True,
+             fixed: dict[str, str] | None = None) -> list[list[Choice]] | None:
+    """Solver input, one list of options per call position; every peak the cost model knows is in
+    ``event`` (see ``CostModel.events``). With ``offloading`` every option's backward is charged the
+    prefetch bytes; ``fixed`` pins blocks to one decision (a block called more than once). None when a
+    position is left without options."""
     ahead = cost.prefetch_bytes if offloading else 0
     out = []
     for b in cost.blocks:
@@ -229,35 +313,85 @@ def _choices(cost: CostModel, *, offloading: bool = True) -> list[list[Choice]]:
         for d, o in b.options.items():
             if d in OFFLOADING and not offloading:
                 continue
-            event = max(o.fwd_event, o.bwd_event + ahead, o.head_event)
-            opts.append(Choice(d, o.retained, event, o.seconds))
+            if fixed is not None and b.name in fixed and d != fixed[b.name]:
+                continue
+            if d in RECOMPUTE and b.name in cost.no_recompute:
+                continue
+            opts.append(Choice(d, o.retained, max(o.event, o.bwd_event + ahead), o.seconds))
+        if not opts:
+            return None
         out.append(opts)
     return out
 
 
-def _best(a: Any, b: Any) -> Any:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a if (a.seconds, a.peak) <= (b.seconds, b.peak) else b
+_MAX_TIED = 4
+"""Blocks called more than once whose decisions are enumerated jointly (4 ** 4 solves at most)."""
 
 
-def _infeasible(budget: int, cost: CostModel, lowest: Any, model: nn.Module) -> OffloadError:
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+def _variants(cost: CostModel) -> list[list[list[Choice]]]:
+    """Solver inputs whose union is every plan, each solved exactly.
+
+    Plans that offload and plans that do not are separate (the prefetch charge depends on the whole
+    plan). A block called more than once must take one decision for all its calls, which a chain
+    solver cannot express: its decision is enumerated (up to ``_MAX_TIED`` such blocks; beyond, they
+    share one decision).
+    """
+    counts: dict[str, int] = {}
+    for b in cost.blocks:
+        counts[b.name] = counts.get(b.name, 0) + 1
+    tied = [n for n, c in counts.items() if c > 1]
+    if not tied:
+        fixes: list[dict[str, str] | None] = [None]
+    elif len(tied) <= _MAX_TIED:
+        fixes = [dict(zip(tied, combo)) for combo in itertools.product(DECISIONS, repeat=len(tied))]
+    else:
+        log.info("offload.plan: %d blocks run more than once per step; they get one shared decision", len(tied))
+        fixes = [{n: d for n in tied} for d in DECISIONS]
+    out = []
+    for fixed in fixes:
+        for offloading in ((True, False) if cost.prefetch_bytes else (True,)):
+            ch = _choices(cost, offloading=offloading, fixed=fixed)
+            if ch is not None:
+                out.append(ch)
+    return out
+
+
+def _lowest(cost: CostModel, variants: list[list[list[Choice]]]) -> dict[str, str]:
+    """The plan with the smallest predicted peak (then the least time)."""
+    best = None
+    for ch in variants:
+        sol = min_peak(ch)
+        dec = _as_dict(cost, sol.decisions)
+        key = (cost.peak(dec), cost.seconds(dec))
+        if best is None or key < best[0]:
+            best = (key, dec)
+    assert best is not None
+    return best[1]
+
+
+def _as_dict(cost: CostModel, per_position: Sequence[str]) -> dict[str, str]:
+    return {b.name: d for b, d in zip(cost.blocks, per_position)}
+
+
+def _infeasible(budget: int, cost: CostModel, lowest: dict[str, str], model: nn.Module | None, margin: int = 0,
+                tried: Sequence[str] = ()) -> OffloadError:
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) if model is not None else 0
     # Gradients of trainable parameters exist during the step (profiling keeps them allocated).
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    smallest = cost.base + lowest.peak
-    biggest = max(cost.blocks, key=lambda b: min(o.event for o in b.options.values()))
-    b_min = min(biggest.options.values(), key=lambda o: o.event)
-    where = cost.where(list(lowest.decisions))
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if model else 0
+    smallest, where, prefix = max(cost.breakdown(lowest))
+    own = smallest - cost.base - prefix
+    outside = where.startswith(("stem", "end of backward", "head"))
+    hint = ("it happens outside every candidate block, so no decision lowers it: shrink the step (batch, "
+            "sequence length) or move that work into a candidate" if outside else
+            "shrink the step (batch, sequence length), or pass blocks=[...] with more (or larger) candidates")
+    measured = (f" Measured plans peaked above it ({'; '.join(tried)}), so plans need a margin of {_fmt(margin)} "
+                "below the budget, which none reaches." if tried else "")
     return OffloadError(
         f"offload.plan: budget_bytes={budget} ({_fmt(budget)}) cannot be met: the smallest peak any plan "
-        f"reaches is {smallest} B ({_fmt(smallest)}), at the {where}. What holds it: parameters "
-        f"{_fmt(params)}, gradients {_fmt(grads)}, step base (params, grads, buffers, inputs) {_fmt(cost.base)}; "
-        f"the largest single block is {biggest.name}, which needs {_fmt(b_min.event)} above the base even as "
-        f"{b_min.decision!r}. Raise budget_bytes to at least {smallest}, or shrink the step "
-        "(batch, sequence length), or pass blocks=[...] with finer modules."
+        f"reaches is {smallest} B ({_fmt(smallest)}), at the {where}.{measured} What holds it: the step's base "
+        f"{_fmt(cost.base)} (parameters {_fmt(params)}, gradients {_fmt(grads)}, buffers and inputs "
+        f"{_fmt(max(0, cost.base - params - grads))}), {_fmt(prefix)} kept by earlier blocks for their backward, "
+        f"and {_fmt(own)} in use within that window. Raise budget_bytes to at least {smallest}, or {hint}."
     )
 
 
@@ -275,6 +409,7 @@ def plan(
     bandwidth_gb_s: tuple[float, float] | float | None = None,
     solver: str = "auto",
     engine_kwargs: dict[str, Any] | None = None,
+    verify: bool = True,
 ) -> Plan:
     """Profile ``step``, then choose per block the fastest decisions whose predicted peak fits ``budget_bytes``.
 
@@ -293,6 +428,12 @@ def plan(
         bandwidth_gb_s: (D2H, H2D) GB/s, or one number; None = measured with
             a 64 MB copy once per process (pinned on a GPU).
         solver: "auto" (exact Pareto DP, greedy fallback), "exact", "greedy", "brute_force".
+        verify: measure the chosen plan (one tracked step) and, if its measured peak is over the
+            budget, solve again with that overshoot as a margin (see :func:`plan_from_cost`).
+
+    Side effects: none. Parameters, gradients, buffers (BatchNorm running stats...) and the CPU and
+    device RNG states are bit-identical after ``plan()`` to before it. Hugging Face models have
+    ``config.use_cache`` off while profiling (a recompute would append to the KV cache twice).
 
     Raises:
         OffloadError: no plan's predicted peak fits ``budget_bytes`` (the
@@ -300,11 +441,9 @@ def plan(
     """
     from ..engine import OffloadActivations
 
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise ValueError(f"offload.plan: budget_bytes={budget_bytes!r} must be a positive int (bytes of device memory).")
-    if not callable(step):
-        raise TypeError(f"offload.plan: step must be a zero-argument callable returning the loss, got {type(step).__name__}.")
-    dev = torch.device(device) if device is not None else _model_device(model)
+    dev = _check_args(model, step, budget_bytes, device, warmup=warmup, timed=timed,
+                      min_offload_size=min_offload_size, use_streams=use_streams, bandwidth_gb_s=bandwidth_gb_s,
+                      solver=solver, engine_kwargs=engine_kwargs, verify=verify)
     ekw = dict(engine_kwargs or {})
     ekw.setdefault("min_offload_size", min_offload_size)
     ekw.setdefault("use_streams", use_streams)
@@ -315,59 +454,211 @@ def plan(
         ekw.setdefault("prefetch_bytes", 0)
     cand = find_blocks(model, blocks)
     names = [n for n, _ in cand]
-    had_none = [p for p in model.parameters() if p.grad is None]
-    try:
+    with _Preserved(model, dev) as kept:
         unplanned = measure_step(lambda: run_step(step), device=dev, model=model, warmup=warmup, timed=timed,
                                  before_each=lambda: zero_grads_(model))
+        no_recompute = kept.mutated(cand)
+
         def make_engine() -> OffloadActivations:
             return OffloadActivations(device=_engine_device(str(dev)), model=model, **ekw)
 
         inst = install(cand, {n: "keep" for n in names}, make_engine())
         try:
-            by_dec = profile_step(inst, step, model, dev, make_engine=make_engine, warmup=warmup, timed=timed)
+            by_dec = profile_step(inst, step, model, dev, make_engine=make_engine, warmup=warmup, timed=timed,
+                                  decisions=tuple(d for d in DECISIONS if not (no_recompute and d in RECOMPUTE
+                                                                              and len(no_recompute) == len(names))))
         finally:
             inst.remove()
-    finally:
-        for p in had_none:
-            p.grad = None
-    prof = StepProfile(names=names, device=str(dev), by_decision=by_dec, unplanned_peak=unplanned.peak_bytes,
-                       unplanned_step_s=unplanned.step_seconds, synchronous_copies=synchronous)
-    hw = measure_hardware(dev, synchronous, bandwidth_gb_s)
-    cost = build_cost_model(prof, hw, ekw)
-    return plan_from_cost(cost, budget_bytes, model=model, device=str(dev), unplanned_peak=unplanned.peak_bytes,
-                          unplanned_s=unplanned.step_seconds, solver=solver)
+        prof = StepProfile(names=names, device=str(dev), by_decision=by_dec, unplanned_peak=unplanned.peak_bytes,
+                           unplanned_step_s=unplanned.step_seconds, synchronous_copies=synchronous)
+        hw = measure_hardware(dev, synchronous, bandwidth_gb_s)
+        cost = build_cost_model(prof, hw, ekw)
+        cost.no_recompute = no_recompute
+        for n, why in no_recompute.items():
+            log.info("offload.plan: %s is never recomputed: %s", n, why)
+        return plan_from_cost(cost, budget_bytes, model=model, device=str(dev),
+                              unplanned_peak=unplanned.peak_bytes, unplanned_s=unplanned.step_seconds,
+                              solver=solver, step=step if verify else None, warmup=max(1, warmup))
 
 
-def plan_from_cost(cost: CostModel, budget_bytes: int, *, model: nn.Module, device: str, unplanned_peak: int,
-                   unplanned_s: float, solver: str = "auto") -> Plan:
+class _Preserved:
+    """Everything ``plan()`` may change, put back bit for bit on exit: gradients (values, and None where
+    they were None), buffers (BatchNorm running stats, counters), the CPU and device RNG states, and a
+    Hugging Face model's ``config.use_cache``. Copies of gradients and buffers are kept on the host, so
+    planning costs no device memory for them."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+
+    def __enter__(self) -> "_Preserved":
+        m = self.model
+        self.grads = [(p, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in m.parameters()]
+        self.buffers = {id(b): (b, b.detach().to("cpu", copy=True)) for b in m.buffers()}
+        self.cpu_rng = torch.get_rng_state()
+        self.dev_rng = None
+        if self.device.type != "cpu":
+            mod = torch.get_device_module(self.device.type)
+            self.dev_rng = mod.get_rng_state(self.device)
+        self.undo_cache = caching_off(m, "while planning")
+        return self
+
+    def mutated(self, cand: list[tuple[str, nn.Module]]) -> dict[str, str]:
+        """Candidates whose forward changed one of their buffers in the steps run so far (BatchNorm's
+        running stats): recomputing them would update the buffers twice per step."""
+        out = {}
+        for name, mod in cand:
+            changed = [f"{name}.{n}" for n, b in mod.named_buffers()
+                       if id(b) in self.buffers and not torch.equal(b.detach().cpu(), self.buffers[id(b)][1])]
+            if changed:
+                out[name] = (f"its forward updates buffer(s) {', '.join(changed[:3])}"
+                             f"{' ...' if len(changed) > 3 else ''}; a recompute would update them twice")
+        return out
+
+    def __exit__(self, *exc: Any) -> None:
+        self.undo_cache()
+        with torch.no_grad():
+            for p, g in self.grads:
+                if g is None:
+                    p.grad = None
+                elif p.grad is not None and p.grad.shape == g.shape:
+                    p.grad.copy_(g)
+                else:
+                    p.grad = g.to(p.device)
+            for _, (b, saved) in self.buffers.items():
+                b.copy_(saved)
+        torch.set_rng_state(self.cpu_rng)
+        if self.dev_rng is not None:
+            torch.get_device_module(self.device.type).set_rng_state(self.dev_rng, self.device)
+
+
+def plan_from_cost(cost: CostModel, budget_bytes: int, *, model: nn.Module | None, device: str,
+                   unplanned_peak: int, unplanned_s: float, solver: str = "auto",
+                   step: Callable[[], torch.Tensor] | None = None, warmup: int = 1, rounds: int = 3) -> Plan:
     """Solve an already built cost model for ``budget_bytes`` (the bench re-solves one profile per budget).
 
-    With a prefetch charge (streams), plans that offload and plans that do not
-    are solved separately and the faster feasible one wins, which keeps the
-    solve exact although the charge depends on the whole plan.
+    The promise, checked here on every plan returned: every peak the cost model knows (each block's
+    forward and backward windows, the stem, the head and loss, the end of backward, the prefetch
+    charge) is at most ``budget_bytes``; otherwise :class:`OffloadError` names the smallest reachable
+    peak, which is the peak of a real plan (``min_peak_bytes``), and what holds it.
+
+    With ``step`` (what :func:`plan` passes), the plan is also measured: one tracked step after
+    ``warmup``. A measured peak over the budget (the cost model's assumptions do not hold for these
+    candidates, e.g. modules finer than residual blocks whose savings interact) lowers the solver's cap
+    by the overshoot and solves again, up to ``rounds`` times; then :class:`OffloadError`. The returned
+    plan's ``measured_peak_bytes`` is then set and within the budget.
     """
-    choices = _choices(cost)
-    plain = _choices(cost, offloading=False) if cost.prefetch_bytes else None
-    lowest = min_peak(choices)
-    if plain is not None:
-        low2 = min_peak(plain)
-        lowest = low2 if (low2.peak, low2.seconds) < (lowest.peak, lowest.seconds) else lowest
-    keep = ["keep"] * len(cost.blocks)
-    if budget_bytes >= unplanned_peak:
-        decisions, method = keep, "none needed (budget >= peak without a plan)"
+    _check_solver(solver)
+    margin = 0
+    tried: list[str] = []
+    for _ in range(rounds + 1):
+        p = _solve(cost, budget_bytes, margin, model=model, device=device, unplanned_peak=unplanned_peak,
+                   unplanned_s=unplanned_s, solver=solver, tried=tried)
+        if step is None or model is None or p.solver.startswith("none needed"):
+            return p
+        peak, _ = p.measure(model, step, warmup=warmup, timed=0)
+        if peak <= budget_bytes:
+            return p
+        tried.append(f"{_fmt(p.predicted_peak_bytes)} predicted, {_fmt(peak)} measured")
+        log.info("offload.plan: %s measured %d B > budget_bytes=%d (predicted %d B); solving again with a "
+                 "margin", p.decisions, peak, budget_bytes, p.predicted_peak_bytes)
+        margin = max(margin + peak - budget_bytes, peak - p.predicted_peak_bytes)
+    raise OffloadError(
+        f"offload.plan: budget_bytes={budget_bytes} ({_fmt(budget_bytes)}) was not met by a measured plan in "
+        f"{rounds + 1} tries ({'; '.join(tried)}): the cost model does not describe these candidate blocks "
+        "well. Pass blocks=[...] naming whole residual blocks (the children of the model's layer list), or "
+        "raise budget_bytes."
+    )
+
+
+def _solve(cost: CostModel, budget_bytes: int, margin: int, *, model: nn.Module | None, device: str,
+           unplanned_peak: int, unplanned_s: float, solver: str, tried: Sequence[str] = ()) -> Plan:
+    cap = budget_bytes - margin
+    variants = _variants(cost)
+    lowest = _lowest(cost, variants)
+    min_peak_bytes = cost.peak(lowest)
+    keep = {n: "keep" for n in cost.names}
+    if margin == 0 and budget_bytes >= max(unplanned_peak, cost.peak(keep)):
+        dec, method = keep, "none needed (budget >= peak without a plan)"
     else:
-        if cost.base + lowest.peak > budget_bytes:
-            raise _infeasible(budget_bytes, cost, lowest, model)
-        sol = solve(choices, budget_bytes - cost.base, method=solver)
-        if plain is not None:
-            sol = _best(sol, solve(plain, budget_bytes - cost.base, method=solver))
-        if sol is None:  # greedy found nothing: fall back to the minimum-peak plan, which fits
-            sol = lowest
-        decisions, method = list(sol.decisions), sol.solver
-    dec = dict(zip(cost.names, decisions))
+        if min_peak_bytes > cap:
+            raise _infeasible(budget_bytes, cost, lowest, model, margin, tried)
+        best = None
+        for ch in variants:
+            sol = solve(ch, cap - cost.base, method=solver)
+            if sol is not None and (best is None or (sol.seconds, sol.peak) < (best.seconds, best.peak)):
+                best = sol
+        if best is None:  # greedy found nothing: the minimum-peak plan fits
+            dec, method = lowest, "min_peak (the heuristic found nothing)"
+        else:
+            dec, method = _as_dict(cost, best.decisions), best.solver
+    peak = cost.peak(dec)
+    if peak > cap:  # the solver saw every event: this is a bug, never a silent over-budget plan
+        raise OffloadError(
+            f"offload.plan: internal error, please report: the chosen plan's predicted peak {peak} B exceeds "
+            f"budget_bytes={budget_bytes} at the {cost.where(dec)}."
+        )
     return Plan(
-        decisions=dec, budget_bytes=budget_bytes, predicted_peak_bytes=cost.peak(dec),
+        decisions=dec, budget_bytes=budget_bytes, predicted_peak_bytes=peak,
         predicted_step_seconds=cost.seconds(dec), cost=cost, unplanned_peak_bytes=unplanned_peak,
-        unplanned_step_seconds=unplanned_s, min_peak_bytes=cost.base + lowest.peak, solver=method,
+        unplanned_step_seconds=unplanned_s, min_peak_bytes=min_peak_bytes,
+        solver=method + (f", margin {margin} B after measuring" if margin else ""),
         binding=cost.where(dec), device=device, engine_kwargs=dict(cost.engine_kwargs),
     )
+
+
+_SOLVERS = ("auto", "exact", "greedy", "brute_force")
+
+
+def _nonneg_int(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"offload.plan: {name}={v!r} must be an int >= 0.")
+
+
+def _check_args(model: Any, step: Any, budget_bytes: Any, device: Any, *, warmup: Any, timed: Any,
+                min_offload_size: Any, use_streams: Any, bandwidth_gb_s: Any, solver: Any, engine_kwargs: Any,
+                verify: Any) -> torch.device:
+    """Every argument of :func:`plan`, checked before anything runs; returns the device."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload.plan: model must be an nn.Module, got model={model!r} ({type(model).__name__}).")
+    if not callable(step):
+        raise TypeError(f"offload.plan: step must be a zero-argument callable returning the loss, got "
+                        f"step={step!r} ({type(step).__name__}).")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"offload.plan: budget_bytes={budget_bytes!r} must be a positive int (bytes of device "
+                         "memory).")
+    _nonneg_int("warmup", warmup)
+    _nonneg_int("timed", timed)
+    _nonneg_int("min_offload_size", min_offload_size)
+    for name, v in (("use_streams", use_streams), ("verify", verify)):
+        if not isinstance(v, bool):
+            raise TypeError(f"offload.plan: {name}={v!r} must be True or False.")
+    if bandwidth_gb_s is not None:
+        vals = bandwidth_gb_s if isinstance(bandwidth_gb_s, (tuple, list)) else (bandwidth_gb_s,)
+        if (len(vals) not in (1, 2) or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in vals)
+                or not all(math.isfinite(x) and x > 0 for x in vals)):
+            raise ValueError(f"offload.plan: bandwidth_gb_s={bandwidth_gb_s!r} must be a finite positive number "
+                             "of GB/s, or a (D2H, H2D) pair of them, or None to measure it.")
+    _check_solver(solver)
+    if engine_kwargs is not None and not isinstance(engine_kwargs, dict):
+        raise TypeError(f"offload.plan: engine_kwargs={engine_kwargs!r} must be a dict of OffloadActivations "
+                        "settings.")
+    if device is None:
+        return _model_device(model)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"offload.plan: device={device!r} is not a device ({e}).") from None
+    if dev.type != "cpu":
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if acc is None or acc.type != dev.type:
+            raise ValueError(
+                f"offload.plan: device={device!r} is not available here (accelerator: "
+                f"{acc.type if acc is not None else 'none'}); pass the device the model lives on, or None."
+            )
+    return dev
+
+
+def _check_solver(solver: Any) -> None:
+    if solver not in _SOLVERS:
+        raise ValueError(f"offload.plan: solver={solver!r} is not one of {_SOLVERS}.")

@@ -27,7 +27,9 @@ Warm-up steps run first, so the host pool is filled and lazy state exists.
 
 from __future__ import annotations
 
+import statistics
 import weakref
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,9 +93,13 @@ class BlockStats:
     retains_input: bool = True
     """The block's input tensor was still alive when its backward began."""
     fwd_s: float = 0.0
-    """Forward seconds (fastest of the timed steps)."""
+    """Forward seconds (median of the timed steps)."""
     bwd_s: float = 0.0
-    """Backward seconds (fastest of the timed steps; includes recompute)."""
+    """Backward seconds (median of the timed steps; includes recompute)."""
+    fwd_s_all: list[float] = field(default_factory=list)
+    """Forward seconds of every timed step."""
+    bwd_s_all: list[float] = field(default_factory=list)
+    """Backward seconds of every timed step."""
     saved_bytes: int = 0
     """Logical bytes the block saved for backward (engine ledger)."""
     copy_bytes: int = 0
@@ -110,6 +116,9 @@ class DecisionProfile:
 
     decision: str
     blocks: list[BlockStats]
+    """Per call position, in the order the calls ran."""
+    calls: list[int] = field(default_factory=list)
+    """Candidate index of each position (a block called twice has two positions)."""
     base: int = 0
     """Device bytes in use when the step began (parameters, gradients, buffers, inputs)."""
     pre_peak: int = 0
@@ -121,7 +130,8 @@ class DecisionProfile:
     peak: int = 0
     """Measured peak of the whole step."""
     step_s: float = 0.0
-    """Fastest step seconds (untracked steps)."""
+    """Median step seconds (untracked steps)."""
+    step_s_all: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -162,18 +172,30 @@ class _Clock:
 
 
 class Probe:
-    """Records levels, peaks and times at block boundaries during one step."""
+    """Records levels, peaks and times at block boundaries during one step.
 
-    def __init__(self, n: int, clock: _Clock, meter: MemoryMeter | None) -> None:
+    Stats are kept per *call* (a position in the step's chain of candidate
+    calls): a block called twice per step (weight sharing) has two positions,
+    each with its own levels, peaks and times. ``calls[p]`` is the candidate
+    index of position ``p``, in the order the calls ran.
+    """
+
+    def __init__(self, n: int, clock: _Clock, meter: MemoryMeter | None, names: list[str] | None = None) -> None:
         self.n = n
+        self.names = names or [str(i) for i in range(n)]
         self.clock = clock
         self.meter = meter
-        self.stats = [BlockStats() for _ in range(n)]
+        self.stats: list[BlockStats] = []
+        self.calls: list[int] = []
         self.t: dict[tuple[str, int], Any] = {}
-        self._inputs: list[weakref.ref | None] = [None] * n
+        self._inputs: list[weakref.ref | None] = []
         self.windows: dict[str, int] = {}
         self.base = 0
         self._bwd_seen: set[int] = set()
+        self._has_input_marker: set[int] = set()
+        self._active: int | None = None
+        self.position = -1
+        """The position whose forward is running (-1 outside every candidate)."""
 
     def _level(self) -> int:
         return self.meter.level() if self.meter is not None else 0
@@ -187,9 +209,20 @@ class Probe:
         self.t[("step", 0)] = self.clock.now()
 
     def fwd_pre(self, i: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        s = self.stats[i]
+        if self._active is not None:
+            outer = self.names[self.calls[self._active]]
+            raise ValueError(
+                f"offload.plan: candidate block {self.names[i]!r} ran inside candidate {outer!r}: candidates "
+                "must be a chain of disjoint calls. Pass blocks=[...] without one of them."
+            )
+        pos = len(self.calls)
+        self.calls.append(i)
+        self.stats.append(BlockStats())
+        self._inputs.append(None)
+        self._active = self.position = pos
+        s = self.stats[pos]
         w = self._window()
-        if i == 0:
+        if pos == 0:
             self.windows["pre"] = w
         else:
             s.fwd_peak = max(s.fwd_peak, w)  # the gap before this block (loop bookkeeping)
@@ -202,43 +235,52 @@ class Probe:
             # Watch the storage, not the tensor object: the engine may hold a saved
             # tensor's bytes through another tensor (a detached alias, a view).
             try:
-                self._inputs[i] = weakref.ref(x.untyped_storage())
+                self._inputs[pos] = weakref.ref(x.untyped_storage())
             except (RuntimeError, TypeError, NotImplementedError):
-                self._inputs[i] = None
-            leaves[k] = _Marker.apply(x, lambda i=i: self.bwd_end(i))
+                self._inputs[pos] = None
+            leaves[k] = _Marker.apply(x, lambda p=pos: self.bwd_end(p))
+            self._has_input_marker.add(pos)
             args, kwargs = tree_unflatten(leaves, spec)
-        self.t[("fwd0", i)] = self.clock.now()
+        self.t[("fwd0", pos)] = self.clock.now()
         return args, kwargs
 
     def fwd_post(self, i: int, out: Any) -> Any:
-        self.t[("fwd1", i)] = self.clock.now()
-        s = self.stats[i]
+        pos = self._active
+        self._active, self.position = None, -1
+        if pos is None:  # pragma: no cover - fwd_pre raised
+            return out
+        self.t[("fwd1", pos)] = self.clock.now()
+        s = self.stats[pos]
         s.fwd_peak = max(s.fwd_peak, self._window())
         s.L = self._level()
         leaves, spec = tree_flatten(out)
         k = _first_grad_tensor(leaves)
         if k >= 0:
             s.out_bytes = _storage_bytes(leaves[k])
-            leaves[k] = _Marker.apply(leaves[k], lambda i=i: self.bwd_start(i))
+            leaves[k] = _Marker.apply(leaves[k], lambda p=pos: self.bwd_start(p))
             out = tree_unflatten(leaves, spec)
         return out
 
-    def bwd_start(self, i: int) -> None:
-        self.t[("bwd0", i)] = self.clock.now()
+    def fwd_abort(self) -> None:
+        """The block's forward raised: no position is active any more."""
+        self._active, self.position = None, -1
+
+    def bwd_start(self, pos: int) -> None:
+        self.t[("bwd0", pos)] = self.clock.now()
         w = self._window()
-        if i == self.n - 1:
+        if pos == len(self.calls) - 1:
             self.windows["head"] = w
         else:
-            self.stats[i].bwd_peak = max(self.stats[i].bwd_peak, w)  # gap after block i+1's backward
-        s = self.stats[i]
+            self.stats[pos].bwd_peak = max(self.stats[pos].bwd_peak, w)  # gap after the next call's backward
+        s = self.stats[pos]
         s.D = self._level()
-        ref = self._inputs[i]
+        ref = self._inputs[pos]
         s.retains_input = ref is None or ref() is not None
-        self._bwd_seen.add(i)
+        self._bwd_seen.add(pos)
 
-    def bwd_end(self, i: int) -> None:
-        self.t[("bwd1", i)] = self.clock.now()
-        s = self.stats[i]
+    def bwd_end(self, pos: int) -> None:
+        self.t[("bwd1", pos)] = self.clock.now()
+        s = self.stats[pos]
         s.bwd_peak = max(s.bwd_peak, self._window())
 
     def end(self) -> None:
@@ -246,10 +288,32 @@ class Probe:
         self.windows["post"] = self._window()
 
     def times(self) -> tuple[list[float], list[float], float]:
+        """Forward and backward seconds per position, and the step's. A position whose input needs no
+        grad (the first block of an encoder fed raw features) has no backward-end marker: its backward
+        ends with the step."""
         c = self.clock
-        fwd = [c.seconds(self.t.get(("fwd0", i)), self.t.get(("fwd1", i))) for i in range(self.n)]
-        bwd = [c.seconds(self.t.get(("bwd0", i)), self.t.get(("bwd1", i))) for i in range(self.n)]
-        return fwd, bwd, c.seconds(self.t.get(("step", 0)), self.t.get(("step", 1)))
+        m = len(self.calls)
+        end = self.t.get(("step", 1))
+        fwd = [c.seconds(self.t.get(("fwd0", p)), self.t.get(("fwd1", p))) for p in range(m)]
+        bwd = [c.seconds(self.t.get(("bwd0", p)), self.t.get(("bwd1", p), end)) for p in range(m)]
+        return fwd, bwd, c.seconds(self.t.get(("step", 0)), end)
+
+    def check(self) -> None:
+        """Every candidate ran, and backward reached every call (errors name the blocks)."""
+        never = [self.names[i] for i in range(self.n) if i not in self.calls]
+        if never:
+            raise ValueError(
+                f"offload.plan: candidate block(s) {never[:5]} never ran during the step (a container such as "
+                "an nn.ModuleList, or a module the forward does not call). Pass blocks=[...] naming modules "
+                "the step calls."
+            )
+        missing = sorted({self.names[self.calls[p]] for p in range(len(self.calls)) if p not in self._bwd_seen})
+        if missing:
+            raise ValueError(
+                f"offload.plan: backward never reached candidate block(s) {missing[:5]}: their outputs do not "
+                "flow into the loss through a floating-point tensor that requires grad. Pass blocks=[...] "
+                "naming the modules that do."
+            )
 
 
 def _sync(device: torch.device) -> None:
@@ -277,8 +341,8 @@ def run_step(step: Callable[[], torch.Tensor]) -> None:
 
 
 def _one(inst: Installed, step: Callable, model: nn.Module, device: torch.device, meter: MemoryMeter | None,
-         n: int) -> Probe:
-    probe = Probe(n, _Clock(device), meter)
+         names: list[str]) -> Probe:
+    probe = Probe(len(names), _Clock(device), meter, names)
     inst.probe = probe
     try:
         zero_grads_(model)
@@ -289,14 +353,12 @@ def _one(inst: Installed, step: Callable, model: nn.Module, device: torch.device
         _sync(device)
     finally:
         inst.probe = None
-    if len(probe._bwd_seen) != n:
-        missing = sorted(set(range(n)) - probe._bwd_seen)
-        raise RuntimeError(
-            f"offload.plan: backward never reached candidate block(s) {missing[:5]}: their outputs do not "
-            "flow into the loss through a floating-point tensor that requires grad. Pass blocks=[...] "
-            "naming the modules that do."
-        )
+    probe.check()
     return probe
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
 
 
 def profile_decision(inst: Installed, decision: str | dict[str, str], step: Callable, model: nn.Module,
@@ -311,44 +373,30 @@ def profile_decision(inst: Installed, decision: str | dict[str, str], step: Call
         zero_grads_(model)
         run_step(step)
     engine = inst.engine
-    # Saved/copied bytes per block, from the engine's own records.
-    saved = [0] * n
-    copied = [0] * n
-    copies = [0] * n
-    biggest = [0] * n
-    current = {"i": -1}
+    # Saved/copied bytes per call position, from the engine's own records.
+    saved: dict[int, int] = defaultdict(int)
+    copied: dict[int, int] = defaultdict(int)
+    copies: dict[int, int] = defaultdict(int)
+    biggest: dict[int, int] = defaultdict(int)
+    meter = MemoryMeter(device, [engine.pool])
+    probe = Probe(n, _Clock(device), meter, names)
 
     def on_pack(ev: Any) -> None:
-        i = current["i"]
-        if i < 0:
+        p = probe.position  # which call is packing
+        if p < 0:
             return
         rec = ev.record
         if rec.reason in ("parameter", "buffer"):
             return
-        saved[i] += rec.nbytes
+        saved[p] += rec.nbytes
         if rec.copy_bytes:
-            copied[i] += rec.copy_bytes
-            copies[i] += 1
-            biggest[i] = max(biggest[i], rec.copy_bytes)
+            copied[p] += rec.copy_bytes
+            copies[p] += 1
+            biggest[p] = max(biggest[p], rec.copy_bytes)
 
-    meter = MemoryMeter(device, [engine.pool])
     obs = engine.add_observer(on_pack)
-    # The probe tells the observer which block is packing.
-    orig_pre, orig_post = Probe.fwd_pre, Probe.fwd_post
     try:
         with meter.tracking(model):
-            probe = Probe(n, _Clock(device), meter)
-
-            def pre(i: int, a: tuple, k: dict, _p: Probe = probe) -> tuple[tuple, dict]:
-                current["i"] = i
-                return orig_pre(_p, i, a, k)
-
-            def post(i: int, out: Any, _p: Probe = probe) -> Any:
-                current["i"] = -1
-                return orig_post(_p, i, out)
-
-            probe.fwd_pre = pre  # type: ignore[method-assign]
-            probe.fwd_post = post  # type: ignore[method-assign]
             inst.probe = probe
             try:
                 zero_grads_(model)
@@ -359,24 +407,34 @@ def profile_decision(inst: Installed, decision: str | dict[str, str], step: Call
                 inst.probe = None
     finally:
         obs.remove()
-    prof = DecisionProfile(decision=decision if isinstance(decision, str) else "mixed", blocks=probe.stats, base=probe.base,
-                           pre_peak=probe.windows.get("pre", 0), head_peak=probe.windows.get("head", 0),
-                           post_peak=probe.windows.get("post", 0), peak=meter.peak)
-    for i, s in enumerate(prof.blocks):
-        s.saved_bytes, s.copy_bytes, s.copies, s.max_copy = saved[i], copied[i], copies[i], biggest[i]
+    probe.check()
+    prof = DecisionProfile(decision=decision if isinstance(decision, str) else "mixed", blocks=probe.stats,
+                           calls=list(probe.calls), base=probe.base, pre_peak=probe.windows.get("pre", 0),
+                           head_peak=probe.windows.get("head", 0), post_peak=probe.windows.get("post", 0),
+                           peak=meter.peak)
+    for p, s in enumerate(prof.blocks):
+        s.saved_bytes, s.copy_bytes, s.copies, s.max_copy = saved[p], copied[p], copies[p], biggest[p]
     fwds, bwds, steps = [], [], []
     for _ in range(timed):
-        p = _one(inst, step, model, device, None, n)
+        t = _one(inst, step, model, device, None, names)
+        if t.calls != prof.calls:
+            raise ValueError(
+                "offload.plan: the candidate blocks ran in a different order (or a different number of times) "
+                f"in two steps: {[names[i] for i in prof.calls]} then {[names[i] for i in t.calls]}. The planner "
+                "needs a step that calls the same blocks the same way every time."
+            )
         _sync(device)
-        f, b, t = p.times()
+        f, b, st = t.times()
         fwds.append(f)
         bwds.append(b)
-        steps.append(t)
-    for i, s in enumerate(prof.blocks):
-        # Per boundary, the fastest step: the least-disturbed estimate on a shared machine.
-        s.fwd_s = min(f[i] for f in fwds) if fwds else 0.0
-        s.bwd_s = min(b[i] for b in bwds) if bwds else 0.0
-    prof.step_s = min(steps) if steps else 0.0
+        steps.append(st)
+    for p, s in enumerate(prof.blocks):
+        # Medians over the timed steps, with every sample kept (the spread is in Plan.to_json()).
+        s.fwd_s_all = [f[p] for f in fwds]
+        s.bwd_s_all = [b[p] for b in bwds]
+        s.fwd_s, s.bwd_s = _median(s.fwd_s_all), _median(s.bwd_s_all)
+    prof.step_s_all = steps
+    prof.step_s = _median(steps)
     return prof
 
 

@@ -130,7 +130,10 @@ def test_unreachable_budget_raises_offload_error(profiled) -> None:
     msg = str(e.value)
     assert f"budget_bytes={plan.cost.base + 1}" in msg
     assert f"{plan.min_peak_bytes} B" in msg  # the smallest reachable peak
-    assert "parameters" in msg and "gradients" in msg and "largest single block is layers." in msg
+    assert "parameters" in msg and "gradients" in msg and "What holds it" in msg
+    assert plan.cost.where(plan_from_cost(plan.cost, plan.min_peak_bytes, model=model, device="cpu",
+                                          unplanned_peak=plan.unplanned_peak_bytes,
+                                          unplanned_s=1.0).decisions) in msg
 
 
 def test_report_and_json(profiled) -> None:
