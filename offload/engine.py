@@ -1293,11 +1293,15 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         if now != h.version:
             raise _inplace_error(shape, dtype, now, h.version)
         entry = h.stash
-        if entry is not None and entry.src is not None:
-            # The source is still alive (its copy may be in flight): use it as is.
-            h.rec.note = "reused_source"
-            return entry.src
         hc = h.hc
+        if entry is not None and entry.src is not None and hc.users == 1:
+            # The source is still alive (its copy may be in flight): use it as is. Not when
+            # other handles share the host copy: they get views of one reloaded base, and an
+            # in-place write through one must be seen by the others' checks (Rule 6).
+            h.rec.note = "reused_source"
+            # Allocated on the producer stream: a consumer on another stream is recorded (Rule 4).
+            self._backend.record_consumer(entry.src, entry.copy)
+            return entry.src
         with self._lock:
             held, pre = hc.held, hc.prefetched
             if held is None and pre is not None:

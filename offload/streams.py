@@ -132,6 +132,9 @@ class StreamBackend:
         self._mod = module if module is not None else _device_module(device)
         self._side = None  # created lazily on first use, on the right device
         self._cached = None  # only for the live_current_stream fault
+        # A stand-in device module may want to know which tensors are host memory (the
+        # emulator: their reuse is deferred by events, as torch's pinned allocator does).
+        self._host = getattr(self._mod, "_host_memory", None)
 
     # The device module (torch.cuda, torch.xpu, ...) is used for streams and
     # events rather than the generic torch.Stream/torch.Event: its Stream,
@@ -174,16 +177,19 @@ class StreamBackend:
         return Copy(done, None, start, compute)
 
     def d2h(self, src: torch.Tensor, dst: torch.Tensor) -> Copy:
+        if self._host is not None:
+            self._host(dst)
         return self._issue(lambda: dst.copy_(src, non_blocking=True), "d2h_waits_producer")
 
     def h2d(self, src: torch.Tensor) -> tuple[torch.Tensor, Copy]:
+        if self._host is not None:
+            self._host(src)
         if _FAULTS and "h2d_alloc_on_compute" in _FAULTS:
             side = self._side_stream()
             with self._mod.stream(side):
                 out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-            copy = self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute")
-            copy.stream = side
-            return out, copy
+            # The engine still believes the block is the compute stream's (the bug: Rule 4).
+            return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute")
         # Allocate on the compute stream (outside the side-stream context): Rule 4.
         out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
         return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute")

@@ -172,6 +172,8 @@ class _Live:
     ref: Any
     alloc_stream: int
     recorded: set[int] = field(default_factory=set)
+    host: bool = False
+    """Host memory: its reuse waits for the copies that used it (torch's pinned allocator)."""
 
 
 class Checker:
@@ -262,6 +264,19 @@ class Checker:
             self._track(ptr, st, sid, fresh=False)
             self._live[ptr].recorded.add(sid)
 
+    def host_memory(self, t: torch.Tensor) -> None:
+        """``t``'s storage is a host buffer: its free is not checked (see ``_Live.host``)."""
+        try:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return
+        if not ptr:
+            return
+        with self._lock:
+            self._track(ptr, st, 0, fresh=False)
+            self._live[ptr].host = True
+
     # -- storages and frees -----------------------------------------------------
 
     def _track(self, ptr: int, st: Any, sid: int, *, fresh: bool) -> None:
@@ -293,7 +308,7 @@ class Checker:
             if info is None or info.ref is not ref:
                 return
             ta = self.handler.tensors_accessed.accesses.get(ptr)
-            if ta is not None:
+            if ta is not None and not info.host:
                 accesses = ([ta.write] if ta.write is not None else []) + list(ta.reads)
                 free_stack = None
                 for a in accesses:

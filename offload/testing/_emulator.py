@@ -309,6 +309,12 @@ class EmulatedAccelerator:
     def current_device(self) -> int:
         return 0
 
+    def _host_memory(self, t: torch.Tensor) -> None:
+        """``t`` is a host buffer (the engine's backend says so): frees of host memory are not checked,
+        as torch's pinned allocator defers their reuse until the copies that used them are done."""
+        if self.checker is not None:
+            self.checker.host_memory(t)
+
     def _sleep(self, cycles: int = 0) -> None:
         """``torch.cuda._sleep``: park the current stream; with ``late`` its next ops wait until ordered."""
         self.current_stream().parked = True
@@ -474,11 +480,15 @@ class EmulatedAccelerator:
         s = self.current_stream()
         if self._rng is not None:
             self._random_flush()
-        metadata = func in _METADATA_OPS or torch.Tag.inplace_view in func.tags
+        metadata = (func in _METADATA_OPS or torch.Tag.inplace_view in func.tags
+                    or not (_returns_tensors(func) or _host_visible(func) or _mutated_returns(func, args, kwargs)[0]))
         h = self.checker.parse_inputs(func, args, kwargs) if self.checker is not None else None
         out = self._issue(func, args, kwargs, s, metadata)
         if h is not None:
             self.checker.launched(h, func, out, s.id, metadata_only=metadata)
+            if _host_visible(func):
+                # The host waited for the result (e.g. .item()): it is ordered after the stream.
+                self.checker.stream_synchronized(s.id)
         return out
 
     def _issue(self, func: Any, args: tuple, kwargs: dict, s: EmulatedStream, metadata: bool) -> Any:
@@ -491,9 +501,7 @@ class EmulatedAccelerator:
             return out
         if _host_visible(func):
             self._flush(s, s.issued)  # the host waits for the stream (e.g. .item())
-            out = func(*args, **kwargs)
-            self._check("stream_synchronized", s.id)
-            return out
+            return func(*args, **kwargs)
         if not _returns_tensors(func) and not _mutated_returns(func, args, kwargs)[0]:
             return func(*args, **kwargs)  # metadata queries (is_pinned, sizes): no bytes read
         if func in _EMPTY_OPS:

@@ -16,3 +16,16 @@ def _one_cpu_thread():
         yield
     finally:
         torch.set_num_threads(prev)
+
+
+@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu),
+                        pytest.param("emulated", marks=pytest.mark.emulated)])
+def accel(request):
+    """The accelerator of an ordering test: CUDA (marked gpu, skipped without one) and the emulator
+    (late data + checker, marked emulated), which must report no hazard (accel_testkit.Accel)."""
+    from accel_testkit import Accel
+
+    a = Accel(request.param)
+    with a:
+        yield a
+    a.check()

@@ -1,12 +1,18 @@
 """GPU tests of the offload engine: bitwise grads on CUDA, forced stream races, known peer bugs, peak memory.
 
 Run on a GPU machine with ``PYTHONPATH=. pytest -m gpu tests/offload``. On a
-machine without CUDA, tests/conftest.py skips them with a reason.
+machine without CUDA, tests/conftest.py skips them with a reason. The ordering
+and lifetime tests (races, known bugs, retain_graph, exceptions, forward-only,
+in-place) take the ``accel`` fixture: the same body runs on CUDA when there is
+one and always on offload.testing's emulator (``pytest -m emulated``), in
+late-data mode with the happens-before checker, which must report nothing.
 
 Every race test forces its bad interleaving instead of hoping for it:
 ``torch.cuda._sleep`` parks a stream for ~100 ms so the host runs far ahead,
 and freed blocks are "poisoned" with NaN first so that reading memory at the
-wrong time shows up as NaN or a bit difference, never as a lucky pass.
+wrong time shows up as NaN or a bit difference, never as a lucky pass (on the
+emulator: a parked stream runs late, every allocation holds poison, and the
+checker reports the missing order even where no byte changes).
 Numerics are made repeatable (deterministic algorithms, math SDPA) so a
 twin without offloading is an exact reference.
 """
@@ -26,16 +32,11 @@ from torch import nn
 # Before any cuBLAS handle exists (collection time), so matmuls are repeatable.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-from bench.model import ToyLlama, ToyLlamaConfig, make_batch  # noqa: E402
+from accel_testkit import GPU_CFG, SLEEP_CYCLES, Accel  # noqa: E402
+from bench.model import ToyLlama, make_batch  # noqa: E402
 from offload import OffloadActivations, get_act_offloading_ctx_manager  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
-GPU_CFG = ToyLlamaConfig(vocab_size=2048, dim=512, n_layers=4, n_heads=8, max_seq_len=1024)
-"""Toy Llama big enough that copies take real time on an H100, small enough for seconds per test."""
 B, T = 4, 512
-SLEEP_CYCLES = int(2e8)
-"""torch.cuda._sleep cycles: ~100 ms at H100 clocks, far longer than any copy here."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -53,9 +54,10 @@ def _repeatable_numerics():
             yield
     finally:
         torch.use_deterministic_algorithms(prev)
-        torch.cuda.synchronize()
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
 
 def gpu_ctx(**kw) -> OffloadActivations:
@@ -64,16 +66,21 @@ def gpu_ctx(**kw) -> OffloadActivations:
     return OffloadActivations(**kw)
 
 
-def toy(dtype=torch.float32, cfg=GPU_CFG, *, tied=False, seed=0) -> nn.Module:
+def toy(dtype=torch.float32, cfg=GPU_CFG, *, tied=False, seed=0, accel: Accel | None = None) -> nn.Module:
     torch.manual_seed(seed)
+    if accel is not None:
+        cfg = accel.cfg
     if tied:
         cfg = dataclasses.replace(cfg, tie_embeddings=True)
-    return ToyLlama(cfg).to(device="cuda", dtype=dtype)
+    return ToyLlama(cfg).to(device=accel.device if accel is not None else "cuda", dtype=dtype)
 
 
-def batch(seed=0, cfg=GPU_CFG, b=B, t=T):
+def batch(seed=0, cfg=GPU_CFG, b=B, t=T, accel: Accel | None = None):
+    if accel is not None:
+        cfg, (b, t) = accel.cfg, accel.batch_shape
     x, y = make_batch(cfg, b, t, seed=seed)
-    return x.cuda(), y.cuda()
+    dev = accel.device if accel is not None else "cuda"
+    return x.to(dev), y.to(dev)
 
 
 def lm_loss(model, inputs):
@@ -114,17 +121,6 @@ def settle(ctx=None) -> None:
         assert ctx.pool.stats()["in_use_bytes"] == 0, ctx.pool.stats()
 
 
-def poison_free_blocks(nbytes: int, stream: torch.cuda.Stream | None = None, count: int = 8) -> None:
-    """Fill ``count`` blocks of ``nbytes`` with NaN on ``stream`` and free them, so the cached free blocks
-    the next same-size allocations get hold NaN: reading one before it is written shows up as NaN.
-    Waits for the fill, so the NaN is in place before anything queued later runs."""
-    stream = stream or torch.cuda.current_stream()
-    with torch.cuda.stream(stream):
-        ts = [torch.full((nbytes // 4,), float("nan"), device="cuda") for _ in range(count)]
-        del ts
-    stream.synchronize()
-
-
 def on_output_grad(module: nn.Module, fn) -> None:
     """Call ``fn(grad)`` in backward when the gradient of ``module``'s output arrives (a tensor hook;
     works under non-reentrant checkpoint, unlike full backward hooks)."""
@@ -136,9 +132,10 @@ def on_output_grad(module: nn.Module, fn) -> None:
     module.register_forward_hook(fwd_hook)
 
 
-# --------------------------------------------------------------------------- bitwise on CUDA
+# --------------------------------------------------------------------------- bitwise on CUDA (pinning, dtypes)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("use_pin_memory", [True, False], ids=["pinned", "pageable"])
 @pytest.mark.parametrize("use_streams", [True, False], ids=["streams", "sync"])
@@ -167,6 +164,7 @@ def test_gpu_bitwise_streams_pin_dtype(use_streams, use_pin_memory, dtype):
     assert s["d2h_bytes"] > 0 and s["h2d_bytes"] > 0
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_gpu_ctx_manager_with_checkpointed_blocks_bitwise(tied):
     """AC + offload of checkpoint inputs (torchtune's recommended setup) with the head excluded: bitwise."""
@@ -183,12 +181,12 @@ def test_gpu_ctx_manager_with_checkpointed_blocks_bitwise(tied):
     assert s["offloaded_bytes"] > 0 and s["kept_by_reason"].get("excluded_region", 0) > 0
 
 
-def test_gpu_retain_graph_and_autograd_grad_with_streams():
-    """Rule 1 on CUDA with streams and prefetch: retain_graph twice, then autograd.grad, all bitwise."""
-    model = toy(torch.bfloat16)
+def test_gpu_retain_graph_and_autograd_grad_with_streams(accel):
+    """Rule 1 with streams and prefetch: retain_graph twice, then autograd.grad, all bitwise."""
+    model = toy(torch.bfloat16, accel=accel)
     twin = copy.deepcopy(model)
-    inputs = batch()
-    ctx = gpu_ctx(prefetch_bytes=64 << 20)
+    inputs = batch(accel=accel)
+    ctx = accel.ctx(prefetch_bytes=64 << 20)
     want = lm_loss(twin, inputs)
     with ctx:
         got = lm_loss(model, inputs)
@@ -202,9 +200,10 @@ def test_gpu_retain_graph_and_autograd_grad_with_streams():
         assert torch.equal(a, b)
     assert_same_grads(model, twin)
     del got
-    settle(ctx)
+    accel.settle(ctx)
 
 
+@pytest.mark.gpu
 def test_gpu_cpu_tensor_kept_as_other_device():
     """A CPU tensor saved while offloading CUDA activations is kept with reason "other_device"."""
     ctx = gpu_ctx()
@@ -220,6 +219,7 @@ def test_gpu_cpu_tensor_kept_as_other_device():
     assert torch.equal(c.grad, c.detach().cos()) and torch.equal(g.grad, g.detach().cos())
 
 
+@pytest.mark.gpu
 def test_gpu_device_none_uses_current_accelerator():
     """device=None on a CUDA machine means the current CUDA device, enabled, with the stream backend."""
     ctx = OffloadActivations()
@@ -227,6 +227,7 @@ def test_gpu_device_none_uses_current_accelerator():
     assert ctx.backend == "stream"
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("pin_allocator", ["caching", "exact"])
 def test_gpu_many_pinned_engines_in_sequence(pin_allocator):
     """Engines with pinned pools created and dropped one after another (as a test suite or a sweep does)
@@ -254,20 +255,20 @@ def test_gpu_many_pinned_engines_in_sequence(pin_allocator):
 # --------------------------------------------------------------------------- forced races
 
 
-def test_gpu_race_d2h_waits_for_the_kernel_that_produces_the_tensor():
+def test_gpu_race_d2h_waits_for_the_kernel_that_produces_the_tensor(accel):
     """Rule 2/4 race: a 100 ms kernel is queued before the producer of h, so h's D2H is issued long
     before h is written. The side stream must wait on the live compute stream; if it does not, the
     copy reads the NaN left in h's recycled block and backward (fed from the host copy) returns NaN."""
-    n = 4096 * 4096
-    x = torch.randn(n, device="cuda", requires_grad=True)
+    n = accel.n(4096 * 4096)
+    x = torch.randn(n, device=accel.device, requires_grad=True)
     ref_x = x.detach().clone().requires_grad_()
     (ref_x * 2.0).sin().exp().sum().backward()
 
-    ctx = gpu_ctx(max_fwd_stash_size=1, max_inflight_bytes=1)  # sources released as soon as possible
+    ctx = accel.ctx(max_fwd_stash_size=1, max_inflight_bytes=1)  # sources released as soon as possible
 
     def forward():
-        poison_free_blocks(n * 4)
-        torch.cuda._sleep(SLEEP_CYCLES)  # compute stream busy: everything below is only queued
+        accel.poison_free_blocks(n * 4)
+        accel.sleep(SLEEP_CYCLES)  # compute stream busy: everything below is only queued
         h = x * 2.0  # written ~100 ms from now, into a NaN block
         y = h.sin()  # pack(h): the D2H is issued now; max_inflight_bytes=1 drops the source at once
         z = y.exp()
@@ -276,19 +277,19 @@ def test_gpu_race_d2h_waits_for_the_kernel_that_produces_the_tensor():
     with ctx:
         loss = forward()
     loss.backward()
-    settle(ctx)
+    accel.settle(ctx)
     assert not torch.isnan(x.grad).any(), "D2H ran before the producing kernel (side stream did not wait)"
     assert torch.equal(x.grad, ref_x.grad)
     assert ctx.ledger.summary()["offloaded_count"] >= 2
 
 
-def test_gpu_race_source_block_reused_while_d2h_in_flight():
+def test_gpu_race_source_block_reused_while_d2h_in_flight(accel):
     """Rule 2 race: with a stash of 1 each source is dropped right after its D2H is issued, and the
     next 256 MiB activation may take its block at once. The allocator may only hand the block out
     behind the copy's event; otherwise the next kernel overwrites bytes the copy is still reading."""
-    n = 64 << 20  # 64 Mi floats = 256 MiB per activation: each D2H takes milliseconds
-    x = torch.randn(n, device="cuda", requires_grad=True)
-    ctx = gpu_ctx(max_fwd_stash_size=1, max_inflight_bytes=1, prefetch_bytes=0)
+    n = accel.n(64 << 20)  # 64 Mi floats = 256 MiB per activation: each D2H takes milliseconds
+    x = torch.randn(n, device=accel.device, requires_grad=True)
+    ctx = accel.ctx(max_fwd_stash_size=1, max_inflight_bytes=1, prefetch_bytes=0)
 
     def chain(x):
         h = x
@@ -299,7 +300,7 @@ def test_gpu_race_source_block_reused_while_d2h_in_flight():
     with ctx:
         loss = chain(x)
     loss.backward()
-    settle(ctx)
+    accel.settle(ctx)
     got = x.grad.clone()
     x.grad = None
     chain(x).backward()
@@ -322,15 +323,15 @@ class _GradIsViewOfSaved(torch.autograd.Function):
         return e.view(e.shape)  # not a copy: the reloaded memory itself
 
 
-def test_gpu_race_view_of_reloaded_tensor_outlives_its_node():
+def test_gpu_race_view_of_reloaded_tensor_outlives_its_node(accel):
     """Race (torchtune #1860/#1936): a view of a reloaded tensor escapes its node as a grad while the
     compute stream is parked 100 ms by a hook. The engine must not free or reuse that block (e.g. for
     the next prefetch H2D on the side stream) before compute has read it; otherwise grads change."""
-    n = 16 << 20
-    x = torch.randn(n, device="cuda", requires_grad=True)
+    n = accel.n(16 << 20)
+    x = torch.randn(n, device=accel.device, requires_grad=True)
 
     def sleeper(g):
-        torch.cuda._sleep(SLEEP_CYCLES)
+        accel.sleep(SLEEP_CYCLES)
         return g
 
     def chain(x, hooks):
@@ -346,77 +347,81 @@ def test_gpu_race_view_of_reloaded_tensor_outlives_its_node():
     want = x.grad.clone()
     x.grad = None
     # Sources dropped at once (backward must reload from host); prefetch exactly one handle ahead.
-    ctx = gpu_ctx(prefetch_bytes=n * 4, max_fwd_stash_size=1, max_inflight_bytes=1)
+    ctx = accel.ctx(prefetch_bytes=n * 4, max_fwd_stash_size=1, max_inflight_bytes=1)
     with ctx:
         loss = chain(x, hooks=True)
     loss.backward()
-    settle(ctx)
+    accel.settle(ctx)
     assert not torch.isnan(x.grad).any()
     assert torch.equal(x.grad, want), "a reloaded block was reused while a view of it was still to be read"
 
 
-def test_gpu_known_bug_torchtune_1867_nan_grads_from_deletion_race():
+def test_gpu_known_bug_torchtune_1867_nan_grads_from_deletion_race(accel):
     """torchtune #1867: with streams, reloaded tensors were deleted (and their blocks reused by the next
     H2D on the side stream) while compute still read them, giving NaN grads under AC + offload. Forced
     here by parking the compute stream in every block's backward, over several steps in bf16."""
-    model = toy(torch.bfloat16)
+    model = toy(torch.bfloat16, accel=accel)
     model.checkpoint_blocks = True
     twin = copy.deepcopy(model)
 
     def park(grad):
-        torch.cuda._sleep(SLEEP_CYCLES // 4)  # compute parked while reloads/prefetches are issued
+        accel.sleep(SLEEP_CYCLES // 4)  # compute parked while reloads/prefetches are issued
         return grad
 
     for layer in model.layers:
         on_output_grad(layer, park)
-    ctx = gpu_ctx(min_offload_size=1024, prefetch_bytes=8 << 20)
+    ctx = accel.ctx(min_offload_size=1024, prefetch_bytes=8 << 20)
     for i in range(3):
-        inputs = batch(seed=i)
+        inputs = batch(seed=i, accel=accel)
         got = step(model, inputs, ctx)
         want = step(twin, inputs)
         assert not torch.isnan(got), f"step {i}: NaN loss"
         assert torch.equal(got, want)
-        settle(ctx)
+        accel.settle(ctx)
     assert_same_grads(model, twin)
 
 
-def _live_segment_streams() -> dict[int, int]:
-    """stream handle -> bytes allocated in segments owned by that stream."""
+def _live_segment_streams(accel: Accel) -> dict[int, int]:
+    """stream handle -> bytes allocated in segments owned by that stream (the emulator: none; its checker
+    reports a block allocated on the side stream and read by compute as a free hazard instead)."""
     out: dict[int, int] = {}
+    if accel.emulated:
+        return out
     for seg in torch.cuda.memory_snapshot():
         if seg.get("allocated_size", 0) > 0:
             out[seg["stream"]] = out.get(seg["stream"], 0) + seg["allocated_size"]
     return out
 
 
-def test_gpu_known_bug_trl_clone_on_side_stream_read_by_compute():
+def test_gpu_known_bug_trl_clone_on_side_stream_read_by_compute(accel):
     """TRL / axolotl #3833: TRL cloned non-contiguous and offset views inside the side-stream context, so
     compute read memory owned by the side stream with no ordering (corrupted labels every step). Check
     that while reloaded tensors are live in backward, no allocated block belongs to a non-compute stream."""
-    model = toy(torch.bfloat16)  # q/k/v are transposed views of one qkv storage
-    ctx = gpu_ctx(min_offload_size=1024, prefetch_bytes=64 << 20)
-    compute = torch.cuda.current_stream().cuda_stream
+    model = toy(torch.bfloat16, accel=accel)  # q/k/v are transposed views of one qkv storage
+    ctx = accel.ctx(min_offload_size=1024, prefetch_bytes=64 << 20)
+    compute = None if accel.emulated else torch.cuda.current_stream().cuda_stream
     allowed = {0, compute}
-    settle()
-    torch.cuda.empty_cache()
-    before = set(_live_segment_streams())
+    accel.settle()
+    if not accel.emulated:
+        torch.cuda.empty_cache()
+    before = set(_live_segment_streams(accel))
     seen: list[dict[int, int]] = []
 
     def snap(grad):
-        seen.append(_live_segment_streams())
+        seen.append(_live_segment_streams(accel))
         return grad
 
     for layer in model.layers:
         on_output_grad(layer, snap)
-    x = torch.randn(64, 1024, device="cuda", requires_grad=True)
+    x = torch.randn(64, 1024, device=accel.device, requires_grad=True)
     with ctx:
-        loss = lm_loss(model, batch())
+        loss = lm_loss(model, batch(accel=accel))
         off = (x[:, 3:] * 2).t()[5:].sin().sum()  # an offset, transposed view saved for backward
-        seen.append(_live_segment_streams())
+        seen.append(_live_segment_streams(accel))
         loss = loss + off.float()
     loss.backward()
-    seen.append(_live_segment_streams())
-    settle(ctx)
+    seen.append(_live_segment_streams(accel))
+    accel.settle(ctx)
     assert len(seen) >= 2 + len(model.layers)
     for i, streams in enumerate(seen):
         bad = {s: b for s, b in streams.items() if s not in allowed | before}
@@ -424,23 +429,23 @@ def test_gpu_known_bug_trl_clone_on_side_stream_read_by_compute():
     assert ctx.ledger.summary()["offloaded_count"] > 0
 
 
-def test_gpu_known_bug_default_stream_cached_at_construction():
+def test_gpu_known_bug_default_stream_cached_at_construction(accel):
     """Rule 3 (axolotl's patch of TRL): forward and backward run on a torch.cuda.Stream created after
     the engine. Packs must order D2H after that stream (parked 100 ms, so a copy ordered after the
     default stream reads NaN) and unpacks must make that stream, not the default one, wait for H2D
     (its destination is NaN-poisoned right before each reload)."""
-    ctx = gpu_ctx(prefetch_bytes=0, max_fwd_stash_size=1, max_inflight_bytes=1)
-    s = torch.cuda.Stream()  # created after the engine
-    n = 8 << 20
-    x = torch.randn(n, device="cuda", requires_grad=True)
+    ctx = accel.ctx(prefetch_bytes=0, max_fwd_stash_size=1, max_inflight_bytes=1)
+    s = accel.Stream()  # created after the engine
+    n = accel.n(8 << 20)
+    x = torch.randn(n, device=accel.device, requires_grad=True)
 
     def poison_hook(g):
-        poison_free_blocks(n * 4, s)  # the next reload's destination block is NaN
+        accel.poison_free_blocks(n * 4, s)  # the next reload's destination block is NaN
         return g
 
     def forward(x, hooks):
-        poison_free_blocks(n * 4, s)
-        torch.cuda._sleep(SLEEP_CYCLES)  # parks s, the stream the forward runs on
+        accel.poison_free_blocks(n * 4, s)
+        accel.sleep(SLEEP_CYCLES)  # parks s, the stream the forward runs on
         h = x * 3.0  # queued behind the sleep, written into a NaN block
         a = h.sin()  # pack(h) while h is still unwritten
         if hooks:
@@ -448,30 +453,31 @@ def test_gpu_known_bug_default_stream_cached_at_construction():
         b = a.exp()
         return b.sum()
 
-    torch.cuda.synchronize()
-    with torch.cuda.stream(s):
+    accel.synchronize()
+    with accel.stream(s):
         forward(x, hooks=False).backward()
     s.synchronize()
     want = x.grad.clone()
+    accel.synchronize()  # the clone read x.grad's block (made on s) on the default stream
     x.grad = None
-    with torch.cuda.stream(s):
+    with accel.stream(s):
         with ctx:
             loss = forward(x, hooks=True)
         loss.backward()
     s.synchronize()
-    settle(ctx)
+    accel.settle(ctx)
     assert not torch.isnan(x.grad).any(), "a copy was ordered against the default stream, not the live one"
     assert torch.equal(x.grad, want)
 
 
-def test_gpu_exception_mid_forward_frees_host_and_device_memory():
+def test_gpu_exception_mid_forward_frees_host_and_device_memory(accel):
     """An exception mid-forward with streams on: host pool and device memory return to their baselines."""
-    model = toy(torch.bfloat16)
-    ctx = gpu_ctx()
-    step(model, batch(), ctx)  # warm: pool and allocator populated
+    model = toy(torch.bfloat16, accel=accel)
+    ctx = accel.ctx()
+    step(model, batch(accel=accel), ctx)  # warm: pool and allocator populated
     model.zero_grad(set_to_none=True)
-    settle(ctx)
-    base = torch.cuda.memory_allocated()
+    accel.settle(ctx)
+    base = accel.memory_allocated()
 
     def boom(module, args, out):
         raise RuntimeError("boom")
@@ -479,21 +485,22 @@ def test_gpu_exception_mid_forward_frees_host_and_device_memory():
     h = model.layers[-1].register_forward_hook(boom)
     try:
         with ctx:
-            lm_loss(model, batch())
+            lm_loss(model, batch(accel=accel))
     except RuntimeError as e:
         assert "boom" in str(e)
     else:
         pytest.fail("the forward hook did not raise")
     h.remove()
-    settle(ctx)
-    assert torch.cuda.memory_allocated() == base
-    step(model, batch(seed=1), ctx)
-    settle(ctx)
+    accel.settle(ctx)
+    assert accel.memory_allocated() == base
+    step(model, batch(seed=1, accel=accel), ctx)
+    accel.settle(ctx)
 
 
 # --------------------------------------------------------------------------- memory
 
 
+@pytest.mark.gpu
 def test_gpu_peak_memory_drops_by_about_the_offloaded_bytes():
     """On the toy model, peak allocated memory with offloading is lower than without by >= half the bytes
     offloaded in the step (prefetch and in-flight sources bound what is still on the device)."""
@@ -530,11 +537,11 @@ def test_gpu_peak_memory_drops_by_about_the_offloaded_bytes():
 # --------------------------------------------------------------------------- hardening on CUDA (issue 12)
 
 
-def test_gpu_inplace_write_racing_the_d2h_copy_raises():
+def test_gpu_inplace_write_racing_the_d2h_copy_raises(accel):
     """Rule 6: an in-place write queued right after the pack of a temporary races its D2H copy on the
     side stream; whichever wins, the engine raises autograd's in-place error at unpack (the tensor's
     Python object is gone by then, so only the version-counter tracker can see the write)."""
-    a = torch.randn(8 << 20, device="cuda", requires_grad=True)
+    a = torch.randn(accel.n(8 << 20), device=accel.device, requires_grad=True)
 
     def step():
         x = a.exp()  # exp saves its result
@@ -543,23 +550,25 @@ def test_gpu_inplace_write_racing_the_d2h_copy_raises():
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         step().backward()
-    ctx = gpu_ctx()
+    ctx = accel.ctx()
     with ctx:
         loss = step()
+    # The race is the test's own: masked_fill_ on compute vs the D2H read on the side stream.
+    accel.expect_hazard("unordered access", ("aten::masked_fill_", "aten::copy_"))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     del loss
-    settle(ctx)
+    accel.settle(ctx)
 
 
 from test_hardening import _ZeroInBackward  # noqa: E402  (the CPU test's Function, reused)
 
 
-def test_gpu_shared_reload_inplace_in_backward_raises():
+def test_gpu_shared_reload_inplace_in_backward_raises(accel):
     """Rule 6: two handles of one storage (q, k of one projection) are reloaded as views of one base;
     a backward that writes one in place makes the other's unpack raise, as plain autograd does."""
-    a = torch.randn(64, 2048, device="cuda", requires_grad=True)
-    w = torch.randn(1024, device="cuda", requires_grad=True)
+    a = torch.randn(64, 2048, device=accel.device, requires_grad=True)
+    w = torch.randn(1024, device=accel.device, requires_grad=True)
 
     def step():
         base = a * 1.5
@@ -568,31 +577,34 @@ def test_gpu_shared_reload_inplace_in_backward_raises():
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         step().backward()
-    ctx = gpu_ctx(use_streams=True)
+    ctx = accel.ctx(use_streams=True)
     with ctx:
         loss = step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+    del loss
+    accel.settle(ctx)
 
 
-def test_gpu_forward_only_steps_return_pinned_buffers_and_device_memory():
+def test_gpu_forward_only_steps_return_pinned_buffers_and_device_memory(accel):
     """Rule 10: forward-only steps with grad on (evaluation, reference log-probs) free host copies and
     device memory by reference counting alone, with the side stream and pinned pool in use."""
-    model = toy()
-    inputs = batch()
-    ctx = get_act_offloading_ctx_manager(model, True)
+    model = toy(accel=accel)
+    inputs = batch(accel=accel)
+    ctx = get_act_offloading_ctx_manager(model, True, device=accel.device)
+    assert ctx.backend == "stream"
     with ctx:
         lm_loss(model, inputs)  # warm-up: pool and allocator caches
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    accel.synchronize()
+    base = accel.memory_allocated()
     gc.disable()
     try:
         for _ in range(5):
             with ctx:
                 loss = lm_loss(model, inputs)
             del loss
-            torch.cuda.synchronize()
+            accel.synchronize()
             assert ctx.pool.in_use_bytes == 0, ctx.pool.stats()
-            assert torch.cuda.memory_allocated() == base
+            assert accel.memory_allocated() == base
     finally:
         gc.enable()

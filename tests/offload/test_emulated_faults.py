@@ -1,0 +1,72 @@
+"""Every ordering call of the engine's stream path is needed: switched off one at a time
+(offload.testing.inject_fault, NOTE [ Ordering faults ] in offload/streams.py), each makes the
+emulated run fail, while the intact engine runs the same workout clean and bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from emulated_testkit import ordering_workout
+from offload import streams
+from offload.testing import FAULT_NAMES, EmulatedAccelerator, inject_fault
+from offload_testkit import assert_same_grads
+
+pytestmark = pytest.mark.emulated
+
+# The side of each ordering call the checker reports when it is missing.
+EXPECTED_KIND = {
+    "d2h_waits_producer": "unordered access",  # the D2H reads a tensor its producer wrote, unordered
+    "h2d_waits_compute": "unordered access",  # the H2D writes a block compute allocated, unordered
+    "copy_event": "unordered access",  # compute reads a reload: the event it waited on was never recorded
+    "compute_waits_copy": "unordered access",  # compute reads a reload it never waited for
+    "release_waits_copy": "free before access",  # a source freed while its D2H is queued
+    "live_current_stream": "unordered access",  # copies ordered after a stale stream, not the user's
+    "compute_outside_side": "free before access",  # the "producer" is the side stream: the release is a no-op
+    "h2d_alloc_on_compute": "free before access",  # a reload's block belongs to the side stream
+    "record_stream": "free before access",  # a prefetched reload read on another stream, freed unrecorded
+}
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["check", "late"])
+def test_workout_is_clean_and_bitwise(late):
+    """The intact engine: zero hazards, the twin's gradients bit for bit, reloads on the stream path."""
+    with EmulatedAccelerator(late=late) as acc:
+        model, twin, ctx = ordering_workout(acc)
+    acc.assert_no_hazards()
+    assert_same_grads(model, twin)
+    s = ctx.ledger.summary()
+    assert ctx.backend == "stream" and s["h2d_bytes"] > 0 and s["steps"] == 2
+
+
+def test_every_fault_is_listed():
+    assert set(EXPECTED_KIND) == set(FAULT_NAMES)
+    assert not streams._FAULTS
+
+
+@pytest.mark.parametrize("fault", FAULT_NAMES)
+def test_each_ordering_call_is_needed(fault):
+    """Without this ordering call the checker reports a hazard of the expected kind."""
+    with inject_fault(fault), EmulatedAccelerator() as acc:
+        ordering_workout(acc, timing=fault != "copy_event")  # (an unrecorded event has no elapsed time)
+    assert not streams._FAULTS
+    kinds = {h.kind for h in acc.hazards}
+    assert EXPECTED_KIND[fault] in kinds, f"{fault}: hazards {sorted(kinds)}"
+
+
+@pytest.mark.parametrize("fault", ["copy_event", "compute_waits_copy"])
+def test_missing_reload_wait_changes_bytes_in_late_mode(fault):
+    """Without the checker: late data makes a missing wait on a reload read poison (a crash or wrong grads)."""
+    with inject_fault(fault), EmulatedAccelerator(late=True, check=False) as acc:
+        try:
+            model, twin, _ = ordering_workout(acc, timing=False)
+        except (RuntimeError, IndexError):
+            return  # poison reached an op that checks its input (e.g. a class index of -1)
+    with pytest.raises(AssertionError):
+        assert_same_grads(model, twin)
+
+
+def test_inject_fault_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown fault"):
+        with inject_fault("no_such_call"):
+            pass
