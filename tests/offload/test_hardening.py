@@ -483,17 +483,21 @@ def test_profiler_trace_shows_pack_and_copy_ranges():
         assert want in names, (want, sorted(n for n in names if n.startswith("offload")))
 
 
+@pytest.mark.emulated
 def test_inplace_write_while_copy_in_flight_is_detected_on_the_stream_path():
-    """Emulated streams: a write landing while the D2H copy is in flight is caught at unpack."""
-    from test_stream_emulated import _emulated_engine
+    """Emulated streams: a write landing while the D2H copy is in flight (late data: it really is) is
+    caught at unpack; the checker names the race (the write on compute vs the copy's read)."""
+    from offload.testing import EmulatedAccelerator
 
-    ctx, fake, seen = _emulated_engine()
-    a = torch.randn(64, requires_grad=True)
-    with ctx:
-        loss = _masked_fill_step(a)  # exp's result is written while its copy is "in flight"
-    assert seen["d2h"] and ctx.backend == "stream"
-    with pytest.raises(RuntimeError, match=INPLACE):
-        loss.backward()
+    with EmulatedAccelerator(late=True) as acc:
+        ctx = cpu_ctx()
+        a = torch.randn(64, requires_grad=True)
+        with ctx:
+            loss = _masked_fill_step(a)  # exp's result is written while its copy is in flight
+        assert ctx.backend == "stream" and ctx.ledger.summary()["offloaded_count"] > 0
+        with pytest.raises(RuntimeError, match=INPLACE):
+            loss.backward()
+    assert {(h.kind, h.ops) for h in acc.hazards} == {("unordered access", ("aten::masked_fill_", "aten::copy_"))}
 
 
 def test_pageable_overflow_is_accounted():
