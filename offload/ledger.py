@@ -42,10 +42,26 @@ from typing import Any, Callable
 
 from .policy import REASONS, dtype_name
 
-__all__ = ["PackRecord", "StepTotals", "Ledger"]
+__all__ = ["PackRecord", "StepTotals", "Ledger", "TIERS"]
 
 OFFLOADED = "offloaded"
 KEPT = "kept"
+TIERS = ("pool", "pageable", "disk")
+"""The host tiers, in the order a copy tries them (NOTE [ Host tiers ] in offload.tiers)."""
+
+
+def _tier_row() -> dict[str, float]:
+    """One tier's figures: ``bytes`` and ``count`` of the copies made into it, ``seconds`` spent
+    moving bytes into and out of it (copies; the disk tier's file writes and reads, on its
+    threads), ``wait_seconds`` the compute thread waited for them (exposed)."""
+    return {"bytes": 0, "count": 0, "seconds": 0.0, "wait_seconds": 0.0}
+
+
+def _tier(totals: "StepTotals", name: str) -> dict[str, float]:
+    row = totals.tiers.get(name)
+    if row is None:
+        row = totals.tiers[name] = _tier_row()
+    return row
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +100,9 @@ class PackRecord:
     """Device-to-host copy time in seconds, once known."""
     h2d_s: float | None = None
     """Last host-to-device copy time in seconds, once known."""
+    tier: str = ""
+    """Where the host copy lives: one of ``TIERS`` ("pool", "pageable", "disk"); "" if kept
+    (a ``duplicate_storage`` save names the tier of the copy it shares)."""
 
 
 @dataclass(eq=False)
@@ -107,6 +126,9 @@ class StepTotals:
     stall_seconds: float = 0.0
     peak_inflight_bytes: int = 0
     pool: dict[str, Any] = field(default_factory=dict)
+    tiers: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per host tier used in the step (``TIERS``): bytes, count, seconds, wait_seconds (see
+    ``_tier_row``); ``Ledger.summary()["tiers"]`` always names all three."""
     host_rss_bytes: int | None = None
     device_peak_allocated_bytes: int | None = None
 
@@ -122,6 +144,10 @@ class StepTotals:
             self.offloaded_count += 1
             self.offloaded_bytes += nbytes
             self.d2h_bytes += rec.copy_bytes
+            if rec.copy_bytes and rec.tier:
+                tier = _tier(self, rec.tier)
+                tier["bytes"] += rec.copy_bytes
+                tier["count"] += 1
         else:
             reason = rec.reason
             self.kept_count += 1
@@ -138,6 +164,10 @@ class StepTotals:
         for name in _ADDITIVE:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.peak_inflight_bytes = max(self.peak_inflight_bytes, other.peak_inflight_bytes)
+        for name, theirs in other.tiers.items():
+            mine = _tier(self, name)
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + v
         for src, dst in ((other.kept_by_reason, self.kept_by_reason),
                          (other.kept_count_by_reason, self.kept_count_by_reason)):
             for k, v in src.items():
@@ -228,6 +258,10 @@ class Ledger:
             self.sync_d2h_b: list[int] = []
             self.sync_h2d_s: list[float] = []
             self.sync_h2d_b: list[int] = []
+            self.tier_log: dict[str, list[int]] = {t: [] for t in TIERS}
+            """Tier -> bytes of each copy made into it in the open step (``log_tier``)."""
+            self.tier_time_log: dict[str, list[tuple[float, float]]] = {t: [] for t in TIERS}
+            """Tier -> (seconds, exposed wait seconds) of each move into or out of it (``add_tier_time``)."""
             self.records_log = self._records
             """The records ring, for the pack hook's appends (``records`` is the read side)."""
 
@@ -268,6 +302,8 @@ class Ledger:
         if rec.decision == OFFLOADED:
             self.offloaded_log.append(rec.nbytes)
             self.d2h_log.append(rec.copy_bytes)
+            if rec.copy_bytes and rec.tier:
+                self.log_tier(rec.tier, rec.copy_bytes)
         else:
             self.log_kept(rec.reason, rec.nbytes)
         if unique_bytes:
@@ -281,6 +317,16 @@ class Ledger:
         if log is None:
             log = self.kept_log.setdefault(reason, [])  # atomic: one list per reason
         log.append(nbytes)
+
+    def log_tier(self, tier: str, nbytes: int) -> None:
+        """Count one copy of ``nbytes`` into host tier ``tier`` in the open step (lock-free append)."""
+        self.tier_log[tier].append(nbytes)
+
+    def add_tier_time(self, tier: str, seconds: float, wait_seconds: float = 0.0) -> None:
+        """Time spent moving bytes into or out of ``tier`` (``wait_seconds`` of it exposed to
+        compute); any thread (the disk tier's writers and readers call it)."""
+        self.tier_time_log[tier].append((seconds, wait_seconds))
+        self._open_used = True
 
     def _sum_logs(self, into: StepTotals, consume: bool) -> None:
         """Add the open step's logs into ``into``; ``consume`` removes what was added (lock held)."""
@@ -313,6 +359,18 @@ class Ledger:
         into.packed_count += n
         into.packed_bytes += b
         into.d2h_bytes += take(self.d2h_log)[1]
+        for name, log in self.tier_log.items():
+            n, b = take(log)
+            if n:
+                tier = _tier(into, name)
+                tier["bytes"] += b
+                tier["count"] += n
+        for name, log in self.tier_time_log.items():
+            got = items(log)
+            if got:
+                tier = _tier(into, name)
+                tier["seconds"] += sum(g[0] for g in got)
+                tier["wait_seconds"] += sum(g[1] for g in got)
         into.unique_bytes += take(self.unique_log)[1]
         # Take each pair's seconds first: a copy racing this is then counted whole next step
         # (its bytes may land here, its seconds next time: totals over steps stay exact).
@@ -353,6 +411,8 @@ class Ledger:
         [ Ledger logs ]) unless copies of unknown duration are pending, whose
         issue order it then keeps.
         """
+        if rec is not None and rec.tier:
+            self.tier_time_log[rec.tier].append((seconds, seconds))  # a synchronous copy: all exposed
         if not self._pending:
             if kind == "d2h":
                 self.sync_d2h_s.append(seconds)
@@ -395,11 +455,15 @@ class Ledger:
             if nbytes > self._open.peak_inflight_bytes:
                 self._open.peak_inflight_bytes = nbytes
 
-    def _add_seconds(self, rec: PackRecord | None, kind: str, secs: float, owner: StepTotals) -> None:
+    def _add_seconds(self, rec: PackRecord | None, kind: str, secs: float, owner: StepTotals,
+                     tier: bool = True) -> None:
         attr = _SECONDS_ATTR.get(kind, "h2d_seconds")
         setattr(owner, attr, getattr(owner, attr) + secs)
         if owner is not self._open:
             setattr(self._closed, attr, getattr(self._closed, attr) + secs)
+        if tier and rec is not None and rec.tier and kind in ("d2h", "h2d"):
+            for o in (owner,) if owner is self._open else (owner, self._closed):
+                _tier(o, rec.tier)["seconds"] += secs
         if rec is not None:
             if kind == "d2h":
                 rec.d2h_s = secs
@@ -420,8 +484,8 @@ class Ledger:
                 if not (copy.query() and copy.start is None):
                     return  # still running: so are (or will be seen as) the ones after it
                 # finished, but timing was off: nothing to add
-            else:
-                self._add_seconds(rec, kind, secs, owner)
+            else:  # a synchronous copy's tier time was logged by add_sync_copy
+                self._add_seconds(rec, kind, secs, owner, tier=type(copy) is not _Known)
             pending.popleft()
 
     def close_step(self, *, pool: dict | None = None, host_rss_bytes: int | None = None,
@@ -469,6 +533,7 @@ class Ledger:
         t = self.totals(synchronize)
         out = asdict(t)
         del out["step"], out["host_rss_bytes"], out["device_peak_allocated_bytes"]
+        out["tiers"] = {name: {**_tier_row(), **t.tiers.get(name, {})} for name in TIERS}
         out["steps"] = self.steps_closed
         if pool is None and self._pool_stats is not None:
             pool = self._pool_stats()
