@@ -8,6 +8,12 @@ step's figures (``offload/offloaded_bytes``, ``offload/kept_bytes``,
 ``offload/exposed_copy_s``, ``offload/pool_*_bytes``), so whatever
 ``report_to`` is set (TensorBoard, W&B...) records them.
 
+With a memory budget, ``OffloadCallback(budget_bytes=...)`` (or ``budget="80%"`` of the device)
+plans instead: on the first training step it runs ``offload.plan`` with the Trainer's own
+``compute_loss`` on that batch, applies the plan (keep / offload / recompute per block), logs the
+decisions and the predicted vs measured peak, and plans again when a batch is larger (longer
+sequences) than the one planned for (see ``offload.integrations._plan``).
+
 Works with Trainer subclasses (TRL's ``SFTTrainer``...), PEFT models and
 ``gradient_checkpointing=True`` with either ``use_reentrant``: a reentrant
 checkpoint's recompute runs in backward, outside the engine.
@@ -29,6 +35,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         "offload.integrations.hf needs transformers, which is not installed: pip install offload[hf]"
     ) from e
 
+import torch
 from torch import nn
 
 from ..attach import AttachHandle
@@ -38,6 +45,7 @@ from ..engine import active_engine
 from .._warn import user_stacklevel
 from ..regions import find_backbone, find_output_head
 from . import _StepReporter, _callback_config
+from ._plan import StepPlanner
 
 __all__ = ["OffloadCallback"]
 
@@ -52,11 +60,21 @@ class OffloadCallback(TrainerCallback):
             them as keywords (``device="cpu"``, ``min_offload_size=...``).
         exclude_head: keep the output head's activations on the device (they
             are needed first in backward, so their reload cannot be hidden).
+        budget_bytes: plan under this peak device memory instead of offloading
+            everything (``offload.plan`` on the first training step; the plan's
+            own engine is used and ``config`` is not).
+        budget: the same as a share of the device's memory, ``"80%"`` or 0.8.
+        plan_kwargs: more ``offload.plan`` keywords (``blocks``, ``timed``...).
         **engine_kwargs: ``OffloadConfig`` fields.
     """
 
     def __init__(self, config: OffloadConfig | None = None, *, exclude_head: bool = True,
-                 **engine_kwargs: Any) -> None:
+                 budget_bytes: int | None = None, budget: str | float | None = None,
+                 plan_kwargs: dict[str, Any] | None = None, **engine_kwargs: Any) -> None:
+        self.planner = (StepPlanner("OffloadCallback", budget_bytes, budget, plan_kwargs)
+                        if budget_bytes is not None or budget is not None or plan_kwargs is not None else None)
+        """With a budget: plans on the first step (``planner.plan`` is the plan in use)."""
+        self._unwrap: Any = None
         self.config = _callback_config("OffloadCallback", config, engine_kwargs)
         """The engine's settings (validated when the callback is built)."""
         self.exclude_head = exclude_head
@@ -74,6 +92,9 @@ class OffloadCallback(TrainerCallback):
             raise ValueError("OffloadCallback: the Trainer passed no model to on_train_begin.")
         self._report_first()
         _warn_if_checkpoint_offload(model)
+        if self.planner is not None:
+            self._wrap_compute_loss(model)
+            return
         if self.engine is None:
             self.engine = OffloadActivations.from_config(self.config, model=model)
         self.detach()
@@ -81,6 +102,38 @@ class OffloadCallback(TrainerCallback):
         if self.exclude_head:
             self._head = _exclude_tail(self.engine, model, self._attached)
         log.info("offloading %s's activations with %r", type(model).__name__, self.engine)
+
+    def _wrap_compute_loss(self, model: nn.Module) -> None:
+        """Plan on the Trainer's first training ``compute_loss`` call, with that call as the step."""
+        trainer = _find_trainer()
+        if trainer is None:
+            raise RuntimeError("OffloadCallback(budget_bytes=...): could not find the Trainer calling "
+                               "on_train_begin; planning needs its compute_loss.")
+        self.detach()
+        orig = trainer.compute_loss
+        planner = self.planner
+        busy = []
+
+        def compute_loss(m: nn.Module, inputs: Any, *a: Any, **k: Any) -> Any:
+            if not busy and m.training and torch.is_grad_enabled():
+                busy.append(True)
+                try:
+                    planner.before_step(model, lambda: _loss_of(orig(m, inputs, *a, **k)), inputs)
+                finally:
+                    busy.clear()
+            return orig(m, inputs, *a, **k)
+
+        trainer.compute_loss = compute_loss
+
+        def unwrap() -> None:
+            if trainer.__dict__.get("compute_loss") is compute_loss:
+                del trainer.compute_loss
+
+        self._unwrap = unwrap
+
+    @property
+    def _engine_now(self) -> OffloadActivations | None:
+        return self.planner.engine if self.planner is not None else self.engine
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.detach()
@@ -90,7 +143,12 @@ class OffloadCallback(TrainerCallback):
                      len(self.engine.ledger.step_totals), s["offloaded_bytes"], s["kept_bytes"])
 
     def detach(self) -> None:
-        """Remove the engine's hooks from the model (done at train end; idempotent)."""
+        """Remove the engine's hooks (or the plan) from the model (done at train end; idempotent)."""
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
+        if self.planner is not None:
+            self.planner.remove()
         if self._attached is not None:
             self._attached.remove()
             self._attached = None
@@ -104,7 +162,9 @@ class OffloadCallback(TrainerCallback):
                **kwargs: Any) -> None:
         if logs is None:
             return
-        figures = self._reporter.new_figures(self.engine)
+        figures = self._reporter.new_figures(self._engine_now)
+        if self.planner is not None:
+            figures.update(self.planner.figures())
         if not figures:
             return
         # Trainer.log stored a copy in log_history before calling us: update it too.
@@ -137,6 +197,26 @@ class OffloadCallback(TrainerCallback):
             f = f.f_back
         log.info("OffloadCallback: could not move ahead of the reporting callbacks; callbacks "
                  "listed before it will not see the offload/ figures")
+
+
+def _loss_of(out: Any) -> Any:
+    """The loss of ``compute_loss`` (a tensor, or ``(loss, outputs)`` with ``return_outputs=True``)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _find_trainer() -> Any:
+    """The ``transformers.Trainer`` whose callback handler is calling us (a few frames up)."""
+    from transformers import Trainer
+
+    f = sys._getframe(1)
+    for _ in range(12):
+        if f is None:
+            return None
+        obj = f.f_locals.get("self")
+        if isinstance(obj, Trainer):
+            return obj
+        f = f.f_back
+    return None
 
 
 def _checkpoint_offloads(model: nn.Module) -> bool:

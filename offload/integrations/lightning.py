@@ -7,7 +7,11 @@ engine. The output head is excluded as ``get_act_offloading_ctx_manager``
 does. After each batch the newest ledger step's figures go to
 ``pl_module.log_dict`` (``offload/offloaded_bytes``, ``offload/kept_bytes``,
 ``offload/exposed_copy_s``, ``offload/pool_*_bytes``), so every Lightning
-logger records them. Exceptions (``KeyboardInterrupt`` included, which
+logger records them. With a memory budget, ``OffloadCallback(budget_bytes=...)`` (or
+``budget="80%"``) plans instead: on the first training batch it runs ``offload.plan`` with the
+LightningModule's own ``training_step`` on that batch (``self.log`` calls are dropped while planning),
+applies the plan, logs the decisions and the predicted vs measured peak, and plans again when a batch
+is larger than the one planned for (automatic optimization only). Exceptions (``KeyboardInterrupt`` included, which
 Lightning reports through ``on_exception``) leave the engine.
 """
 
@@ -29,6 +33,7 @@ from ..config import OffloadConfig
 from ..engine import OffloadActivations
 from ..regions import RegionHandle, exclude_output_head
 from . import _StepReporter, _callback_config
+from ._plan import StepPlanner
 
 __all__ = ["OffloadCallback"]
 
@@ -44,11 +49,20 @@ class OffloadCallback(pl.Callback):
         exclude_head: keep the output head's activations, and the loss computed on
             its output, on the device (``offload.regions.exclude_output_head`` on
             the LightningModule's ``.model``, else on the LightningModule).
+        budget_bytes: plan under this peak device memory instead of offloading
+            everything (``offload.plan`` on the first training batch; the plan's
+            own engine is used and ``config`` is not).
+        budget: the same as a share of the device's memory, ``"80%"`` or 0.8.
+        plan_kwargs: more ``offload.plan`` keywords (``blocks``, ``timed``...).
         **engine_kwargs: ``OffloadConfig`` fields.
     """
 
     def __init__(self, config: OffloadConfig | None = None, *, exclude_head: bool = True,
-                 **engine_kwargs: Any) -> None:
+                 budget_bytes: int | None = None, budget: str | float | None = None,
+                 plan_kwargs: dict[str, Any] | None = None, **engine_kwargs: Any) -> None:
+        self.planner = (StepPlanner("OffloadCallback", budget_bytes, budget, plan_kwargs)
+                        if budget_bytes is not None or budget is not None or plan_kwargs is not None else None)
+        """With a budget: plans on the first batch (``planner.plan`` is the plan in use)."""
         self.config = _callback_config("OffloadCallback", config, engine_kwargs)
         """The engine's settings (validated when the callback is built)."""
         self.exclude_head = exclude_head
@@ -61,6 +75,12 @@ class OffloadCallback(pl.Callback):
     # -- lifecycle ---------------------------------------------------------------
 
     def on_train_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        if self.planner is not None:
+            if not getattr(pl_module, "automatic_optimization", True):
+                raise ValueError("OffloadCallback(budget_bytes=...): planning runs training_step and backward "
+                                 "itself, which needs automatic optimization; with manual optimization call "
+                                 "offload.plan(model, step, budget_bytes=...) yourself.")
+            return
         if self.engine is None:
             self.engine = OffloadActivations.from_config(self.config, model=pl_module)
         if self.exclude_head and not self._head:
@@ -77,6 +97,9 @@ class OffloadCallback(pl.Callback):
 
     def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
         self._leave()
+        if self.planner is not None:
+            self.planner.before_step(pl_module, lambda: _planning_step(pl_module, batch, batch_idx), batch)
+            return
         if self.engine is not None:
             self.engine.__enter__()
             self._entered = True
@@ -87,7 +110,9 @@ class OffloadCallback(pl.Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: nn.Module, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._leave()  # a step that skipped backward
-        figures = self._reporter.new_figures(self.engine)
+        figures = self._reporter.new_figures(self.engine if self.planner is None else self.planner.engine)
+        if self.planner is not None:
+            figures.update(self.planner.figures())
         if figures:
             pl_module.log_dict({k: float(v) for k, v in figures.items()}, on_step=True, on_epoch=False,
                                batch_size=1)
@@ -99,6 +124,8 @@ class OffloadCallback(pl.Callback):
 
     def on_train_end(self, trainer: Any, pl_module: nn.Module) -> None:
         self._leave()
+        if self.planner is not None:
+            self.planner.remove()
         for handle in self._head:
             handle.remove()
         self._head = []
@@ -110,3 +137,20 @@ class OffloadCallback(pl.Callback):
                 self.engine.__exit__(None, None, None)
             else:
                 self.engine.__exit__(type(exception), exception, exception.__traceback__)
+
+
+def _planning_step(pl_module: Any, batch: Any, batch_idx: int) -> Any:
+    """``training_step`` on the batch, its loss, with ``self.log``/``log_dict`` muted (planning steps are
+    not training steps)."""
+    saved = {k: pl_module.__dict__.get(k) for k in ("log", "log_dict")}
+    pl_module.log = lambda *a, **k: None
+    pl_module.log_dict = lambda *a, **k: None
+    try:
+        out = pl_module.training_step(batch, batch_idx)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del pl_module.__dict__[k]
+            else:
+                pl_module.__dict__[k] = v
+    return out["loss"] if isinstance(out, dict) else out

@@ -1,0 +1,138 @@
+"""Plan on a trainer's first training step, apply, re-plan when the sequence grows (both callbacks).
+
+The callbacks hand :class:`StepPlanner` the trainer's own step (HF: ``Trainer.compute_loss`` on the
+batch; Lightning: ``training_step``) before it runs for real. On the first step it calls
+``offload.plan`` with that step, applies the plan, and logs the decisions and the predicted vs
+measured peak (``plan()`` measures the plan it returns). A later batch whose sequence length (the
+second dimension of its largest tensor) exceeds the planned one is planned again (the memory of a
+step grows with it); shorter or equal batches keep the plan. Batch size growth is treated the same.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from ..errors import OffloadError
+from ..planner import Plan, plan
+from ..planner.install import Installed
+
+__all__ = ["StepPlanner", "resolve_budget", "batch_shape"]
+
+log = logging.getLogger("offload.integrations")
+
+
+def resolve_budget(owner: str, budget_bytes: int | None, budget: str | float | None,
+                   device: torch.device) -> int:
+    """``budget_bytes`` as given, or ``budget`` ("80%" or 0.8) of the device's memory (host RAM on CPU)."""
+    if (budget_bytes is None) == (budget is None):
+        raise ValueError(f"{owner}: pass exactly one of budget_bytes=<int> or budget='<percent>%' "
+                         f"(got budget_bytes={budget_bytes!r}, budget={budget!r}).")
+    if budget_bytes is not None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise ValueError(f"{owner}: budget_bytes={budget_bytes!r} must be a positive int (bytes of device "
+                             "memory).")
+        return budget_bytes
+    frac = _fraction(owner, budget)
+    if device.type == "cpu":
+        total = psutil.virtual_memory().total
+    else:
+        total = torch.get_device_module(device.type).get_device_properties(device).total_memory
+    return max(1, int(frac * total))
+
+
+def _fraction(owner: str, budget: Any) -> float:
+    try:
+        if isinstance(budget, str) and budget.strip().endswith("%"):
+            frac = float(budget.strip()[:-1]) / 100
+        elif isinstance(budget, (int, float)) and not isinstance(budget, bool):
+            frac = float(budget)
+        else:
+            raise ValueError
+    except ValueError:
+        frac = float("nan")
+    if not 0 < frac <= 1:
+        raise ValueError(f"{owner}: budget={budget!r} must be a share of the device's memory: '80%' or 0.8 "
+                         "(0 < share <= 1).")
+    return frac
+
+
+def batch_shape(batch: Any) -> tuple[int, int]:
+    """(batch size, sequence length) of a batch: the first two dimensions of its largest tensor."""
+    best = None
+    for t in tree_leaves(batch if not hasattr(batch, "items") else dict(batch.items())):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and (best is None or t.numel() > best.numel()):
+            best = t
+    return (0, 0) if best is None else (int(best.shape[0]), int(best.shape[1]))
+
+
+class StepPlanner:
+    """Plans on the first training step and again when a batch is larger than the planned one."""
+
+    def __init__(self, owner: str, budget_bytes: int | None, budget: str | float | None,
+                 plan_kwargs: dict[str, Any] | None) -> None:
+        # Checked when the callback is built, not at the first step.
+        if budget is not None:
+            _fraction(owner, budget)
+        if budget_bytes is not None or budget is None:
+            resolve_budget(owner, budget_bytes, budget if budget_bytes is not None else None, torch.device("cpu"))
+        self.owner = owner
+        self.budget_bytes, self.budget = budget_bytes, budget
+        if plan_kwargs is not None and not isinstance(plan_kwargs, dict):
+            raise TypeError(f"{owner}: plan_kwargs={plan_kwargs!r} must be a dict of offload.plan keywords.")
+        self.plan_kwargs = dict(plan_kwargs or {})
+        self.plan: Plan | None = None
+        """The plan in use (``plan.report()``, ``plan.to_json()``)."""
+        self.handle: Installed | None = None
+        self.planned_shape: tuple[int, int] | None = None
+        self.plans = 0
+        """How many times a plan was made (1 + re-plans)."""
+
+    def before_step(self, model: nn.Module, step: Callable[[], torch.Tensor], batch: Any) -> None:
+        """Plan (first step, or a larger batch than planned) and apply, before the step runs."""
+        shape = batch_shape(batch)
+        if self.plan is not None and self.planned_shape is not None and (
+                shape[0] <= self.planned_shape[0] and shape[1] <= self.planned_shape[1]):
+            return
+        if self.plan is not None:
+            log.info("%s: batch %s is larger than the planned %s: planning again", self.owner, shape,
+                     self.planned_shape)
+        self.remove()
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        budget = resolve_budget(self.owner, self.budget_bytes, self.budget, device)
+        try:
+            p = plan(model, step, budget_bytes=budget, **self.plan_kwargs)
+        except OffloadError as e:
+            raise OffloadError(f"{self.owner}: {e}") from None
+        self.plan, self.planned_shape, self.plans = p, shape, self.plans + 1
+        self.handle = p.apply(model)
+        measured = ("not measured" if p.measured_peak_bytes is None else f"measured {p.measured_peak_bytes} B")
+        log.info("%s: plan for batch %s under budget_bytes=%d: %s; peak predicted %d B, %s; step predicted "
+                 "%.1f ms", self.owner, shape, budget, p.decisions, p.predicted_peak_bytes, measured,
+                 p.predicted_step_seconds * 1e3)
+
+    @property
+    def engine(self) -> Any:
+        return self.handle.engine if self.handle is not None else None
+
+    def figures(self) -> dict[str, Any]:
+        """The plan's figures for the trainer's logs."""
+        if self.plan is None:
+            return {}
+        out = {"offload/plan_budget_bytes": self.plan.budget_bytes,
+               "offload/plan_predicted_peak_bytes": self.plan.predicted_peak_bytes}
+        if self.plan.measured_peak_bytes is not None:
+            out["offload/plan_measured_peak_bytes"] = self.plan.measured_peak_bytes
+        return out
+
+    def remove(self) -> None:
+        """Take the plan off the model (idempotent)."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None

@@ -1,0 +1,3 @@
+"""The shared toy Llama for the integration tests of the planner callbacks."""
+
+from bench.model import ToyLlama, ToyLlamaConfig  # noqa: F401
