@@ -3,8 +3,8 @@
 A fixed ``stacklevel`` is right for one call path only: the same warning is
 raised from ``OffloadActivations(...)``, through ``from_config``, through
 ``get_act_offloading_ctx_manager`` or an integration callback. This walks out
-of this package (and of torch, for warnings raised from autograd callbacks)
-to the first frame that is the user's. Python 3.12's ``skip_file_prefixes``
+of this package (and of torch, for warnings raised from autograd callbacks,
+and of the trainers that call our callbacks) to the first frame that is the user's. Python 3.12's ``skip_file_prefixes``
 does the same, but the project supports 3.10.
 """
 
@@ -20,13 +20,23 @@ _SKIP = (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
 )
+_FRAMEWORKS = ("transformers", "trl", "accelerate", "peft", "lightning", "pytorch_lightning")
+"""Trainers that call our callbacks: a warning raised in a callback points past them, at the user's
+``trainer.train()`` / ``trainer.fit()`` line (only those already imported are looked up)."""
+
+
+def _skip_prefixes() -> tuple[str, ...]:
+    dirs = [os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+            for m in map(sys.modules.get, _FRAMEWORKS) if m is not None and getattr(m, "__file__", None)]
+    return _SKIP + tuple(dirs)
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` (for a ``warnings.warn`` called by our caller) of the first user frame."""
     frame = sys._getframe(1)  # the function that will call warnings.warn: level 1
     level = 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIP):
+    skip = _skip_prefixes()
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
         frame = frame.f_back
         level += 1
     return level

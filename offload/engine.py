@@ -97,6 +97,7 @@ from . import _torch_private, policy
 from ._spans import SpanSet, byte_span
 from ._warn import user_stacklevel
 from .compat._peer_attributes import PeerAttributes
+from ._foreign_hooks import warn_if_inside_foreign_hooks
 from .config import OffloadConfig, keywords_checked
 from .errors import OffloadError, _internal_assert
 from .ledger import KEPT, OFFLOADED, Ledger, PackRecord, record_from_log
@@ -713,6 +714,7 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
                 st.after_head = False
                 self._owner_memo = {}  # parameters may live on new storages (FSDP2 gathers)
                 self._close_finished_step()
+                warn_if_inside_foreign_hooks(self)
             model = self._model_ref() if self._model_ref is not None else None
             if model is not None:
                 register_model(model)  # ledger module names are fully qualified from it

@@ -114,6 +114,13 @@ assert len(ctx.ledger.step_totals) == 1
 """,
 }
 EPILOGUES["trl"] = EPILOGUES["hf"] + "assert not args.activation_offloading\n"
+PRELUDES["trl_flag"] = PRELUDES["trl"] + "args.activation_offloading = True\n"
+EPILOGUES["trl_flag"] = """
+from offload import OffloadActivations
+assert isinstance(trainer.maybe_activation_offload_context, OffloadActivations)
+assert patch.engines == [trainer.maybe_activation_offload_context]
+assert len(patch.engines[0].ledger.step_totals) == 2
+"""
 
 
 def _blocks(page: Path) -> list[tuple[int, str, str, str | None, str]]:
@@ -164,7 +171,8 @@ def test_python_block_runs(where, lang, code, prelude, prev_yaml, tmp_path):
     script = code
     if prelude is not None:
         assert prelude in PRELUDES, f"{where}: no prelude named {prelude!r} in tests/test_readme.py"
-        for module in {"hf": "transformers", "trl": "trl", "lightning": "lightning"}.get(prelude, "").split():
+        for module in {"hf": "transformers", "trl": "trl", "trl_flag": "trl", "lightning": "lightning"}.get(
+                prelude, "").split():
             pytest.importorskip(module)
         script = (f"PREVIOUS_YAML = {prev_yaml!r}\n" + PRELUDES[prelude] + "\n" + code + "\n"
                   + EPILOGUES.get(prelude, ""))

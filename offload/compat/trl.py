@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._warn import user_stacklevel
+from ..config import OffloadConfig, check_keywords
 from ..engine import OffloadActivations as _Engine
 from ..regions import NoOpManager
 from ..regions import get_act_offloading_ctx_manager as _get_ctx
@@ -27,6 +28,8 @@ __all__ = [
     "NoOpManager",
     "get_act_offloading_ctx_manager",
     "enable_selective_activation_checkpointing",
+    "patch_sft_trainer",
+    "SFTTrainerPatch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,65 @@ def get_act_offloading_ctx_manager(
         warn_if_no_head=warn_if_no_head,
         **kwargs,
     )
+
+
+class SFTTrainerPatch:
+    """The handle ``patch_sft_trainer`` returns: ``engines`` built so far, ``remove()`` (or a ``with`` block)."""
+
+    def __init__(self, module: Any, original: Any, settings: dict[str, Any]) -> None:
+        self._module, self._original = module, original
+        self.settings = settings
+        """The engine settings every engine built through the patch gets."""
+        self.engines: list[OffloadActivations] = []
+        """One engine per SFTTrainer built with ``activation_offloading=True`` (each holds a ``ledger``)."""
+
+    def _build(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        ctx = get_act_offloading_ctx_manager(model, *args, **{**self.settings, **kwargs})
+        self.engines.append(ctx)
+        return ctx
+
+    def remove(self) -> None:
+        """Give TRL its own engine back (idempotent)."""
+        if getattr(self._module, "get_act_offloading_ctx_manager", None) == self._build:
+            self._module.get_act_offloading_ctx_manager = self._original
+
+    def __enter__(self) -> "SFTTrainerPatch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def patch_sft_trainer(**engine_kwargs: Any) -> SFTTrainerPatch:
+    """Make ``SFTConfig(activation_offloading=True)`` build this engine instead of TRL's: the one-line swap.
+
+    ``SFTTrainer`` calls ``get_act_offloading_ctx_manager(model=...)`` from
+    ``trl.trainer.sft_trainer`` when the flag is on and enters the context around
+    each training step; this points that name at this module's helper (the head
+    and everything after the body kept on the device), with ``engine_kwargs``
+    (``OffloadConfig`` fields, checked now) added. Call it before the trainer is
+    built. The engines' ledgers are in the returned handle's ``engines`` (and
+    in ``trainer.maybe_activation_offload_context``).
+    """
+    import importlib
+
+    check_keywords("patch_sft_trainer", ("config", *OffloadConfig.field_names()), engine_kwargs)
+    if "config" not in engine_kwargs:
+        OffloadConfig(**engine_kwargs)  # bad values fail here, not at the trainer's construction
+    module = importlib.import_module("trl.trainer.sft_trainer")
+    original = getattr(module, "get_act_offloading_ctx_manager", None)
+    if original is None:
+        raise ImportError(
+            "patch_sft_trainer: this TRL version has no SFTConfig(activation_offloading=...) "
+            "(trl.trainer.sft_trainer.get_act_offloading_ctx_manager is missing); use "
+            "offload.integrations.hf.OffloadCallback instead."
+        )
+    if isinstance(getattr(original, "__self__", None), SFTTrainerPatch):
+        original.__self__.remove()  # patched twice: the new settings win, one patch stays
+        original = module.get_act_offloading_ctx_manager
+    patch = SFTTrainerPatch(module, original, dict(engine_kwargs))
+    module.get_act_offloading_ctx_manager = patch._build
+    return patch
 
 
 def _get_unique_tensor_key(tensor: torch.Tensor) -> tuple[int, torch.dtype]:

@@ -57,7 +57,8 @@ def _callback_config(owner: str, config: OffloadConfig | None, engine_kwargs: di
     if config is not None and not isinstance(config, OffloadConfig):
         raise TypeError(f"{owner}: config must be an OffloadConfig, got {type(config).__name__}.")
     if config is None:
-        check_keywords(owner, ("config", "exclude_head", *OffloadConfig.field_names()), engine_kwargs)
+        check_keywords(owner, ("config", "exclude_head", "budget_bytes", "budget", "plan_kwargs",
+                              *OffloadConfig.field_names()), engine_kwargs)
         config = OffloadConfig(**engine_kwargs)
     try:
         _resolve_device(config.device)

@@ -92,11 +92,14 @@ class OffloadCallback(TrainerCallback):
             raise ValueError("OffloadCallback: the Trainer passed no model to on_train_begin.")
         self._report_first()
         _warn_if_checkpoint_offload(model)
+        trl_flag = _warn_if_trl_offloading(args)
         if self.planner is not None:
             self._wrap_compute_loss(model)
             return
         if self.engine is None:
             self.engine = OffloadActivations.from_config(self.config, model=model)
+        if trl_flag:
+            self.engine._warned_foreign_hooks = True  # said once, here, with the TRL-specific fix
         self.detach()
         self._attached = self.engine.attach(model)
         if self.exclude_head:
@@ -232,6 +235,22 @@ def _checkpoint_offloads(model: nn.Module) -> bool:
             if code is not None and "save_on_cpu" in code.co_names:
                 return True
     return False
+
+
+def _warn_if_trl_offloading(args: Any) -> bool:
+    """Warn when TRL's own offloading (``SFTConfig(activation_offloading=True)``) is on too; True if so."""
+    if not getattr(args, "activation_offloading", False):
+        return False
+    warnings.warn(
+        "OffloadCallback: SFTConfig(activation_offloading=True) is on as well. SFTTrainer then enters its own "
+        "offloading context around every training step and this callback's engine runs inside it (only the "
+        "innermost saved-tensor hooks run), so two engines are configured and the outer one records nothing. "
+        "Use one: set activation_offloading=False and keep this callback, or keep TRL's flag, drop the "
+        "callback and call offload.compat.trl.patch_sft_trainer() before building the trainer (this engine "
+        "behind TRL's flag).",
+        stacklevel=user_stacklevel(),
+    )
+    return True
 
 
 def _warn_if_checkpoint_offload(model: nn.Module) -> None:

@@ -182,37 +182,65 @@ def test_trl_sft_trainer_grads_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("loss_type", ["nll", "chunked_nll"])
-def test_trl_sft_trainer_activation_offloading_with_ours_dropped_in(tmp_path, monkeypatch, recwarn, loss_type):
-    """SFTConfig(activation_offloading=True) with TRL's get_act_offloading_ctx_manager replaced by ours:
-    TRL enters it around forward *and* backward (training_step); grads bitwise against no offloading,
-    the engine offloaded (its ledger), and the head's work stayed on the device."""
+def test_trl_sft_trainer_activation_offloading_with_ours_behind_the_flag(tmp_path, recwarn, loss_type):
+    """SFTConfig(activation_offloading=True) after offload.compat.trl.patch_sft_trainer() (the documented
+    one-line swap): TRL enters our engine around forward *and* backward (training_step); grads bitwise
+    against no offloading, the engine offloaded (its ledger), the head's work stayed on the device, and
+    remove() gives TRL its own helper back."""
     trl = pytest.importorskip("trl")
     sft_module = __import__("trl.trainer.sft_trainer", fromlist=["get_act_offloading_ctx_manager"])
     if not hasattr(sft_module, "get_act_offloading_ctx_manager"):
         pytest.skip(f"trl {trl.__version__} has no activation_offloading")
     if loss_type not in trl.SFTConfig.__dataclass_fields__["loss_type"].metadata.get("choices", [loss_type]):
         pytest.skip(f"trl {trl.__version__} has no loss_type={loss_type!r}")
-    from offload.compat import trl as ours
+    from offload.compat.trl import patch_sft_trainer
 
-    engines = []
-
-    def get_ctx(**kw):
-        engines.append(ours.get_act_offloading_ctx_manager(device="cpu", min_offload_size=0, **kw))
-        return engines[-1]
-
-    monkeypatch.setattr(sft_module, "get_act_offloading_ctx_manager", get_ctx)
-    cap = _GradCapture()
-    _sft(tmp_path, "on", [cap], activation_offloading=True, loss_type=loss_type)
+    trl_own = sft_module.get_act_offloading_ctx_manager
+    with patch_sft_trainer(device="cpu", min_offload_size=0) as patch:
+        cap = _GradCapture()
+        trainer = _sft(tmp_path, "on", [cap], activation_offloading=True, loss_type=loss_type)
+    assert sft_module.get_act_offloading_ctx_manager is trl_own
     cap_ref = _GradCapture()
     _sft(tmp_path, "off", [cap_ref], loss_type=loss_type)
     _assert_same_grads(cap, cap_ref)
-    (engine,) = engines
+    (engine,) = patch.engines
+    assert trainer.maybe_activation_offload_context is engine
     s = engine.ledger.summary()
     assert s["offloaded_bytes"] > 0 and s["steps"] >= STEPS, s
     # TRL's fused head multiplies by lm_head.weight without running lm_head: what runs after the
     # body is kept (after_head), and the unused head exclusion is no reason to warn.
     assert s["kept_count_by_reason"].get("after_head", 0) > 0, s["kept_count_by_reason"]
     assert not [w for w in recwarn if "nothing was excluded" in str(w.message)]
+
+
+def test_patch_sft_trainer_checks_its_settings():
+    """Typos and bad values fail when patching, not when the trainer is built."""
+    pytest.importorskip("trl")
+    from offload.compat.trl import patch_sft_trainer
+
+    with pytest.raises(TypeError, match=r"patch_sft_trainer: .*'min_ofload_size' \(did you mean 'min_offload_size'"):
+        patch_sft_trainer(min_ofload_size=0)
+    with pytest.raises(ValueError, match="min_offload_size"):
+        patch_sft_trainer(min_offload_size=-1)
+
+
+def test_trl_flag_and_callback_together_warn_once_at_the_users_line(tmp_path):
+    """TRL's activation_offloading=True with OffloadCallback added: one warning, at train begin, naming both
+    ways to use one engine, attributed to this file (not transformers' callback handler)."""
+    trl = pytest.importorskip("trl")
+    from offload.compat.trl import patch_sft_trainer
+
+    if "activation_offloading" not in trl.SFTConfig.__dataclass_fields__:
+        pytest.skip(f"trl {trl.__version__} has no activation_offloading")
+    # TRL's own engine cannot be built on a CPU machine: behind the flag goes ours (the same hooks stacking).
+    with patch_sft_trainer(device="cpu"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _sft(tmp_path, "both", [OffloadCallback(device="cpu", min_offload_size=0)], activation_offloading=True)
+    hits = [w for w in caught if "activation_offloading" in str(w.message) and "OffloadCallback" in str(w.message)]
+    assert len(hits) == 1, [str(w.message)[:120] for w in caught]
+    msg = str(hits[0].message)
+    assert "activation_offloading=False" in msg and "patch_sft_trainer()" in msg
+    assert hits[0].filename == __file__, hits[0].filename
 
 
 def test_callback_takes_a_config_and_logs_to_the_offload_logger(tmp_path, caplog):
