@@ -287,8 +287,14 @@ def exclude_output_head(engine: "OffloadActivations", model: nn.Module) -> list[
     body = find_backbone(model)
     root = _unwrap(model)
     if body is not None:
-        handles.append(keep_after_module(engine, body))
-        region.optional = True  # not running is no sign of a stale compiled graph then
+        after_body = keep_after_module(engine, body)
+        handles.append(after_body)
+        # Two ways to keep the same tail: either one running is enough, and only neither running is
+        # a sign of a stale compiled graph. The head alone runs when the model calls a part of its
+        # body directly (OPTForCausalLM calls self.model.decoder, never self.model); the body alone
+        # when no head module runs (TRL's fused head).
+        region.optional = True
+        after_body.optional = lambda: region.fired > 0
     elif hasattr(root, "skip_output_layer"):
         # torchtune's LinearCrossEntropyLoss sets model.skip_output_layer and projects
         # through the head itself, in the loss, outside the context: no head runs by design.

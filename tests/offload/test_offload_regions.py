@@ -406,3 +406,79 @@ def test_unused_head_warning_only_when_the_head_should_have_run(case):
     assert_same_grads(model, twin)
     unused = [str(w.message) for w in got if "nothing was excluded" in str(w.message)]
     assert len(unused) == (0 if case == "skip_output_layer" else 1), unused
+
+
+class _Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(32, 16)
+        self.layer = nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.layer(self.tok(ids)))
+
+
+class _Body(nn.Module):
+    """An HF body (``OPTModel``) whose own forward the model skips: it calls ``body.decoder`` directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = _Decoder()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder(ids)
+
+
+class _OPTStyleLM(nn.Module):
+    """Shaped like OPTForCausalLM: ``base_model`` is ``.model``, and forward calls ``self.model.decoder``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Body()
+        self.lm_head = nn.Linear(16, 32, bias=False)
+        self.fused_head = False  # stands in for TRL's fused head: no head module runs
+        self.bypass_all = False  # stands in for a stale compiled graph: neither hook runs
+
+    @property
+    def base_model(self) -> nn.Module:
+        return self.model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.bypass_all:
+            h = torch.tanh(F.linear(self.model.decoder.tok(ids), self.model.decoder.layer.weight,
+                                    self.model.decoder.layer.bias))
+            return F.linear(h, self.lm_head.weight)
+        if self.fused_head:
+            return F.linear(self.model(ids), self.lm_head.weight)
+        return self.lm_head(self.model.decoder(ids))
+
+
+@pytest.mark.parametrize("case,warns", [("body_skipped", 0), ("fused_head", 0), ("bypass_all", 1)])
+def test_tail_kept_by_either_region_is_no_reason_to_warn(case, warns):
+    """The head region and the after-body region keep the same tail: either one running is enough (OPT
+    runs only the head, TRL's fused head only the body), and the tail is kept then; only neither running
+    (a stale compiled graph) warns "nothing was excluded"."""
+    torch.manual_seed(0)
+    model = _OPTStyleLM()
+    twin = twin_of(model)
+    for m in (model, twin):
+        m.fused_head, m.bypass_all = case == "fused_head", case == "bypass_all"
+    ctx = get_act_offloading_ctx_manager(model, True, device="cpu", min_offload_size=0)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def step(m, c):
+        with c:
+            out = m(ids)
+            loss = F.cross_entropy(out.flatten(0, 1), ids.flatten())
+        loss.backward()
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        step(model, ctx)
+    step(twin, contextlib.nullcontext())
+    assert_same_grads(model, twin)
+    unused = [str(w.message) for w in got if "nothing was excluded" in str(w.message)]
+    assert len(unused) == warns, unused
+    kept = ctx.ledger.summary()["kept_by_reason"]
+    if not warns:
+        assert kept.get("after_head", 0) + kept.get("excluded_region", 0) > 0, kept
