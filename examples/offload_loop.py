@@ -60,15 +60,11 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()  # outside the context: activations come back, prefetched
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t = ctx.ledger.step_totals[-1]  # the step closes at the end of each backward
-        print(f"step {step}: loss {loss.item():.4f} | offloaded {t.offloaded_bytes / MiB:6.1f} MiB "
-              f"in {t.offloaded_count} tensors | kept {t.kept_bytes / MiB:5.1f} MiB | "
-              f"exposed copy {t.stall_seconds * 1e3:.1f} ms")
+        # The step closes at the end of each backward; a StepTotals prints as one line.
+        print(f"{ctx.ledger.step_totals[-1]} | loss {loss.item():.4f}")
 
-    s = ctx.ledger.summary()
-    kept = ", ".join(f"{k} {v / MiB:.1f} MiB" for k, v in s["kept_by_reason"].items())
-    print(f"kept on device over {s['steps']} steps, by reason: {kept}")
-    pool = s["pool"]
+    print(ctx.ledger.report())  # by decision and kept reason, over every step
+    pool = ctx.ledger.summary()["pool"]
     print(f"host pool: {pool['reserved_bytes'] / MiB:.1f} MiB reserved, {pool['allocations']} allocations, "
           f"{pool['reuses']} reuses (a static-shape loop only allocates in its first step)")
 

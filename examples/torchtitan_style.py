@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
             line += f"  offloaded {t.offloaded_bytes / 2**20:.2f} MiB  kept {t.kept_bytes / 2**20:.2f} MiB"
         print(line)
     if mode == "full":
-        print("kept by reason (bytes):", ctx.ledger.summary()["kept_by_reason"])
+        print(ctx.ledger.report())
 
 
 if __name__ == "__main__":

@@ -38,8 +38,10 @@ import json
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
 from typing import Any, Callable
 
+from ._format import format_bytes, render_table
 from .policy import REASONS, dtype_name
 
 __all__ = ["PackRecord", "StepTotals", "Ledger", "TIERS"]
@@ -159,6 +161,10 @@ class StepTotals:
             unique_bytes = rec.storage_nbytes
         self.unique_bytes += unique_bytes
 
+    def __str__(self) -> str:
+        """One readable line: ``step 3: packed ... = offloaded ... + kept ... (by reason); copies; pool``."""
+        return f"step {self.step}: {one_line(asdict(self))}"
+
     def merge(self, other: "StepTotals") -> None:
         """Add ``other``'s counters into this one (the peak is a max, snapshots are not merged)."""
         for name in _ADDITIVE:
@@ -179,6 +185,44 @@ _ADDITIVE = tuple(
     and f.name != "peak_inflight_bytes"
 )
 """StepTotals counters that add up across steps."""
+
+def _count_bytes(nbytes: int, count: int) -> str:
+    return f"{format_bytes(nbytes)} ({count:,})"
+
+
+def one_line(t: Mapping[str, Any]) -> str:
+    """A step's or a summary's figures as one line (the keys of ``StepTotals`` / ``Ledger.summary()``)."""
+    reasons = sorted(t.get("kept_by_reason", {}).items(), key=lambda kv: -kv[1])
+    by_reason = ", ".join(f"{r} {format_bytes(b)}" for r, b in reasons if b)
+    parts = [f"packed {format_bytes(t['packed_bytes'])} ({t['packed_count']:,} tensors)"
+             f" = offloaded {_count_bytes(t['offloaded_bytes'], t['offloaded_count'])}"
+             f" + kept {format_bytes(t['kept_bytes'])} ({t['kept_count']:,}{': ' + by_reason if by_reason else ''})"]
+    if t.get("d2h_bytes") or t.get("h2d_bytes"):
+        parts.append(f"D2H {format_bytes(t['d2h_bytes'])} {t['d2h_seconds'] * 1e3:.1f} ms, "
+                     f"H2D {format_bytes(t['h2d_bytes'])} {t['h2d_seconds'] * 1e3:.1f} ms, "
+                     f"exposed {t['stall_seconds'] * 1e3:.1f} ms")
+    pool = t.get("pool") or {}
+    if "reserved_bytes" in pool:
+        parts.append(f"pool {format_bytes(pool['reserved_bytes'])} reserved")
+    tiers = t.get("tiers")
+    if isinstance(tiers, Mapping) and tiers:
+        parts.append("tiers " + ", ".join(f"{k} {_tier_bytes(v)}" for k, v in tiers.items()))
+    return "; ".join(parts)
+
+
+def _tier_bytes(v: Any) -> str:
+    """A tier's bytes: a number, or the ``bytes`` / ``*_bytes`` entry of a mapping."""
+    if isinstance(v, Mapping):
+        v = v.get("bytes", next((x for k, x in v.items() if k.endswith("bytes")), None))
+    return format_bytes(v) if isinstance(v, (int, float)) else str(v)
+
+
+class LedgerSummary(dict):
+    """``Ledger.summary()``: a plain dict (JSON-ready) that prints as one readable line."""
+
+    def __str__(self) -> str:
+        return f"{self.get('steps', 0)} steps: {one_line(self)}"
+
 
 class _Known:
     """A finished copy whose duration is known (what ``add_sync_copy`` queues behind pending ones)."""
@@ -538,6 +582,31 @@ class Ledger:
         if pool is None and self._pool_stats is not None:
             pool = self._pool_stats()
         out["pool"] = dict(pool or {})
+        return LedgerSummary(out)
+
+    def report(self, fmt: str = "simple") -> str:
+        """Small tables of the totals: bytes and counts by decision and kept reason (and by tier when the
+        summary has a ``tiers`` mapping); ``fmt="github"`` for markdown."""
+        s = self.summary()
+        packed = s["packed_bytes"] or 1
+
+        def row(name: str, nbytes: int, count: int) -> list[Any]:
+            return [name, format_bytes(nbytes), f"{count:,}", f"{100 * nbytes / packed:.1f}%"]
+
+        rows = [row("offloaded", s["offloaded_bytes"], s["offloaded_count"])]
+        counts = s["kept_count_by_reason"]
+        rows += [row(f"kept: {r}", b, counts.get(r, 0))
+                 for r, b in sorted(s["kept_by_reason"].items(), key=lambda kv: -kv[1])]
+        rows.append(row("packed (total)", s["packed_bytes"], s["packed_count"]))
+        out = render_table(rows, ["decision", "bytes", "tensors", "of packed"], fmt=fmt,
+                           title=f"offload ledger, {s['steps']} steps")
+        tiers = s.get("tiers")
+        if isinstance(tiers, Mapping) and tiers:
+            cols = sorted({k for v in tiers.values() if isinstance(v, Mapping) for k in v})
+            tier_rows = [[name] + ([format_bytes(v[c]) if c.endswith("bytes") and isinstance(v.get(c), (int, float))
+                                    else v.get(c) for c in cols] if isinstance(v, Mapping) else [_tier_bytes(v)])
+                         for name, v in tiers.items()]
+            out += "\n" + render_table(tier_rows, ["tier", *(cols or ["bytes"])], fmt=fmt, title="by host tier")
         return out
 
     def to_dict(self) -> dict[str, Any]:

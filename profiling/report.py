@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from offload._format import BYTE_UNITS, format_bytes, render_table
+
 from ._util import to_plain
 from .errors import ProfilingError
 
@@ -27,26 +29,6 @@ __all__ = [
     "write_yaml",
 ]
 
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-
-
-def format_bytes(n: int | float | None, unit: str = "auto") -> str:
-    """``1536 -> '1.50 KiB'``; ``unit`` is one of B, KiB, MiB, GiB or ``auto``."""
-    if n is None:
-        return "-"
-    if unit == "auto":
-        unit = "B"
-        for u in ("GiB", "MiB", "KiB"):
-            if abs(n) >= _UNITS[u]:
-                unit = u
-                break
-    if unit not in _UNITS:
-        raise ValueError(f"format_bytes: unit={unit!r} is not one of {sorted(_UNITS)} or 'auto'")
-    if unit == "B":
-        return f"{int(n)} B"
-    return f"{n / _UNITS[unit]:.2f} {unit}"
-
-
 def format_table(
     rows: Sequence[Mapping[str, Any]],
     columns: Sequence[str],
@@ -55,7 +37,7 @@ def format_table(
     byte_columns: Sequence[str] = (),
     unit: str = "auto",
 ) -> str:
-    """Fixed-width text table; ``byte_columns`` are rendered with ``format_bytes``."""
+    """Text table (``offload._format.render_table``); ``byte_columns`` are rendered with ``format_bytes``."""
     byte_cols = set(byte_columns)
 
     def cell(col: str, v: Any) -> str:
@@ -65,22 +47,7 @@ def format_table(
             return f"{v:.3f}"
         return "-" if v is None else str(v)
 
-    body = [[cell(c, r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(b[i]) for b in body]) for i, c in enumerate(columns)]
-    first_left = [True] + [False] * (len(columns) - 1)
-
-    def line(vals: Sequence[str]) -> str:
-        return "  ".join(
-            v.ljust(w) if left else v.rjust(w) for v, w, left in zip(vals, widths, first_left)
-        ).rstrip()
-
-    out = []
-    if title:
-        out.append(title)
-    out.append(line(columns))
-    out.append("  ".join("-" * w for w in widths))
-    out.extend(line(b) for b in body)
-    return "\n".join(out) + "\n"
+    return render_table([[cell(c, r.get(c)) for c in columns] for r in rows], columns, title=title)
 
 
 def _pyplot():
@@ -107,8 +74,8 @@ def plot_series(
     unit: str = "MiB",
 ) -> Path:
     """Write one PNG with a line per series (byte values shown in ``unit``)."""
-    if unit not in _UNITS:
-        raise ValueError(f"plot_series: unit={unit!r} is not one of {sorted(_UNITS)}")
+    if unit not in BYTE_UNITS:
+        raise ValueError(f"plot_series: unit={unit!r} is not one of {sorted(BYTE_UNITS)}")
     plt = _pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +83,7 @@ def plot_series(
     try:
         for name, ys in series.items():
             xs = list(x) if x is not None else list(range(len(ys)))
-            ax.plot(range(len(ys)), [v / _UNITS[unit] for v in ys], marker="o", label=name)
+            ax.plot(range(len(ys)), [v / BYTE_UNITS[unit] for v in ys], marker="o", label=name)
             if x is not None:
                 ax.set_xticks(range(len(xs)))
                 ax.set_xticklabels([str(v) for v in xs], rotation=30, ha="right", fontsize=7)
@@ -135,11 +102,11 @@ def plot_series(
 
 def _bar_unit(total_max: float, unit: str) -> str:
     if unit != "auto":
-        if unit not in _UNITS:
-            raise ValueError(f"plot: unit={unit!r} is not one of {sorted(_UNITS)} or 'auto'")
+        if unit not in BYTE_UNITS:
+            raise ValueError(f"plot: unit={unit!r} is not one of {sorted(BYTE_UNITS)} or 'auto'")
         return unit
     for u in ("GiB", "MiB", "KiB"):
-        if total_max >= _UNITS[u]:
+        if total_max >= BYTE_UNITS[u]:
             return u
     return "B"
 
@@ -178,7 +145,7 @@ def plot_step_memory(
         bottom = [0.0] * n
         device = [0.0] * n
         for i, name in enumerate(names):
-            vals = [float(layers[name][j] or 0) / _UNITS[u] for j in range(n)]
+            vals = [float(layers[name][j] or 0) / BYTE_UNITS[u] for j in range(n)]
             host = name in host_layers
             ax.bar(range(n), vals, bottom=bottom, label=name, color=_STACK_COLORS[i % len(_STACK_COLORS)],
                    edgecolor="white", linewidth=0.5, hatch="//" if host else None, alpha=0.55 if host else 1.0)
@@ -186,9 +153,9 @@ def plot_step_memory(
             if not host:
                 device = [d + v for d, v in zip(device, vals)]
         for j, t in enumerate(totals):
-            on_dev = device[j] * _UNITS[u]
+            on_dev = device[j] * BYTE_UNITS[u]
             label = format_bytes(t) if on_dev == t else f"device {format_bytes(on_dev)}\n(of {format_bytes(t)})"
-            ax.annotate(label, (j, t / _UNITS[u]), ha="center", va="bottom", fontsize=7)
+            ax.annotate(label, (j, t / BYTE_UNITS[u]), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(n))
         ax.set_xticklabels(xs, rotation=30 if n > 8 else 0, ha="right" if n > 8 else "center", fontsize=8)
         ax.set_xlabel(xlabel)
@@ -241,7 +208,7 @@ def plot_module_bytes(
         for i, (label, vals) in enumerate(segments):
             if not any(vals):
                 continue
-            v = [x / _UNITS[u] for x in vals]
+            v = [x / BYTE_UNITS[u] for x in vals]
             ax.barh(range(len(rows)), v, left=left, label=label, color=colors[i % len(colors)],
                     edgecolor="white", linewidth=0.5)
             left = [a + b for a, b in zip(left, v)]

@@ -36,14 +36,17 @@ FIGURE_KEYS = (
 
 
 def step_figures(t: StepTotals) -> dict[str, Any]:
-    """The logged figures of one closed ledger step (``exposed_copy_s`` = compute stalled on copies)."""
-    return {
+    """The logged figures of one closed ledger step (``exposed_copy_s`` = compute stalled on copies):
+    ``FIGURE_KEYS``, then ``offload/kept_bytes/<reason>`` for each reason that kept bytes in the step."""
+    figures = {
         "offload/offloaded_bytes": t.offloaded_bytes,
         "offload/kept_bytes": t.kept_bytes,
         "offload/exposed_copy_s": t.stall_seconds,
         "offload/pool_reserved_bytes": t.pool.get("reserved_bytes", 0),
         "offload/pool_in_use_bytes": t.pool.get("in_use_bytes", 0),
     }
+    figures.update({f"offload/kept_bytes/{r}": b for r, b in t.kept_by_reason.items() if b})
+    return figures
 
 
 def _callback_config(owner: str, config: OffloadConfig | None, engine_kwargs: dict[str, Any]) -> OffloadConfig:
