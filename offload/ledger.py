@@ -205,8 +205,9 @@ def one_line(t: Mapping[str, Any]) -> str:
     if "reserved_bytes" in pool:
         parts.append(f"pool {format_bytes(pool['reserved_bytes'])} reserved")
     tiers = t.get("tiers")
-    if isinstance(tiers, Mapping) and tiers:
-        parts.append("tiers " + ", ".join(f"{k} {_tier_bytes(v)}" for k, v in tiers.items()))
+    used = {k: v for k, v in tiers.items() if _tier_bytes(v) != format_bytes(0)} if isinstance(tiers, Mapping) else {}
+    if used:
+        parts.append("tiers " + ", ".join(f"{k} {_tier_bytes(v)}" for k, v in used.items()))
     return "; ".join(parts)
 
 
@@ -603,8 +604,14 @@ class Ledger:
         tiers = s.get("tiers")
         if isinstance(tiers, Mapping) and tiers:
             cols = sorted({k for v in tiers.values() if isinstance(v, Mapping) for k in v})
-            tier_rows = [[name] + ([format_bytes(v[c]) if c.endswith("bytes") and isinstance(v.get(c), (int, float))
-                                    else v.get(c) for c in cols] if isinstance(v, Mapping) else [_tier_bytes(v)])
+            def cell(c: str, x: Any) -> Any:
+                if isinstance(x, (int, float)) and c.endswith("bytes"):
+                    return format_bytes(x)
+                if isinstance(x, float):
+                    return f"{x * 1e3:.1f} ms" if c.endswith("seconds") else f"{x:.4g}"
+                return x
+
+            tier_rows = [[name] + ([cell(c, v.get(c)) for c in cols] if isinstance(v, Mapping) else [_tier_bytes(v)])
                          for name, v in tiers.items()]
             out += "\n" + render_table(tier_rows, ["tier", *(cols or ["bytes"])], fmt=fmt, title="by host tier")
         return out
