@@ -44,9 +44,47 @@ aten = torch.ops.aten
 
 def _stack() -> traceback.StackSummary:
     """The caller's Python stack, outermost first (as the sanitizer captures it)."""
-    s = traceback.StackSummary.extract(traceback.walk_stack(inspect.currentframe()), lookup_lines=False)
+    s = _FastStackSummary.extract(traceback.walk_stack(inspect.currentframe()))
     s.reverse()
     return s
+
+
+class _FastStackSummary(traceback.StackSummary):
+    """``StackSummary.extract`` without linecache (no ``os.stat`` per file per op): lines are read
+    when a report is formatted. A third of the checker's cost per op otherwise."""
+
+    @classmethod
+    def extract(klass, frame_gen, *, limit=None, lookup_lines=True, capture_locals=False):  # noqa: N804
+        out = klass()
+        append = out.append
+        summary = traceback.FrameSummary
+        for f, lineno in frame_gen:
+            append(summary(f.f_code.co_filename, lineno, f.f_code.co_name, lookup_line=False))
+        return out
+
+
+class _FastTraceback:
+    """What ``torch.cuda._sanitizer`` sees as its ``traceback`` module while a checker is active:
+    the same API, a cheaper ``StackSummary.extract`` (see ``_FastStackSummary``)."""
+
+    StackSummary = _FastStackSummary
+    walk_stack = staticmethod(traceback.walk_stack)
+
+
+_fast_users = [0]
+_fast_lock = threading.Lock()
+
+
+def _use_fast_stacks(on: bool) -> None:
+    """Swap the sanitizer module's ``traceback`` for ``_FastTraceback`` while any checker is entered."""
+    import torch.cuda._sanitizer as sanitizer
+
+    with _fast_lock:
+        _fast_users[0] += 1 if on else -1
+        if on and _fast_users[0] == 1:
+            sanitizer.traceback = _FastTraceback  # type: ignore[assignment]
+        elif not on and _fast_users[0] == 0:
+            sanitizer.traceback = traceback
 
 
 _MACHINERY = ("offload/testing/", "torch/utils/_python_dispatch", "torch/_compile.py", "torch/_dynamo/",

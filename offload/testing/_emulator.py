@@ -50,7 +50,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import streams as _streams
-from ._checker import Checker, Hazard, HazardError
+from ._checker import Checker, Hazard, HazardError, _use_fast_stacks
 
 __all__ = ["EmulatedAccelerator", "EmulatedStream", "EmulatedEvent"]
 
@@ -228,16 +228,23 @@ class EmulatedAccelerator:
         check: feed the happens-before checker (off: only the stream semantics).
         raise_on_hazard: raise ``HazardError`` at the op that causes a hazard
             (frees are reported in ``hazards`` only: they happen in destructors).
+        dispatch: see every aten op (a ``TorchDispatchMode``). False: streams
+            and events only, nothing checked or run late; for ``torch.compile``,
+            which runs eagerly under a dispatch mode (Dynamo does not trace there).
     """
 
     type = "cpu"
 
     def __init__(self, *, late: bool = False, seed: int | None = None, lag: int = 2, check: bool = True,
-                 raise_on_hazard: bool = False, flush_probability: float = 0.2) -> None:
+                 raise_on_hazard: bool = False, flush_probability: float = 0.2, dispatch: bool = True) -> None:
         if not isinstance(late, bool):
             raise TypeError(f"EmulatedAccelerator: late={late!r} must be True or False")
         if not isinstance(lag, int) or lag < 0:
             raise ValueError(f"EmulatedAccelerator: lag={lag!r} must be an int >= 0 (polls before an event is done)")
+        if not dispatch and (late or check):
+            raise ValueError("EmulatedAccelerator: dispatch=False sees no op, so it can neither check "
+                             "(check=False) nor run work late (late=False); pass both as False")
+        self.dispatch = dispatch
         self.late = late
         self.lag = lag
         self.seed = seed
@@ -325,9 +332,12 @@ class EmulatedAccelerator:
         modes = getattr(self._tls, "modes", None)
         if modes is None:
             modes = self._tls.modes = []
-        mode = _Mode(self)
-        mode.__enter__()
+        mode = _Mode(self) if self.dispatch else None
+        if mode is not None:
+            mode.__enter__()
         modes.append(mode)
+        if self.checker is not None:
+            _use_fast_stacks(True)
         with self._lock:
             self._entered += 1
             _streams._DEVICE_MODULES.append(("cpu", self))
@@ -337,7 +347,11 @@ class EmulatedAccelerator:
         try:
             self.synchronize()
         finally:
-            self._tls.modes.pop().__exit__(*exc)
+            mode = self._tls.modes.pop()
+            if mode is not None:
+                mode.__exit__(*exc)
+            if self.checker is not None:
+                _use_fast_stacks(False)
             with self._lock:
                 self._entered -= 1
                 _streams._DEVICE_MODULES.remove(("cpu", self))
