@@ -32,6 +32,9 @@ __all__ = ["main", "parse_args", "config_from_args"]
 
 _CPU_DEFAULTS = {"steps": 20, "warmup": 2, "order": "interleaved"}
 _GPU_DEFAULTS = {"steps": 6, "warmup": 2, "order": "sequential"}
+_EMULATED_DEFAULTS = {"steps": 2, "warmup": 1, "order": "sequential"}
+EMULATED_STRATEGIES = ("none", "offload", "offload_ac", "offload_head_excluded", "offload_sync")
+"""--emulate's default: the strategies that run our engine (and the reference they are compared with)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "choice on GPU; 0 = torch's own choice")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="list presets and strategies, then exit")
+    p.add_argument("--emulate", action="store_true",
+                   help="CPU only: run our engine's strategies on offload.testing's emulated accelerator (the "
+                        "side-stream path, late data, every op checked for stream ordering); the JSON's "
+                        "meta.emulator counts hazards (exit 1 if any). Times are not meaningful there.")
     p.add_argument("--plan", action="store_true", help="planner frontier vs fixed strategies (bench/plan.py)")
     p.add_argument("--max-seq", action="store_true", help="longest sequence per arm under one budget (bench/plan.py)")
     p.add_argument("--budgets", default="0.25,0.5,0.75", help="--plan: budgets as fractions of activation memory")
@@ -109,7 +116,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         changes["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
     wl = wl.replace(**changes)
     defaults = _GPU_DEFAULTS if on_gpu else _CPU_DEFAULTS
-    if args.strategies == "all":
+    if args.emulate and device != "cpu":
+        raise ValueError("--emulate runs on the CPU (an emulated accelerator made of CPU tensors); drop "
+                         "--device cuda, or drop --emulate to measure the GPU itself")
+    if args.strategies == "all" and args.emulate:
+        names = EMULATED_STRATEGIES
+    elif args.strategies == "all":
         names = DEFAULT_ORDER
     else:
         names = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
@@ -118,6 +130,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if unknown:
         raise ValueError(f"--skip names unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
     names = tuple(n for n in names if n not in skip)
+    if args.emulate:
+        defaults = _EMULATED_DEFAULTS
     return BenchConfig(
         workload=wl,
         strategies=names,
@@ -139,6 +153,33 @@ def _list() -> str:
     for name, spec in STRATEGIES.items():
         lines.append(f"  {name:<22} [{spec.group}] {spec.description}")
     return "\n".join(lines)
+
+
+def _run_emulated(cfg: BenchConfig, args: argparse.Namespace, meta: dict) -> BenchResult:
+    """The strategies on offload.testing's emulated accelerator (late data + checker); hazards in meta.emulator."""
+    from offload.testing import EmulatedAccelerator
+
+    with EmulatedAccelerator(late=True) as acc:
+        result = run_bench(cfg, meta, None)
+    e = result.meta["emulator"] = acc.summary()
+    e["note"] = ("offload.testing.EmulatedAccelerator(late=True): streams emulated on CPU tensors, every aten op "
+                 "checked for stream ordering; step times include the checker and mean nothing here")
+    print(format_tables(result))
+    print(f"emulator: {e['ops_checked']} ops checked, {e['late_ops_run']} side-stream ops run late, "
+          f"{e['hazards']} hazard(s)")
+    for text in e["hazard_reports"]:
+        print(text, file=sys.stderr)
+    if not args.no_write:
+        out_dir = args.out if args.out is not None else default_run_dir("bench", str(result.workload["run_id"]))
+        for path in write_all(result, out_dir, plot=not args.no_plot):
+            print(f"wrote {path}")
+    if e["hazards"]:
+        raise _Hazards(e["hazards"])
+    return result
+
+
+class _Hazards(Exception):
+    """--emulate found ordering hazards (the exit status says so)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return (main_plan if args.plan else main_max_seq)(cfg.workload, cfg.device, args, argv)
         _run(cfg, args, argv)
+    except _Hazards as e:
+        print(f"python -m bench --emulate: {e} stream-ordering hazard(s) (reports above)", file=sys.stderr)
+        return 1
     finally:
         torch.set_num_threads(before)  # main() is also called in-process (tests)
     return 0
@@ -172,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None) -> BenchResult:
     meta = run_metadata(cfg.device, argv if argv is not None else sys.argv[1:])
+    if args.emulate:
+        return _run_emulated(cfg, args, meta)
     if not args.no_probe and cfg.progress:
         print("[bench] measuring the copy ceiling (bench.probe)", file=sys.stderr)
     ceiling = None if args.no_probe else measure_ceiling(cfg.device, progress=cfg.progress)

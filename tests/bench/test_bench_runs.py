@@ -146,3 +146,25 @@ def test_version_and_type_markers():
     for pkg in ("offload", "profiling"):
         assert (ROOT / pkg / "py.typed").is_file()
         assert "py.typed" in data["tool"]["setuptools"]["package-data"][pkg]
+
+
+@pytest.mark.emulated
+def test_bench_emulate_reports_zero_hazards_in_its_json(tmp_path, capsys):
+    """python -m bench --emulate: our engine's strategies on the emulated accelerator (late data, every op
+    checked); the JSON says how many ops were checked and that no hazard was found."""
+    import json
+
+    from bench.cli import main
+
+    out = tmp_path / "run"
+    rc = main(["--emulate", "--steps", "1", "--warmup", "0", "--seq", "64", "--layers", "2", "--no-plot",
+               "--quiet", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    (path,) = out.glob("*.json")
+    data = json.loads(path.read_text())
+    e = data["meta"]["emulator"]
+    assert e["hazards"] == 0 and e["ops_checked"] > 1000 and e["late_ops_run"] > 0 and e["late"] is True
+    ran = {s["name"] for s in data["strategies"] if s["status"] == "ok"}
+    assert {"offload", "offload_ac", "offload_head_excluded"} <= ran
+    assert "0 hazard(s)" in capsys.readouterr().out
+
