@@ -181,6 +181,9 @@ def main() -> int:
     ap.add_argument("--modes", default="ddp,ddp_ac_unused,fsdp2,fsdp2_ac,fsdp2_mp,fsdp2_head")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--emulate", choices=("", "check", "late"), default="",
+                    help="run each mode on offload.testing's emulated accelerator (streams on CPU, every op "
+                         "checked; late: side-stream work run late); the result records the hazards")
     a = ap.parse_args()
     torch.use_deterministic_algorithms(True, warn_only=True)
     device = torch.device(a.device)
@@ -196,6 +199,12 @@ def main() -> int:
 
                 with sdpa_kernel(SDPBackend.MATH):  # deterministic backward for bitwise checks
                     result["modes"][mode] = run_mode(mode, a.rank, a.world_size, device, a.steps, a.out)
+            elif a.emulate:
+                from offload.testing import EmulatedAccelerator
+
+                with EmulatedAccelerator(late=a.emulate == "late") as acc:
+                    result["modes"][mode] = run_mode(mode, a.rank, a.world_size, device, a.steps, a.out)
+                result["modes"][mode]["emulator"] = acc.summary()
             else:
                 result["modes"][mode] = run_mode(mode, a.rank, a.world_size, device, a.steps, a.out)
     except Exception:  # reported to the test through the JSON, with the traceback
