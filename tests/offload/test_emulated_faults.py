@@ -28,10 +28,12 @@ EXPECTED_KIND = {
 }
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["check", "late"])
-def test_workout_is_clean_and_bitwise(late):
-    """The intact engine: zero hazards, the twin's gradients bit for bit, reloads on the stream path."""
-    with EmulatedAccelerator(late=late) as acc:
+@pytest.mark.parametrize("late,seed", [(False, None), (True, None), (True, 0), (True, 1)],
+                         ids=["check", "late", "late_seed0", "late_seed1"])
+def test_workout_is_clean_and_bitwise(late, seed):
+    """The intact engine: zero hazards, the twin's gradients bit for bit, reloads on the stream path
+    (late data run at the latest point, and at random points with a seed)."""
+    with EmulatedAccelerator(late=late, seed=seed) as acc:
         model, twin, ctx = ordering_workout(acc)
     acc.assert_no_hazards()
     assert_same_grads(model, twin)
