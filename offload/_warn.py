@@ -16,13 +16,20 @@ import warnings
 
 import torch
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
 _SKIP = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    _HERE + os.sep,
+    os.path.join(os.path.dirname(_HERE), "profiling") + os.sep,  # the sibling package, same distribution
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
 )
 _FRAMEWORKS = ("transformers", "trl", "accelerate", "peft", "lightning", "pytorch_lightning")
 """Trainers that call our callbacks: a warning raised in a callback points past them, at the user's
 ``trainer.train()`` / ``trainer.fit()`` line (only those already imported are looked up)."""
+
+
+_PACKAGES = frozenset({"offload", "profiling", "torch", *_FRAMEWORKS})
+"""Top-level modules skipped by name too: code they generate (a dataclass's ``__init__``, file
+``<string>``) runs with their module's globals."""
 
 
 def _skip_prefixes() -> tuple[str, ...]:
@@ -36,7 +43,8 @@ def user_stacklevel() -> int:
     frame = sys._getframe(1)  # the function that will call warnings.warn: level 1
     level = 1
     skip = _skip_prefixes()
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+    while frame is not None and (os.path.abspath(frame.f_code.co_filename).startswith(skip)
+                                 or frame.f_globals.get("__name__", "").partition(".")[0] in _PACKAGES):
         frame = frame.f_back
         level += 1
     return level

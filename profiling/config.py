@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from offload._warn import user_stacklevel
+
 from ._util import resolve_callable, to_plain
 
 __all__ = ["MemProfilerHooks", "MemProfilerFuncs", "MemProfilerSchedule", "MemProfilerCfg"]
@@ -248,7 +250,7 @@ class MemProfilerCfg:
                     f"(collect_funcs.cuda/cuda_allocator_history={asked}, "
                     f"cuda_allocator_history={self.cuda_allocator_history}); host memory and "
                     "saved-tensor bytes are still collected.",
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
             funcs = replace(funcs, cuda=frozenset(), cuda_allocator_history=frozenset())
             s(self, "cuda_allocator_history", False)
@@ -262,7 +264,7 @@ class MemProfilerCfg:
             warnings.warn(
                 "MemProfilerCfg: enabled, but no function is configured for collection "
                 "(collect_funcs is empty after merging 'default'); nothing will be recorded.",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         if self.retain_hooks_for_funcs is not None:
             unknown = sorted(self.retain_hooks_for_funcs - funcs.snapshot_funcs)
@@ -275,7 +277,7 @@ class MemProfilerCfg:
         if self.enable_memory_hooks:
             resolved = self.memory_hooks.resolve()
             if not any(resolved.values()):
-                warnings.warn("MemProfilerCfg.memory_hooks: every hook list is empty", stacklevel=3)
+                warnings.warn("MemProfilerCfg.memory_hooks: every hook list is empty", stacklevel=user_stacklevel())
         if self.saved_tensors_funcs is not None:
             for i, spec in enumerate(self.saved_tensors_funcs):
                 resolve_callable(spec, f"MemProfilerCfg.saved_tensors_funcs[{i}]")

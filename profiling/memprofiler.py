@@ -62,6 +62,7 @@ import psutil
 import torch
 from torch import nn
 
+from offload._warn import user_stacklevel
 from offload.modules import module_name, register_model
 
 from . import _engine
@@ -267,7 +268,7 @@ class MemProfiler:
                     "MemProfiler: MemProfilerCfg.saved_tensors_funcs are skipped for this call because an "
                     "offload engine is active; installing them would shadow the engine's hooks and turn "
                     "offloading off. Saved-tensor bytes are still counted through the engine.",
-                    stacklevel=5,
+                    stacklevel=user_stacklevel(),
                 )
             else:
                 pack, unpack = self._st_funcs
