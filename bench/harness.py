@@ -235,11 +235,37 @@ def _tag_pack_hook(hooks: Any) -> Any:
         hooks.pack_hook = original
 
 
+@contextlib.contextmanager
+def _without_kineto_usdt_lines() -> Any:
+    """Kineto's C++ logger writes ``USDT: ... profiler_start`` / ``profiler_stop`` straight to file
+    descriptor 2, through the progress bar, and no setting turns it off: stderr is captured for the
+    profiled step and written back without those lines."""
+    import tempfile
+
+    sys.stderr.flush()
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith("USDT:")]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def cpu_memory_profile(step: Callable[[], Any], hooks: Any = None) -> CpuMemory:
     """Profile ``step()``'s CPU allocations; with ``hooks``, also those made inside its pack hook."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _tag_pack_hook(hooks), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_kineto_usdt_lines(), _tag_pack_hook(hooks), \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     # kineto_results carries every [memory] event with its signed size; the public
     # EventList drops some of them, which breaks the running sum.
@@ -620,12 +646,19 @@ def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None) -> Be
         workload = workload.replace(n_layers=n)
 
     per_strategy = cfg.warmup + cfg.steps + (1 if device.type == "cpu" else 0)
-    progress = Progress(per_strategy * len(names), enabled=cfg.progress)
+    # Strategies that need CUDA are skipped before the bar starts: its total is right from the
+    # first tick, and their notes do not interrupt it.
+    not_here = {n: STRATEGIES[n].gpu_only for n in names if device.type != "cuda" and STRATEGIES[n].gpu_only}
+    for n, why in not_here.items():
+        note(f"{n}: skipped: {why}", enabled=cfg.progress)
+    progress = Progress(per_strategy * (len(names) - len(not_here)), enabled=cfg.progress)
     progress.phase("building the model")
     bench = _Bench(cfg, workload, progress)
     runners = [bench.new_runner(n) for n in names]
     for r in runners:
         r.planned = per_strategy
+        if r.spec.name in not_here:
+            r.result.status, r.result.reason, r.planned = "skipped", not_here[r.spec.name], 0
 
     def run_alone(r: _Runner) -> None:
         if r.prepared is None and r.result.status == "ok":
@@ -642,7 +675,8 @@ def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None) -> Be
             run_alone(r)
     else:
         for r in runners:
-            bench.prepare(r)
+            if r.result.status == "ok":
+                bench.prepare(r)
         together = [r for r in runners if r.active and not r.prepared.isolated]
         alone = [r for r in runners if r.active and r.prepared.isolated]
         for _ in range(cfg.warmup):

@@ -6,6 +6,8 @@ import json
 import statistics
 from pathlib import Path
 
+from offload._format import render_table
+
 from bench.hardware import peak_for
 from bench.results import BenchResult, StrategyResult, to_jsonable
 from bench.targets import SOURCE, evaluate_targets
@@ -70,9 +72,11 @@ def _rows_engine(result: BenchResult) -> tuple[list[str], list[list[str]]]:
             continue
         kept = ", ".join(f"{k} {v / _MiB:.1f}" for k, v in sorted(e.kept_by_reason.items(), key=lambda kv: -kv[1]))
         frac = []
-        if ceil and ceil.d2h_gb_s and e.d2h_gb_s:
+        if ceil and ceil.kind == "memcpy":
+            pass  # CPU: no meaningful ratio (_CPU_CEILING)
+        elif ceil and ceil.d2h_gb_s and e.d2h_gb_s:
             frac.append(f"{e.d2h_gb_s / ceil.d2h_gb_s:.0%}")
-        if ceil and ceil.h2d_gb_s and e.h2d_gb_s:
+        if ceil and ceil.kind != "memcpy" and ceil.h2d_gb_s and e.h2d_gb_s:
             frac.append(f"{e.h2d_gb_s / ceil.h2d_gb_s:.0%}")
         rows.append([
             s.name,
@@ -89,16 +93,35 @@ def _rows_engine(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def _text_table(head: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+_NOT_APPLICABLE = {
+    "peak alloc MiB": "no device memory counter: host and device are one memory",
+    "of ceiling": "the engine's copies are memcpys of cache-resident tensors, which the 64 MB memcpy ceiling "
+                  "does not bound",
+    "D2H GB/s": "nothing was copied", "H2D GB/s": "nothing was copied",
+}
+"""Why a column can be empty for every strategy (shown once, in one line, when it is left out)."""
+_CPU_CEILING = _NOT_APPLICABLE["of ceiling"]
 
 
-def _md_table(head: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    out += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows]
-    return "\n".join(out)
+def _applicable(head: list[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]], list[str]]:
+    """Leave out the columns that are empty ("—") for every row; returns them too."""
+    keep = [i for i, h in enumerate(head) if i == 0 or any(r[i] != "—" for r in rows)]
+    dropped = [h for i, h in enumerate(head) if i not in keep]
+    return [head[i] for i in keep], [[r[i] for i in keep] for r in rows], dropped
+
+
+def _not_shown(result: BenchResult, dropped: list[str]) -> str:
+    if not dropped:
+        return ""
+    why = "; ".join(f"{h} ({_NOT_APPLICABLE.get(h, 'empty for every strategy')})" for h in dropped)
+    return f"Not shown on {result.meta.get('device_name', 'this device')}: {why}."
+
+
+def _table(head: list[str], rows: list[list[str]], fmt: str) -> tuple[str, list[str]]:
+    head, rows, dropped = _applicable(head, rows)
+    if fmt == "github":
+        rows = [[c.replace("|", "/") for c in r] for r in rows]
+    return render_table(rows, head, fmt=fmt).rstrip("\n"), dropped
 
 
 def _head_study(result: BenchResult) -> list[str]:
@@ -153,10 +176,15 @@ def _header(result: BenchResult) -> list[str]:
 def format_tables(result: BenchResult) -> str:
     """The readable stdout report."""
     out = _header(result) + [""]
-    out.append(_text_table(*_rows_main(result)))
+    main, dropped = _table(*_rows_main(result), "simple")
+    out.append(main)
     eh, er = _rows_engine(result)
     if er:
-        out += ["", "Engine accounting (per step, measured steps):", _text_table(eh, er)]
+        engine, more = _table(eh, er, "simple")
+        out += ["", "Engine accounting (per step, measured steps):", engine]
+        dropped += more
+    if dropped:
+        out += ["", _not_shown(result, dropped)]
     hs = _head_study(result)
     if hs:
         out += [""] + hs
@@ -199,10 +227,15 @@ def write_markdown(result: BenchResult, path: Path, json_name: str, png_name: st
     lines += [f"Command: `{m.get('command')}`  ", f"Date: {m.get('date_utc')}, commit `{m.get('git_commit')}`, "
               f"torch {m.get('torch')}, Python {m.get('python')}  ", f"Data: [`{json_name}`]({json_name})", ""]
     lines += [line + "  " for line in _header(result)] + [""]
-    lines.append(_md_table(*_rows_main(result)))
+    main, dropped = _table(*_rows_main(result), "github")
+    lines.append(main)
     eh, er = _rows_engine(result)
     if er:
-        lines += ["", "Engine accounting (per step):", "", _md_table(eh, er)]
+        engine, more = _table(eh, er, "github")
+        lines += ["", "Engine accounting (per step):", "", engine]
+        dropped += more
+    if dropped:
+        lines += ["", _not_shown(result, dropped)]
     hs = _head_study(result)
     if hs:
         lines += [""] + [h.strip() + "  " for h in hs]
@@ -210,8 +243,9 @@ def write_markdown(result: BenchResult, path: Path, json_name: str, png_name: st
     if sk:
         lines += ["", "Not run:", ""] + [f"- {s.strip()}" for s in sk]
     lines += ["", f"## Performance targets (defined in `{SOURCE}`)", ""]
-    lines.append(_md_table(["target", "measured", "verdict", "note"],
-                           [[t.target, t.measured, t.verdict, t.note] for t in evaluate_targets(result)]))
+    lines.append(_table(["target", "measured", "verdict", "note"],
+                        [[t.target, t.measured, t.verdict, t.note or "—"] for t in evaluate_targets(result)],
+                        "github")[0])
     src = next((s.activation_source for s in result.strategies if s.ok), "")
     lines += ["", f"Activation memory: {src}.  ",
               "Host MiB: bytes of host copies (CPU: allocated inside each arm's pack hook in the profiled step).  ",
@@ -231,27 +265,26 @@ def write_png(result: BenchResult, path: Path) -> bool:
     except ImportError:
         return False
     pts = [s for s in result.strategies if s.ok and s.activation_bytes is not None and s.times.n]
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    labels: list[tuple[float, float, list[str]]] = []  # points that nearly coincide share one label
-    xs = [s.activation_bytes / _MiB for s in pts] or [0.0]
-    ys = [s.median_s * 1e3 for s in pts] or [0.0]
-    dx, dy = 0.02 * (max(xs) - min(xs) or 1.0), 0.02 * (max(ys) - min(ys) or 1.0)
-    for s in pts:
+    fig, ax = plt.subplots(figsize=(9, 5))
+    # One marker and colour per strategy, named in a legend beside the axes: labels never overlap,
+    # however close two strategies land (offload / offload_sync, ac / offload_ac).
+    markers = "osD^vP*Xhp<>"
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, s in enumerate(pts):
         x, y = s.activation_bytes / _MiB, s.median_s * 1e3
         lo, hi = s.times.p25_s * 1e3, s.times.p75_s * 1e3
-        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=3)
-        for lx, ly, names in labels:
-            if abs(lx - x) <= dx and abs(ly - y) <= dy:
-                names.append(s.name)
-                break
-        else:
-            labels.append((x, y, [s.name]))
-    for x, y, names in labels:
-        ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt=markers[i % len(markers)], capsize=3,
+                    color=colors[i % len(colors)], label=s.name, markersize=7, alpha=0.85)
     wl = result.workload
-    ax.set_xlabel("activation memory (MiB)")
-    ax.set_ylabel("step time, median (ms; bars: IQR)")
+    on_cpu = str(result.meta.get("device_name", "")).lower() == "cpu"
+    ax.set_xlabel("activation memory per step, MiB" + (" (CPU: host copies included)" if on_cpu else
+                                                        " (device memory; host copies not included)"))
+    ax.set_ylabel("step time, median ms (bars: IQR)")
     ax.set_title(f"{wl['run_id']} on {result.meta.get('device_name')}", fontsize=10)
+    ax.annotate("better", xy=(0.03, 0.05), xytext=(0.16, 0.2), xycoords="axes fraction",
+                textcoords="axes fraction", arrowprops={"arrowstyle": "->", "color": "0.4"}, color="0.4",
+                fontsize=9, ha="center")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False, title="strategy")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

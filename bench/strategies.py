@@ -85,17 +85,20 @@ class StrategySpec:
     """``baseline``, ``ours``, ``control`` or ``peer``."""
     reference: str = "none"
     """Strategy whose loss and grads this one must equal bitwise (compiled ones: ``compile``)."""
+    gpu_only: str = ""
+    """Why it cannot run without CUDA ("" if it can): the harness skips it before the run starts,
+    so the progress bar's total is right from its first tick."""
 
 
 STRATEGIES: dict[str, StrategySpec] = {}
 
 
 def _strategy(
-    name: str, group: str, description: str, reference: str = "none"
+    name: str, group: str, description: str, reference: str = "none", gpu_only: str = ""
 ) -> Callable[[Callable[[BenchEnv], Prepared]], Callable]:
     def register(fn: Callable[[BenchEnv], Prepared]) -> Callable[[BenchEnv], Prepared]:
         STRATEGIES[name] = StrategySpec(name=name, description=description, prepare=fn, group=group,
-                                        reference=reference)
+                                        reference=reference, gpu_only=gpu_only)
         return fn
 
     return register
@@ -236,9 +239,17 @@ def save_on_cpu(env: BenchEnv) -> Prepared:
     return Prepared(step=_plain_step(env, lambda: ctx, checkpoint_blocks=False), hooks=ctx)
 
 
+def _peer_gpu_only(what: str) -> str:
+    return f"{what} is a GPU-only peer (it asks for the CUDA default stream); n/a on CPU"
+
+
+_COMPILE_GPU_ONLY = ("compile strategies run on GPU only: compile-time offloading moves accelerator tensors to "
+                     "host, so on CPU there is nothing to move (and a cold compile costs ~20 s on 2 cores)")
+
+
 def _gpu_only(env: BenchEnv, what: str) -> None:
     if env.on_cpu:
-        raise Skip(f"{what} is a GPU-only peer (it asks for the CUDA default stream); n/a on CPU")
+        raise Skip(_peer_gpu_only(what))
 
 
 def _load_trl_offload() -> type:
@@ -260,7 +271,8 @@ def _load_trl_offload() -> type:
     return module.OffloadActivations
 
 
-@_strategy("trl", "peer", "Peer: TRL's OffloadActivations (torchtune's lineage, maintained), streams on.")
+@_strategy("trl", "peer", "Peer: TRL's OffloadActivations (torchtune's lineage, maintained), streams on.",
+           gpu_only=_peer_gpu_only("TRL OffloadActivations"))
 def trl(env: BenchEnv) -> Prepared:
     _gpu_only(env, "TRL OffloadActivations")
     cls = _load_trl_offload()
@@ -268,7 +280,8 @@ def trl(env: BenchEnv) -> Prepared:
     return Prepared(step=_plain_step(env, lambda: ctx, checkpoint_blocks=False))
 
 
-@_strategy("torchtune", "peer", "Peer: torchtune's OffloadActivations (unmaintained upstream), streams on.")
+@_strategy("torchtune", "peer", "Peer: torchtune's OffloadActivations (unmaintained upstream), streams on.",
+           gpu_only=_peer_gpu_only("torchtune OffloadActivations"))
 def torchtune(env: BenchEnv) -> Prepared:
     _gpu_only(env, "torchtune OffloadActivations")
     if importlib.util.find_spec("torchtune") is None:
@@ -306,10 +319,7 @@ def _compile_offload_patch() -> dict[str, Any]:
 
 def _compile_gpu_only(env: BenchEnv) -> None:
     if env.on_cpu:
-        raise Skip(
-            "compile strategies run on GPU only: compile-time offloading moves accelerator tensors to host, "
-            "so on CPU there is nothing to move (and a cold compile costs ~20 s on 2 cores)"
-        )
+        raise Skip(_COMPILE_GPU_ONLY)
 
 
 def _compiled(env: BenchEnv, patch: dict[str, Any] | None) -> Prepared:
@@ -332,7 +342,8 @@ def _compiled(env: BenchEnv, patch: dict[str, Any] | None) -> Prepared:
     return Prepared(step=step, isolated=True, close=torch._dynamo.reset)
 
 
-@_strategy("compile", "peer", "Reference for compile_offload: torch.compile(model), nothing offloaded.")
+@_strategy("compile", "peer", "Reference for compile_offload: torch.compile(model), nothing offloaded.",
+           gpu_only=_COMPILE_GPU_ONLY)
 def compile_(env: BenchEnv) -> Prepared:
     return _compiled(env, None)
 
@@ -342,6 +353,7 @@ def compile_(env: BenchEnv) -> Prepared:
     "peer",
     "Peer: PyTorch compile-time activation offloading (torch._functorch.config.enable_activation_offloading).",
     reference="compile",  # compiled kernels round differently from eager; offloading must not
+    gpu_only=_COMPILE_GPU_ONLY,
 )
 def compile_offload(env: BenchEnv) -> Prepared:
     _compile_gpu_only(env)
