@@ -104,6 +104,7 @@ from torch import nn
 from bench.env import default_run_dir
 from offload import OffloadActivations, OffloadError
 from offload import modules as _modules
+from offload._format import render_table
 from offload.modules import track_modules
 
 
@@ -788,16 +789,17 @@ def _table(result: dict[str, Any]) -> str:
     cpu = result["cpu_time"]["variants"]
     ins = result.get("instructions", {}).get("variants", {})
     nan = float("nan")
-    lines = [f"{'variant':16} {'pack ns':>10} {'(net) ns':>10} {'unpack ns':>10} {'pack Ir':>10} {'(net) Ir':>10} "
-             f"{'unpack Ir':>10}"]
+    rows = []
     for name, row in cpu.items():
         if name == "none" or name in _PER_MODULE_CALL:
             continue
         i = ins.get(name, {})
         net = row.get("per_pack_net_of_module_hooks_ns", {}).get("median", nan)
-        lines.append(f"{name:16} {row['per_pack_ns']['median']:10.0f} {net:10.0f} {row['per_unpack_ns']['median']:10.0f} "
-                     f"{i.get('per_pack_ir', nan):10} {i.get('per_pack_net_of_module_hooks_ir', nan):10} "
-                     f"{i.get('per_unpack_ir', nan):10}")
+        rows.append([name, f"{row['per_pack_ns']['median']:.0f}", f"{net:.0f}", f"{row['per_unpack_ns']['median']:.0f}",
+                     i.get("per_pack_ir", nan), i.get("per_pack_net_of_module_hooks_ir", nan),
+                     i.get("per_unpack_ir", nan)])
+    lines = [render_table(rows, ["variant", "pack ns", "(net) ns", "unpack ns", "pack Ir", "(net) Ir",
+                                 "unpack Ir"]).rstrip("\n")]
     lines.append("(net) = minus the engine's module-tracking hooks, which cost per module call, not per pack")
     for name in _PER_MODULE_CALL:
         if name in cpu:

@@ -61,6 +61,7 @@ import torch
 from bench.env import default_run_dir
 
 from offload.pool import HostBuffer, HostPool
+from offload._format import render_table
 
 ROOT = Path(__file__).resolve().parent
 TRACE_DIR = ROOT / "traces"
@@ -422,14 +423,11 @@ def replay(trace: Trace, design: str, *, warmup_steps: int | None = None) -> dic
 def _table(rows: list[dict]) -> str:
     head = ("trace", "design", "steps", "takes", "allocs", "after warm-up", "cudaHostAlloc after",
             "reuse", "peak in use MiB", "footprint / peak", "after warm-up", "reserved / peak", "µs/call")
-    lines = [" | ".join(head), " | ".join("---" for _ in head)]
-    for r in rows:
-        lines.append(" | ".join(str(x) for x in (
-            r["trace"], r["design"], r["steps"], r["takes"], r["allocations"], r["allocations_after_warmup"],
-            r["host_allocs_after_warmup"], f"{r['reuse_rate']:.1%}", f"{r['peak_in_use_bytes'] / 2**20:.1f}",
-            f"{r['footprint_ratio']:.2f}x", f"{r['steady_footprint_ratio']:.2f}x",
-            f"{r['pool_reserved_ratio']:.2f}x", r["us_per_call"])))
-    return "\n".join(lines)
+    body = [[r["trace"], r["design"], r["steps"], r["takes"], r["allocations"], r["allocations_after_warmup"],
+             r["host_allocs_after_warmup"], f"{r['reuse_rate']:.1%}", f"{r['peak_in_use_bytes'] / 2**20:.1f}",
+             f"{r['footprint_ratio']:.2f}x", f"{r['steady_footprint_ratio']:.2f}x",
+             f"{r['pool_reserved_ratio']:.2f}x", r["us_per_call"]] for r in rows]
+    return render_table([[str(x) for x in b] for b in body], head, fmt="github").rstrip("\n")
 
 
 def main(argv: list[str] | None = None) -> int:

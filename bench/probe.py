@@ -28,6 +28,7 @@ import torch
 from bench.env import default_run_dir, device_slug, run_metadata
 from bench.progress import bar
 from bench.results import Ceiling, to_jsonable
+from offload._format import render_table
 
 __all__ = ["ProbePoint", "ProbeResult", "run_probe", "measure_ceiling", "main"]
 
@@ -78,14 +79,13 @@ class ProbeResult:
         return self.best("h2d", "pinned")
 
     def table(self) -> str:
-        rows = [f"{'direction':<8} {'memory':<9} {'contention':<11} " + " ".join(
-            f"{_size_label(s):>8}" for s in sorted({p.size_bytes for p in self.points}))]
         sizes = sorted({p.size_bytes for p in self.points})
         keys = sorted({(p.direction, p.memory, p.under_matmul) for p in self.points})
+        body = []
         for d, m, u in keys:
             by = {p.size_bytes: p.gb_s for p in self.points if (p.direction, p.memory, p.under_matmul) == (d, m, u)}
-            cells = " ".join(f"{by[s]:8.2f}" if s in by else f"{'-':>8}" for s in sizes)
-            rows.append(f"{d:<8} {m:<9} {'matmul' if u else 'alone':<11} {cells}")
+            body.append([d, m, "matmul" if u else "alone", *(f"{by[s]:.2f}" if s in by else "-" for s in sizes)])
+        rows = [render_table(body, ["direction", "memory", "contention", *map(_size_label, sizes)]).rstrip("\n")]
         rows.append("(GB/s, 1 GB = 1e9 bytes)")
         if self.matmul_tflops_alone is not None:
             rows.append(

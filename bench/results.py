@@ -12,6 +12,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+from scipy.stats import binom
+
 __all__ = [
     "median_ci",
     "StepTimes",
@@ -25,13 +28,8 @@ __all__ = [
 
 
 def _quantile(sorted_xs: list[float], q: float) -> float:
-    """Linear-interpolated quantile of an already sorted list (numpy's default method)."""
-    if not sorted_xs:
-        return math.nan
-    pos = (len(sorted_xs) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+    """Linear-interpolated quantile (numpy's default method); NaN for no data."""
+    return float(np.quantile(sorted_xs, q)) if len(sorted_xs) else math.nan
 
 
 def median_ci(xs: list[float], conf: float = 0.95) -> tuple[float, float] | None:
@@ -45,14 +43,8 @@ def median_ci(xs: list[float], conf: float = 0.95) -> tuple[float, float] | None
     n = len(xs)
     if n == 0:
         return None
-    alpha = 1.0 - conf
-    # Largest k with P(Binomial(n, 1/2) <= k - 1) <= alpha / 2.
-    k, cdf = 0, 0.0
-    while True:
-        nxt = cdf + math.comb(n, k) / 2.0**n
-        if nxt > alpha / 2:
-            break
-        cdf, k = nxt, k + 1
+    # k = the largest k with P(Binomial(n, 1/2) <= k - 1) <= alpha / 2: how many of the cdf's values are.
+    k = int(np.count_nonzero(binom.cdf(np.arange(n + 1), n, 0.5) <= (1.0 - conf) / 2))
     if k == 0:
         return None
     ys = sorted(xs)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -95,21 +95,19 @@ def resolve_callable(spec: str | Callable, where: str) -> Callable:
     spec = FTS_ALIASES.get(spec, spec)
     if spec in IDENTITY_NAMES:
         return _identity
-    mod_name, _, attr = spec.rpartition(".")
-    if not mod_name:
+    if "." not in spec and ":" not in spec:
         raise ValueError(
             f"{where}: {spec!r} is not a function path; write it as 'package.module.function' "
             f"(or use one of {IDENTITY_NAMES})"
         )
     try:
-        module = importlib.import_module(mod_name)
+        fn = pkgutil.resolve_name(spec)  # 'pkg.mod.func', 'pkg.mod:Class.method'
     except ImportError as e:
-        raise ValueError(f"{where}: cannot import module {mod_name!r} for {spec!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise ValueError(
-            f"{where}: module {mod_name!r} has no callable named {attr!r} (from {spec!r})"
-        )
+        raise ValueError(f"{where}: cannot import the module of {spec!r}: {e}") from e
+    except (AttributeError, ValueError) as e:
+        raise ValueError(f"{where}: {spec!r} names no callable: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"{where}: {spec!r} is a {type(fn).__name__}, not a callable")
     return fn
 
 
