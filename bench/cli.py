@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true", help="planner frontier vs fixed strategies (bench/plan.py)")
     p.add_argument("--max-seq", action="store_true", help="longest sequence per arm under one budget (bench/plan.py)")
     p.add_argument("--budgets", default="0.25,0.5,0.75", help="--plan: budgets as fractions of activation memory")
+    p.add_argument("--model", default="toy", choices=("toy", "encoder", "hf_llama", "hf_gpt2"),
+                   help="--plan: the model planned (bench/plan_models.py; shaped by --dim/--layers/--seq/...)")
     p.add_argument("--budget-mib", type=float, default=None, help="--max-seq: budget (default: no-plan peak at --seq)")
     return p.parse_args(argv)
 

@@ -1,15 +1,21 @@
 """``python -m bench --plan`` and ``--max-seq``: the planner against fixed strategies.
 
-``--plan``: profile the workload once, plan it at several budgets (fractions
-of the no-plan activation memory, i.e. ``base + f * (unplanned peak - base)``
-where ``base`` is parameters + gradients + buffers + inputs), measure each
+``--plan [--model toy|encoder|hf_llama|hf_gpt2]`` (``bench/plan_models.py``): profile
+the workload once, plan it at several budgets (fractions of the no-plan
+activation memory, i.e. ``base + f * (unplanned peak - base)`` where ``base``
+is parameters + gradients + buffers + inputs), as ``offload.plan`` does (solve,
+measure the plan, solve again with a margin if it peaked over), measure each
 planned step, and measure the fixed strategies ``none``, ``ac``, ``sac``,
-``offload``, ``offload_ac`` (``bench/strategies.py``) the same way: peak device
-memory of one tracked step (``offload.planner.meter``: MemTracker with host
-buffers left out on CPU, ``max_memory_allocated`` on a GPU) and the fastest of
-``--steps`` untracked steps (the fastest is kept: a shared machine disturbs
-steps, and the planner's profile uses the same statistic). Every arm runs the
-same loss (the planner's step), so peaks compare like for like. On a GPU, torch.compile's
+``offload``, ``offload_ac`` (``bench/strategies.py``, applied to any model:
+checkpointing wraps each candidate block, the engine is entered around the
+forward) the same way: peak device memory of one tracked step
+(``offload.planner.meter``: MemTracker with host buffers left out on CPU,
+``max_memory_allocated`` on a GPU) and the median of ``--steps`` (default 7)
+untracked steps, the planner's profile using the same statistic. Each planned
+point is compared with the fastest fixed arm whose measured peak fits its
+budget: ``ok`` when faster or within the noise band (the two medians' 95%
+intervals, ``bench.results.median_ci``, overlap), else ``slower``. Every arm
+runs the same loss (the model's step), so peaks compare like for like. On a GPU, torch.compile's
 ``activation_memory_budget`` at 0.25/0.5/0.75 is added (not run on CPU).
 torch's module-wise auto-AC ILP runs at the same budgets as the arm
 ``torch_ilp`` (``bench/ilp_arm.py``; JSON ``"ilp"``), measured by the same
@@ -42,9 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.env import default_run_dir, run_metadata
-from bench.harness import build_model
-from bench.model import make_batch
-from bench.strategies import BenchEnv, Skip
+from bench.plan_models import PlanTarget, build_target
+from bench.strategies import Skip
 from bench.workloads import Workload
 
 __all__ = ["FIXED_ARMS", "run_frontier", "run_max_seq", "main_plan", "main_max_seq"]
@@ -60,8 +65,10 @@ class ArmPoint:
     name: str
     peak_bytes: int | None = None
     step_s: float | None = None
+    """Median of the timed steps."""
     status: str = "ok"
     reason: str = ""
+    step_s_all: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -77,6 +84,12 @@ class PlannedPoint:
     status: str = "ok"
     reason: str = ""
     report: str = ""
+    measured_step_s_all: list[float] = field(default_factory=list)
+    fastest_fixed: str = ""
+    """The fixed arm with the least median step time whose measured peak fits this budget."""
+    vs_fastest_fixed: str = ""
+    """``ok`` (faster, or within the noise band: the two medians' 95% intervals overlap), ``slower``, or
+    ``no fixed arm fits``."""
 
     @property
     def peak_error(self) -> float | None:
@@ -97,89 +110,99 @@ def _zero(model: torch.nn.Module) -> None:
             p.grad.zero_()
 
 
-def _env(workload: Workload, device: torch.device, seed: int, max_seq: int | None = None) -> BenchEnv:
-    wl = workload if max_seq is None else workload.replace(seq_len=max_seq)
-    model = build_model(wl, device, seed)
-    tokens, targets = make_batch(model.cfg, workload.batch, workload.seq_len, device=device, seed=seed)
-    return BenchEnv(model=model, tokens=tokens, targets=targets, device=device,
-                    engine_device="cpu" if device.type == "cpu" else None)
+def _target(workload: Workload, device: torch.device, seed: int, model: str = "toy") -> PlanTarget:
+    return build_target(model, workload, device, seed)
 
 
-def _loss_step(env: BenchEnv) -> Callable[[], torch.Tensor]:
-    """The planner's step: forward and the same float32 cross-entropy as the strategies."""
-    def step() -> torch.Tensor:
-        logits = env.model(env.tokens)  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), env.targets.flatten())
+def _checkpointed(model: torch.nn.Module, context_fn: Any) -> Callable[[], None]:
+    """Every candidate block (``offload.planner.find_blocks``) under non-reentrant checkpointing, as the
+    toy model's ``checkpoint_blocks`` does; returns the undo."""
+    from torch.utils.checkpoint import checkpoint
 
-    return step
+    from offload.planner import find_blocks
+
+    undo = []
+    for _, block in find_blocks(model):
+        orig = block.forward
+
+        def forward(*a: Any, _orig: Callable = orig, **k: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _orig(*a, **k)
+            kw = {"context_fn": context_fn} if context_fn is not None else {}
+            return checkpoint(_orig, *a, use_reentrant=False, **kw, **k)
+
+        block.forward = forward
+        undo.append(lambda b=block: delattr(b, "forward"))
+    return lambda: [u() for u in undo]
 
 
-def _arm_run(name: str, env: BenchEnv, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], Any]:
-    """One fixed strategy as (run, engine), on the planner's own step so every arm computes the loss
-    the same way (``bench.strategies`` steps hold the logits during backward, the planner's does not).
-    The strategies are those of ``bench/strategies.py``: same flags, same engine settings."""
+def _arm_run(name: str, t: PlanTarget) -> tuple[Callable[[], None], Any]:
+    """One fixed strategy as (run, engine), on the target's own step: every arm computes the same loss.
+    The strategies are those of ``bench/strategies.py`` (same engine settings, the same selective
+    policy), applied to any model: checkpointing wraps each candidate block (what the planner decides
+    for), the engine is entered around the whole forward."""
     import offload
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     from bench.strategies import _sac_policy  # the same selective policy as the ``sac`` strategy
 
-    model = env.model
     ckpt = name in ("ac", "sac", "offload_ac")
     context_fn = (functools.partial(create_selective_checkpoint_contexts, _sac_policy) if name == "sac" else None)
-    engine = (offload.OffloadActivations(device=env.engine_device, use_streams=True)
+    engine = (offload.OffloadActivations(device=t.engine_device, use_streams=True)
               if name in ("offload", "offload_ac") else None)
     if name.startswith("compile_amb_"):
-        return _compile_arm(env, float(name.rsplit("_", 1)[1]), step), None
+        return _compile_arm(t, float(name.rsplit("_", 1)[1])), None
     if name not in FIXED_ARMS:
         raise Skip(f"unknown arm {name!r}")
 
     def run() -> None:
-        model.checkpoint_blocks, model.checkpoint_context_fn = ckpt, context_fn
+        undo = _checkpointed(t.model, context_fn) if ckpt else None
         try:
             if engine is None:
-                loss = step()
+                loss = t.step()
             else:
                 with engine:
-                    loss = step()
+                    loss = t.step()
         finally:
-            model.checkpoint_blocks, model.checkpoint_context_fn = False, None
+            if undo is not None:
+                undo()
         loss.backward()
 
     return run, engine
 
 
-def _compile_arm(env: BenchEnv, budget: float, step: Callable[[], torch.Tensor]) -> Callable[[], None]:
+def _compile_arm(t: PlanTarget, budget: float) -> Callable[[], None]:
     """torch.compile with activation_memory_budget (GPU only; not run on CPU, so unverified here)."""
-    if env.on_cpu:
+    if t.on_cpu:
         raise Skip("compile's activation_memory_budget is measured on GPU only (n/a on CPU)")
     import torch._dynamo
 
     torch._dynamo.reset()
-    compiled = torch.compile(env.model)
+    compiled = torch.compile(t.step)
 
     def run() -> None:
         with torch._functorch.config.patch(activation_memory_budget=budget):
-            logits = compiled(env.tokens)
-        F.cross_entropy(logits.flatten(0, 1).float(), env.targets.flatten()).backward()
+            loss = compiled()
+        loss.backward()
 
     return run
 
 
-def _measure(env: BenchEnv, run: Callable[[], None], steps: int, warmup: int, pools: list[Any] | None = None) -> Any:
-    """The frontier's one meter: peak of one tracked step, fastest of ``steps`` timed steps (every arm)."""
+def _measure(t: PlanTarget, run: Callable[[], None], steps: int, warmup: int, pools: list[Any] | None = None) -> Any:
+    """The frontier's one meter: peak of one tracked step, median of ``steps`` timed steps (every arm)."""
     from offload.planner.meter import measure_step
 
-    return measure_step(run, device=env.device, model=env.model, pools=pools or [], warmup=warmup, timed=steps,
-                        before_each=lambda: _zero(env.model))
+    return measure_step(run, device=t.device, model=t.model, pools=pools or [], warmup=warmup, timed=steps,
+                        before_each=lambda: _zero(t.model))
 
 
-def _measure_arm(name: str, env: BenchEnv, steps: int, warmup: int) -> ArmPoint:
+def _measure_arm(name: str, t: PlanTarget, steps: int, warmup: int) -> ArmPoint:
     try:
-        run, engine = _arm_run(name, env, _loss_step(env))
+        run, engine = _arm_run(name, t)
     except Skip as e:
         return ArmPoint(name, status="skipped", reason=str(e))
     try:
-        m = _measure(env, run, steps, warmup, [engine.pool] if engine else [])
+        m = _measure(t, run, steps, warmup, [engine.pool] if engine else [])
     except Exception as e:  # one broken arm must not take the others down
         return ArmPoint(name, status="error", reason=f"{type(e).__name__}: {e}")
     finally:
@@ -188,12 +211,38 @@ def _measure_arm(name: str, env: BenchEnv, steps: int, warmup: int) -> ArmPoint:
 
             torch._dynamo.reset()
         gc.collect()
-    return ArmPoint(name, peak_bytes=m.peak_bytes, step_s=m.step_seconds)
+    return ArmPoint(name, peak_bytes=m.peak_bytes, step_s=m.step_seconds, step_s_all=list(m.step_seconds_all))
+
+
+def _band(xs: list[float]) -> tuple[float, float] | None:
+    """The noise band of a median: its 95% interval (``bench.results.median_ci``), else min..max."""
+    from bench.results import median_ci
+
+    if not xs:
+        return None
+    return median_ci(xs, 0.95) or (min(xs), max(xs))
+
+
+def _compare(pt: PlannedPoint, arms: list[ArmPoint]) -> None:
+    """Set ``fastest_fixed`` / ``vs_fastest_fixed``: the planned step against the fastest fixed arm that fits."""
+    fits = [a for a in arms if a.status == "ok" and a.peak_bytes is not None and a.peak_bytes <= pt.budget_bytes
+            and a.step_s is not None]
+    if not fits:
+        pt.vs_fastest_fixed = "no fixed arm fits"
+        return
+    best = min(fits, key=lambda a: a.step_s)
+    pt.fastest_fixed = best.name
+    mine, theirs = _band(pt.measured_step_s_all), _band(best.step_s_all)
+    if pt.measured_step_s is None or mine is None or theirs is None:
+        pt.vs_fastest_fixed = "not timed"
+    else:
+        pt.vs_fastest_fixed = "ok" if (pt.measured_step_s <= best.step_s or mine[0] <= theirs[1]) else "slower"
 
 
 def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...] = DEFAULT_FRACTIONS,
-                 steps: int = 5, warmup: int = 1, seed: int = 0, progress: bool = True) -> dict[str, Any]:
-    """Fixed arms and planned points for one workload (see the module docstring)."""
+                 steps: int = 7, warmup: int = 1, seed: int = 0, progress: bool = True,
+                 model: str = "toy") -> dict[str, Any]:
+    """Fixed arms and planned points for one workload and model (see the module docstring)."""
     import offload
     from offload.planner import plan_from_cost
 
@@ -202,18 +251,17 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
         from bench.harness import fit_layers
 
         workload = workload.replace(n_layers=fit_layers(workload, dev, 0.85, seed))
-    env = _env(workload, dev, seed)
+    t = _target(workload, dev, seed, model)
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else (lambda s: None)
     arms_names = list(FIXED_ARMS) + (["compile_amb_0.25", "compile_amb_0.5", "compile_amb_0.75"]
                                      if dev.type == "cuda" else [])
     arms = []
     for name in arms_names:
-        say(f"[plan] measuring {name}")
-        arms.append(_measure_arm(name, env, steps, warmup))
-    step = _loss_step(env)
-    say("[plan] profiling the planner (one step per decision)")
+        say(f"[plan] {t.name}: measuring {name}")
+        arms.append(_measure_arm(name, t, steps, warmup))
+    say(f"[plan] {t.name}: profiling the planner (one step per decision)")
     t0 = time.perf_counter()
-    base_plan = offload.plan(env.model, step, budget_bytes=1 << 62, warmup=warmup, timed=steps)
+    base_plan = offload.plan(t.model, t.step, budget_bytes=1 << 62, warmup=warmup, timed=steps)
     profile_s = time.perf_counter() - t0
     cost = base_plan.cost
     unplanned = base_plan.unplanned_peak_bytes
@@ -222,26 +270,31 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
         budget = cost.base + int(f * (unplanned - cost.base))
         pt = PlannedPoint(fraction=f, budget_bytes=budget)
         try:
-            p = plan_from_cost(cost, budget, model=env.model, device=str(dev), unplanned_peak=unplanned,
-                               unplanned_s=base_plan.unplanned_step_seconds)
+            # As offload.plan does: solve, measure the plan, solve again with a margin if it peaked over.
+            p = plan_from_cost(cost, budget, model=t.model, device=str(dev), unplanned_peak=unplanned,
+                               unplanned_s=base_plan.unplanned_step_seconds, step=t.step, warmup=warmup)
         except offload.OffloadError as e:
             pt.status, pt.reason = "infeasible", str(e)
+            _compare(pt, arms)
             planned.append(pt)
             continue
-        say(f"[plan] budget {f:.2f}: measuring {p.decisions}")
-        p.measure(env.model, step, warmup=warmup, timed=steps)
+        say(f"[plan] {t.name} budget {f:.2f}: measuring {p.decisions}")
+        p.measure(t.model, t.step, warmup=warmup, timed=steps)
         pt.decisions, pt.solver = dict(p.decisions), p.solver
         pt.predicted_peak_bytes, pt.predicted_step_s = p.predicted_peak_bytes, p.predicted_step_seconds
         pt.measured_peak_bytes, pt.measured_step_s = p.measured_peak_bytes, p.measured_step_seconds
+        pt.measured_step_s_all = list(p.measured_step_seconds_all)
         pt.report = p.report()
+        _compare(pt, arms)
         planned.append(pt)
     from bench.ilp_arm import run_ilp_arm
 
-    ilp = run_ilp_arm(env.model, step, [(p.fraction, p.budget_bytes) for p in planned],
-                      measure=lambda run: _measure(env, run, steps, warmup), before_each=lambda: _zero(env.model),
+    ilp = run_ilp_arm(t.model, t.step, [(p.fraction, p.budget_bytes) for p in planned],
+                      measure=lambda run: _measure(t, run, steps, warmup), before_each=lambda: _zero(t.model),
                       say=say)
     return {
-        "workload": {**asdict(workload), "run_id": workload.run_id},
+        "workload": {**asdict(workload), "run_id": t.run_id},
+        "model": t.name,
         "device": str(dev),
         "base_bytes": cost.base,
         "unplanned_peak_bytes": unplanned,
@@ -275,20 +328,22 @@ def _pct(x: float | None) -> str:
 def format_frontier(res: dict[str, Any]) -> str:
     lines = [f"planner frontier: {res['workload']['run_id']} on {res['device']} "
              f"(base {_mib(res['base_bytes'])} MiB, no-plan peak {_mib(res['unplanned_peak_bytes'])} MiB)", "",
-             "| arm | peak MiB | step ms (fastest) | status |", "|---|---:|---:|---|"]
+             "| arm | peak MiB | step ms (median) | status |", "|---|---:|---:|---|"]
     for a in res["arms"]:
         lines.append(f"| {a['name']} | {_mib(a['peak_bytes'])} | {_ms(a['step_s'])} | "
                      f"{a['status']}{': ' + a['reason'] if a['reason'] else ''} |")
     lines += ["", "| budget (of activation mem) | budget MiB | predicted peak | measured peak | peak err | "
-              "predicted ms | measured ms | time err | fits | decisions |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+              "predicted ms | measured ms | time err | fits | vs fastest fixed that fits | decisions |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for p in res["planned"]:
         fits = "—" if p["measured_peak_bytes"] is None else (
             "yes" if p["measured_peak_bytes"] <= p["budget_bytes"] else "NO")
         dec = ", ".join(f"{k}={v}" for k, v in p["decisions"].items()) or p["reason"][:120]
         lines.append(f"| {p['fraction']:.2f} | {_mib(p['budget_bytes'])} | {_mib(p['predicted_peak_bytes'])} | "
                      f"{_mib(p['measured_peak_bytes'])} | {_pct(p['peak_error'])} | {_ms(p['predicted_step_s'])} | "
-                     f"{_ms(p['measured_step_s'])} | {_pct(p['time_error'])} | {fits} | {dec} |")
+                     f"{_ms(p['measured_step_s'])} | {_pct(p['time_error'])} | {fits} | "
+                     f"{p.get('vs_fastest_fixed', '')}{' (' + p['fastest_fixed'] + ')' if p.get('fastest_fixed') else ''}"
+                     f" | {dec} |")
     lines += _format_ilp(res)
     hw = res["hardware"]
     lines += ["", f"Link model: D2H {hw['d2h_gb_s']:.1f} GB/s, H2D {hw['h2d_gb_s']:.1f} GB/s ({hw['source']}), "
@@ -380,7 +435,7 @@ def write_frontier_png(res: dict[str, Any], path: Path) -> bool:
     ax.axhline(res["base_bytes"] / _MiB, color="black", lw=0.8, ls="--", label="base: params + grads + inputs")
     ax.plot([], [], "s", color="tab:gray", label="fixed strategies")
     ax.plot([], [], ":", color="tab:red", label="budgets")
-    ax.set_xlabel("step time, fastest of --steps (ms)")
+    ax.set_xlabel("step time, median of --steps (ms)")
     ax.set_ylabel("peak device memory (MiB)")
     ax.set_title(f"memory vs time: {res['workload']['run_id']} on {res['device']}", fontsize=10)
     ax.grid(True, alpha=0.3)
@@ -399,22 +454,21 @@ def _fits(name: str, workload: Workload, device: torch.device, seq: int, budget:
     import offload
 
     wl = workload.replace(seq_len=seq)
-    env = _env(wl, device, seed)
+    t = _target(wl, device, seed)
     try:
         if name == "planner":
-            step = _loss_step(env)
             try:
-                p = offload.plan(env.model, step, budget_bytes=budget, timed=0)
+                p = offload.plan(t.model, t.step, budget_bytes=budget, timed=0)
             except offload.OffloadError:
                 return False, None, "infeasible (predicted)"
-            peak, _ = p.measure(env.model, step, warmup=1, timed=0)
+            peak, _ = p.measure(t.model, t.step, warmup=1, timed=0)
             return peak <= budget, peak, ",".join(sorted(set(p.decisions.values())))
-        a = _measure_arm(name, env, 0, 1)
+        a = _measure_arm(name, t, 0, 1)
         if a.peak_bytes is None:
             return False, None, a.reason
         return a.peak_bytes <= budget, a.peak_bytes, ""
     finally:
-        del env
+        del t
         gc.collect()
 
 
@@ -425,9 +479,9 @@ def run_max_seq(workload: Workload, device: str, *, budget_bytes: int | None = N
     dev = torch.device(device)
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else (lambda s: None)
     if budget_bytes is None:
-        env = _env(workload, dev, seed)
-        budget_bytes = _measure_arm("none", env, 0, 1).peak_bytes
-        del env
+        t = _target(workload, dev, seed)
+        budget_bytes = _measure_arm("none", t, 0, 1).peak_bytes
+        del t
     rows = []
     for name in arms:
         seq, best, best_peak, note = workload.seq_len, None, None, ""
@@ -488,23 +542,27 @@ def _write(stem: str, res: dict[str, Any], text: str, out_dir: Path, meta: dict[
 
 def main_plan(workload: Workload, device: str, args: Any, argv: list[str] | None) -> int:
     fractions = tuple(float(x) for x in str(getattr(args, "budgets", "") or "0.25,0.5,0.75").split(","))
-    steps = args.steps if args.steps is not None else (5 if device == "cpu" else 6)
+    steps = args.steps if args.steps is not None else 7  # 7: the medians' 95% intervals exist (n >= 6)
     res = run_frontier(workload, device, fractions=fractions, steps=steps,
                        warmup=args.warmup if args.warmup is not None else 1, seed=args.seed,
-                       progress=not args.quiet)
+                       progress=not args.quiet, model=getattr(args, "model", "toy") or "toy")
     text = format_frontier(res)
     print(text)
     if not args.no_write:
+        run_id = res["workload"]["run_id"]
         meta = run_metadata(device, argv if argv is not None else sys.argv[1:])
         meta["command"] = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
-        out = args.out if args.out is not None else default_run_dir("plan", str(workload.run_id))
-        for p in _write(f"plan_{workload.run_id}", res, text, out, meta,
+        out = args.out if args.out is not None else default_run_dir("plan", str(run_id))
+        for p in _write(f"plan_{run_id}", res, text, out, meta,
                         None if args.no_plot else write_frontier_png):
             print(f"wrote {p}")
     return 0
 
 
 def main_max_seq(workload: Workload, device: str, args: Any, argv: list[str] | None) -> int:
+    if (getattr(args, "model", "toy") or "toy") != "toy":
+        print("python -m bench: --max-seq runs the toy model only (--model toy)", file=sys.stderr)
+        return 2
     budget = int(args.budget_mib * (1 << 20)) if getattr(args, "budget_mib", None) else None
     res = run_max_seq(workload, device, budget_bytes=budget, seed=args.seed, progress=not args.quiet)
     text = format_max_seq(res)

@@ -79,7 +79,8 @@ class OffloadCallback(TrainerCallback):
         """The engine's settings (validated when the callback is built)."""
         self.exclude_head = exclude_head
         self.engine: OffloadActivations | None = None
-        """The engine, built at the first train begin (its ``ledger`` holds every decision)."""
+        """The engine, built at the first train begin (its ``ledger`` holds every decision); with a
+        budget, the applied plan's engine."""
         self._attached: AttachHandle | None = None
         self._head: Any = None
         self._reporter = _StepReporter()
@@ -122,6 +123,7 @@ class OffloadCallback(TrainerCallback):
                 busy.append(True)
                 try:
                     planner.before_step(model, lambda: _loss_of(orig(m, inputs, *a, **k)), inputs)
+                    self.engine = planner.engine  # the applied plan's engine: its ledger records the steps
                 finally:
                     busy.clear()
             return orig(m, inputs, *a, **k)
@@ -133,10 +135,6 @@ class OffloadCallback(TrainerCallback):
                 del trainer.compute_loss
 
         self._unwrap = unwrap
-
-    @property
-    def _engine_now(self) -> OffloadActivations | None:
-        return self.planner.engine if self.planner is not None else self.engine
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.detach()
@@ -165,7 +163,7 @@ class OffloadCallback(TrainerCallback):
                **kwargs: Any) -> None:
         if logs is None:
             return
-        figures = self._reporter.new_figures(self._engine_now)
+        figures = self._reporter.new_figures(self.engine)
         if self.planner is not None:
             figures.update(self.planner.figures())
         if not figures:

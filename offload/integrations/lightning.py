@@ -99,6 +99,7 @@ class OffloadCallback(pl.Callback):
         self._leave()
         if self.planner is not None:
             self.planner.before_step(pl_module, lambda: _planning_step(pl_module, batch, batch_idx), batch)
+            self.engine = self.planner.engine  # the applied plan's engine: its ledger records the steps
             return
         if self.engine is not None:
             self.engine.__enter__()
@@ -110,7 +111,7 @@ class OffloadCallback(pl.Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: nn.Module, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._leave()  # a step that skipped backward
-        figures = self._reporter.new_figures(self.engine if self.planner is None else self.planner.engine)
+        figures = self._reporter.new_figures(self.engine)
         if self.planner is not None:
             figures.update(self.planner.figures())
         if figures:

@@ -50,3 +50,25 @@ def test_max_seq_planner_at_least_none() -> None:
     assert rows["none"]["max_seq"] == 32  # the budget is none's own peak at --seq
     assert rows["planner"]["max_seq"] >= 32
     assert rows["planner"]["peak_bytes"] <= res["budget_bytes"]
+
+
+def test_bench_plan_other_models(tmp_path) -> None:
+    """``--model``: the planner on models it was not built on; every planned point fits its budget (measured)
+    and is compared with the fastest fixed arm that fits."""
+    for model in ("encoder", "hf_gpt2"):
+        out = tmp_path / model
+        assert main(["--plan", "--model", model, *_SMALL, "--steps", "1", "--warmup", "1", "--no-plot",
+                     "--out", str(out)]) == 0
+        (path,) = out.glob("plan_*.json")
+        assert path.name == f"plan_{model}_L3_s32_b2_float32.json"
+        res = json.loads(path.read_text())
+        assert res["model"] == model
+        assert all(a["status"] == "ok" for a in res["arms"]), res["arms"]
+        fitted = [p for p in res["planned"] if p["status"] == "ok"]
+        assert fitted, res["planned"]
+        for p in fitted:
+            assert p["measured_peak_bytes"] <= p["budget_bytes"]
+            assert p["vs_fastest_fixed"] in ("ok", "slower", "no fixed arm fits")
+        for p in res["planned"]:
+            if p["status"] != "ok":
+                assert "budget_bytes=" in p["reason"] and "smallest peak" in p["reason"]
