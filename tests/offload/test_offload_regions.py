@@ -380,6 +380,17 @@ class _TorchtuneStyleDecoder(nn.Module):
         return self.output(h)
 
 
+def _unused_region_warnings(step, model, twin, ctx) -> list[str]:
+    """Run ``step`` under ``ctx`` and on the twin without it; grads bitwise; the 'nothing was excluded'
+    warnings the engine's step raised."""
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        step(model, ctx)
+    step(twin, contextlib.nullcontext())
+    assert_same_grads(model, twin)
+    return [str(w.message) for w in got if "nothing was excluded" in str(w.message)]
+
+
 @pytest.mark.parametrize("case", ["skip_output_layer", "head_bypassed"])
 def test_unused_head_warning_only_when_the_head_should_have_run(case):
     """torchtune's LinearCrossEntropyLoss sets model.skip_output_layer after the context exists and runs
@@ -399,12 +410,7 @@ def test_unused_head_warning_only_when_the_head_should_have_run(case):
         logits = m.output(out) if case == "skip_output_layer" else out  # the loss's own projection
         F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
 
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        step(model, ctx)
-    step(twin, contextlib.nullcontext())
-    assert_same_grads(model, twin)
-    unused = [str(w.message) for w in got if "nothing was excluded" in str(w.message)]
+    unused = _unused_region_warnings(step, model, twin, ctx)
     assert len(unused) == (0 if case == "skip_output_layer" else 1), unused
 
 
@@ -472,12 +478,7 @@ def test_tail_kept_by_either_region_is_no_reason_to_warn(case, warns):
             loss = F.cross_entropy(out.flatten(0, 1), ids.flatten())
         loss.backward()
 
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        step(model, ctx)
-    step(twin, contextlib.nullcontext())
-    assert_same_grads(model, twin)
-    unused = [str(w.message) for w in got if "nothing was excluded" in str(w.message)]
+    unused = _unused_region_warnings(step, model, twin, ctx)
     assert len(unused) == warns, unused
     kept = ctx.ledger.summary()["kept_by_reason"]
     if not warns:
