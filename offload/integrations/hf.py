@@ -32,7 +32,8 @@ try:
     from transformers.trainer_callback import CallbackHandler
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError(
-        "offload.integrations.hf needs transformers, which is not installed: pip install offload[hf]"
+        "offload.integrations.hf needs transformers, which is not installed: pip install offload[hf] "
+        "(from a clone: pip install -e \".[hf]\")"
     ) from e
 
 import torch

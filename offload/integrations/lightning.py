@@ -24,7 +24,8 @@ try:
     import lightning.pytorch as pl
 except ImportError as e:  # pragma: no cover - exercised only without lightning
     raise ImportError(
-        "offload.integrations.lightning needs lightning, which is not installed: pip install offload[lightning]"
+        "offload.integrations.lightning needs lightning, which is not installed: pip install offload[lightning] "
+        "(from a clone: pip install -e \".[lightning]\")"
     ) from e
 
 from torch import nn
