@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import OffloadError
 from .cost import OFFLOADING, CostModel, build_cost_model, measure_hardware
+from .host import TIER_SETTINGS, fit_host, tier_bytes
 from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install
 from .meter import measure_step
 from .profile import StepProfile, profile_step, run_step, zero_grads_
@@ -154,6 +155,8 @@ class Plan:
     measured_peak_bytes: int | None = None
     measured_step_seconds: float | None = None
     measured_step_seconds_all: list[float] = field(default_factory=list)
+    host_tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per offloading block: bytes per host tier its copies land in (``offload.planner.host``)."""
 
     # -- applying ---------------------------------------------------------------
 
@@ -241,6 +244,9 @@ class Plan:
             f"without a plan: peak {_fmt(self.unplanned_peak_bytes)}, step {self.unplanned_step_seconds * 1e3:.1f} ms; "
             f"smallest reachable peak {_fmt(self.min_peak_bytes)}",
         ]
+        if self.host_tiers:  # issue 25: which host tier each offloading block's copies land in
+            lines.append("host tiers: " + "; ".join(
+                f"{n}: " + ", ".join(f"{t} {_fmt(b)}" for t, b in row.items()) for n, row in self.host_tiers.items()))
         for name, why in (self.cost.no_recompute if self.cost is not None else {}).items():
             lines.append(f"never recomputed: {name} ({why})")
         return "\n".join(lines)
@@ -258,6 +264,7 @@ class Plan:
             "unplanned_step_seconds": self.unplanned_step_seconds,
             "min_peak_bytes": self.min_peak_bytes,
             "binding": self.binding,
+            "host_tiers": {n: dict(r) for n, r in self.host_tiers.items()},
             "solver": self.solver,
             "device": self.device,
             "hardware": {"d2h_gb_s": hw.d2h_gb_s, "h2d_gb_s": hw.h2d_gb_s, "synchronous": hw.synchronous,
@@ -410,6 +417,7 @@ def plan(
     solver: str = "auto",
     engine_kwargs: dict[str, Any] | None = None,
     verify: bool = True,
+    host_budget_bytes: int | None = None,
 ) -> Plan:
     """Profile ``step``, then choose per block the fastest decisions whose predicted peak fits ``budget_bytes``.
 
@@ -428,6 +436,9 @@ def plan(
         bandwidth_gb_s: (D2H, H2D) GB/s, or one number; None = measured with
             a 64 MB copy once per process (pinned on a GPU).
         solver: "auto" (exact Pareto DP, greedy fallback), "exact", "greedy", "brute_force".
+        host_budget_bytes: the engine's pool budget the plan may assume (with any other host tier
+            in ``engine_kwargs``: ``pageable_budget_bytes``, ``disk_dir``...); the plan never offloads
+            more than the tiers hold, and ``Plan.host_tiers`` says where each block's copies land.
         verify: measure the chosen plan (one tracked step) and, if its measured peak is over the
             budget, solve again with that overshoot as a margin (see :func:`plan_from_cost`).
 
@@ -445,6 +456,11 @@ def plan(
                       min_offload_size=min_offload_size, use_streams=use_streams, bandwidth_gb_s=bandwidth_gb_s,
                       solver=solver, engine_kwargs=engine_kwargs, verify=verify)
     ekw = dict(engine_kwargs or {})
+    if host_budget_bytes is not None:  # issue 25: the plan's copies must fit the host tiers
+        _nonneg_int("host_budget_bytes", host_budget_bytes)
+        if "host_budget_bytes" in ekw:
+            raise ValueError("offload.plan: host_budget_bytes given both as an argument and in engine_kwargs.")
+        ekw["host_budget_bytes"] = host_budget_bytes
     ekw.setdefault("min_offload_size", min_offload_size)
     ekw.setdefault("use_streams", use_streams)
     synchronous = dev.type == "cpu" or not ekw["use_streams"]
@@ -460,7 +476,9 @@ def plan(
         no_recompute = kept.mutated(cand)
 
         def make_engine() -> OffloadActivations:
-            return OffloadActivations(device=_engine_device(str(dev)), model=model, **ekw)
+            # Profiled without host bounds (they decide what stays, which the plan decides).
+            return OffloadActivations(device=_engine_device(str(dev)), model=model,
+                                      **{k: v for k, v in ekw.items() if k not in TIER_SETTINGS})
 
         inst = install(cand, {n: "keep" for n in names}, make_engine())
         try:
@@ -592,6 +610,7 @@ def _solve(cost: CostModel, budget_bytes: int, margin: int, *, model: nn.Module 
             dec, method = lowest, "min_peak (the heuristic found nothing)"
         else:
             dec, method = _as_dict(cost, best.decisions), best.solver
+    dec = fit_host(cost, dec, cap)  # issue 25: never more offload than the host tiers hold
     peak = cost.peak(dec)
     if peak > cap:  # the solver saw every event: this is a bug, never a silent over-budget plan
         raise OffloadError(
@@ -604,6 +623,7 @@ def _solve(cost: CostModel, budget_bytes: int, margin: int, *, model: nn.Module 
         unplanned_step_seconds=unplanned_s, min_peak_bytes=min_peak_bytes,
         solver=method + (f", margin {margin} B after measuring" if margin else ""),
         binding=cost.where(dec), device=device, engine_kwargs=dict(cost.engine_kwargs),
+        host_tiers=tier_bytes(cost, dec),
     )
 
 
