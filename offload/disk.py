@@ -203,9 +203,13 @@ class DiskStore:
         self.run_dir = os.path.join(
             parent, f"{RUN_PREFIX}{socket.gethostname()}-{os.getpid()}-{self.token.hex()[:8]}")
         os.mkdir(self.run_dir)
-        self._lock_fd = [os.open(os.path.join(self.run_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)]
+        # Locked through a read-only descriptor (a file open for writing would keep the file
+        # system from turning read-only), written once through another.
+        lock_path = os.path.join(self.run_dir, LOCK_NAME)
+        self._lock_fd = [os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644)]
         fcntl.flock(self._lock_fd[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.pwrite(self._lock_fd[0], _lock_text().encode(), 0)
+        with open(lock_path, "w") as f:
+            f.write(_lock_text())
         self._finalizer = weakref.finalize(self, _cleanup_run, self.run_dir, self._lock_fd)
         self._staging = HostPool(pin=pin, capacity_bytes=queue_bytes)
         self._cv = threading.Condition()
@@ -236,6 +240,7 @@ class DiskStore:
         self._cancelled = 0
         self._oversize = 0
         self._last_error = ""
+        self._undeleted: list[str] = []
         for i in range(self.writers):
             self._start(self._writer_loop, f"offload-disk-writer-{i}")
         for i in range(self.readers):
@@ -573,13 +578,25 @@ class DiskStore:
                 rec.memory = None
             self._live_file_bytes -= HEADER_BYTES + rec.nbytes
             self._files -= 1
+        self._unlink(rec.path)
+
+    def _unlink(self, path: str) -> None:
         try:
-            os.unlink(rec.path)
-        except OSError:
+            os.unlink(path)
+        except FileNotFoundError:
             pass
+        except OSError:  # a read-only file system, say: retried at the end of every step
+            with self._cv:
+                self._undeleted.append(path)
 
     def end_step(self) -> None:
-        """End of a training step: the staging pool may release what recent steps did not need."""
+        """End of a training step: retry deleting files that could not be deleted; the staging
+        pool may release what recent steps did not need."""
+        if self._undeleted:
+            with self._cv:
+                paths, self._undeleted = self._undeleted, []
+            for path in paths:
+                self._unlink(path)
         self._staging.trim()
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -649,5 +666,6 @@ class DiskStore:
                 "write_failures": self._write_failures,
                 "memory_bytes": self._memory_bytes,
                 "cancelled": self._cancelled,
+                "undeleted": len(self._undeleted),
                 "oversize": self._oversize,
             }
