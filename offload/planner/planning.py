@@ -170,6 +170,14 @@ class Plan:
         """
         from ..engine import OffloadActivations
 
+        no_recompute = self.cost.no_recompute if self.cost is not None else {}
+        bad = {n: no_recompute[n] for n, d in self.decisions.items() if d in RECOMPUTE and n in no_recompute}
+        if bad:
+            n, why = next(iter(bad.items()))
+            raise ValueError(
+                f"offload.plan: decisions[{n!r}]={self.decisions[n]!r}, but {n} is never recomputed: {why}. "
+                "Use 'keep' or 'offload' for it."
+            )
         blocks = find_blocks(model, list(self.decisions))
         engine = OffloadActivations(device=_engine_device(self.device), model=model, **self.engine_kwargs)
         return install(blocks, self.decisions, engine, model)

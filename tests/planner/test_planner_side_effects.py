@@ -66,6 +66,10 @@ def test_planned_step_updates_buffers_as_unplanned() -> None:
     p = offload.plan(model, step, budget_bytes=p0.min_peak_bytes, **_KW)
     assert "recompute" not in p.decisions.values() and "recompute_offload" not in p.decisions.values()
     assert "never recomputed" in p.report()
+    forced = offload.Plan(decisions={**p.decisions, "layers.1": "recompute"}, budget_bytes=p.budget_bytes,
+                          predicted_peak_bytes=0, predicted_step_seconds=0.0, cost=p.cost, device="cpu")
+    with pytest.raises(ValueError, match="layers.1.*never recomputed.*running_mean"):
+        forced.apply(model)  # a hand-made plan cannot recompute a buffer-mutating block either
     handle = p.apply(model)
     try:
         for _ in range(2):
