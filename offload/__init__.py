@@ -25,6 +25,7 @@ from .engine import OffloadActivations, PackEvent, active_engine, add_pack_obser
 from .config import OffloadConfig
 from .attach import AttachHandle
 from .errors import OffloadError
+from ._verify import OffloadVerifyError
 
 # Regions that stay on the device (torchtune-compatible helpers included)
 from .regions import NoOpManager, RegionHandle, find_backbone, find_output_head, get_act_offloading_ctx_manager
@@ -47,6 +48,7 @@ __all__ = [
     "OffloadConfig",
     "AttachHandle",
     "OffloadError",
+    "OffloadVerifyError",
     "PackEvent",
     "active_engine",
     "add_pack_observer",

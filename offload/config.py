@@ -171,11 +171,13 @@ class OffloadConfig:
     """Pinned host memory: "caching" (torch's allocator) or "exact" (cudaHostRegister)."""
     native_hooks: bool = False
     """Keep path of the pack hook in C++ (offload._native; built on first use: a compiler, ninja)."""
+    verify: bool = False
+    """Checksum offloaded bytes at pack and check them when backward reads them (debugging; one sync per reload)."""
 
     def __post_init__(self) -> None:
         for name in SIZE_FIELDS:
             object.__setattr__(self, name, parse_size(name, getattr(self, name)))
-        for name in ("use_pin_memory", "use_streams", "dedupe", "timing", "native_hooks"):
+        for name in ("use_pin_memory", "use_streams", "dedupe", "timing", "native_hooks", "verify"):
             _check_bool(name, getattr(self, name))
         _check_int("max_fwd_stash_size", self.max_fwd_stash_size, 1,
                    "it bounds how many tensors may have a device-to-host copy in flight")

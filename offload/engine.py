@@ -93,7 +93,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _torch_private, policy
+from . import _torch_private, _verify, policy
 from ._spans import SpanSet, byte_span
 from ._warn import user_stacklevel
 from .compat._peer_attributes import PeerAttributes
@@ -278,7 +278,7 @@ class _HostCopy:
     """
 
     __slots__ = ("buf", "pool", "lo", "nbytes", "prefetched", "held", "users", "used",
-                 "version", "base_ref", "release", "synchronous", "__weakref__")
+                 "version", "base_ref", "release", "synchronous", "checksum", "__weakref__")
 
     def __init__(self, buf: HostBuffer, pool: HostPool, lo: int, nbytes: int) -> None:
         self.buf = buf
@@ -298,6 +298,7 @@ class _HostCopy:
         self.version = 0
         self.base_ref: Callable[[], torch.Tensor | None] | None = None
         self.synchronous = False
+        self.checksum: torch.Tensor | None = None  # verify=True: the span's checksum at pack (device)
 
     def __del__(self) -> None:
         try:
@@ -534,6 +535,10 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         native_hooks: run the pack hook's keep path in C++ (``offload._native``):
             the same decisions and records for less CPU per kept tensor. Built on
             first use (needs a C++ compiler and ninja); raises when it cannot be.
+        verify: checksum each offloaded span on the device at pack and check the
+            reloaded bytes before backward reads them; ``OffloadVerifyError`` names
+            the module, shape, step and side on a mismatch (NOTE [ Verified offload ]
+            in offload/_verify.py). Off by default: one host sync per reload.
         config: an OffloadConfig holding every setting above but ``model``
             (then pass no other setting).
     """
@@ -558,6 +563,7 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         timing: bool = True,
         pin_allocator: str = "caching",
         native_hooks: bool = False,
+        verify: bool = False,
         config: OffloadConfig | None = None,
     ) -> None:
         if positional:
@@ -577,7 +583,7 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
             max_inflight_bytes=max_inflight_bytes, prefetch_bytes=prefetch_bytes,
             host_budget_bytes=host_budget_bytes, on_host_budget=on_host_budget,
             virtual_memory_safe_pct=virtual_memory_safe_pct, dedupe=dedupe, max_records=max_records,
-            timing=timing, pin_allocator=pin_allocator, native_hooks=native_hooks,
+            timing=timing, pin_allocator=pin_allocator, native_hooks=native_hooks, verify=verify,
         )
         if config is None:
             config = OffloadConfig(**settings)  # validates every setting (type and range)
@@ -635,6 +641,7 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         self.virtual_memory_safe_pct = virtual_memory_safe_pct
         self.dedupe = dedupe
         self.timing = timing
+        self._verify = config.verify
         self._model_ref = weakref.ref(model) if model is not None else None
 
         dev_type = self.device.type if self.device is not None else None
@@ -1117,6 +1124,8 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
             if nbytes > self._max_copy_bytes:
                 self._max_copy_bytes = nbytes
             hc = _HostCopy(buf, self.pool, lo_b, nbytes)
+            if self._verify:  # on the compute stream, after the producer (NOTE [ Verified offload ])
+                hc.checksum = _verify.span_checksum(t.untyped_storage(), lo_b, nbytes, device)
             backend = self._backend
             synchronous = backend.name == "sync"
             if not synchronous:  # (a synchronous copy is never in flight when its handle dies)
@@ -1322,6 +1331,10 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         else:
             base, copy = self._load(hc, h.rec)
         self._wait(copy)
+        if held is None and hc.checksum is not None:  # a new base: checked once (NOTE [ Verified offload ])
+            rec = h.rec
+            _verify.check_reload(hc.checksum, base, hc.buf.tensor, copy.done, module=rec.module,
+                                 shape=shape, dtype=rec.dtype, step=rec.step)
         es = dtype.itemsize
         if hc.users > 1 and hc.nbytes % es == 0:
             # Views of one base share its version counter, so an in-place

@@ -18,7 +18,7 @@ every aten op on the entering thread. Nothing in ``torch.cuda`` is patched.
    stream is not ordered before it (and not covered by ``record_stream``).
 3. Late data (``late=True``). Ops issued on a side stream (any stream but
    the default one and those made with ``Stream(late=False)``, and a stream
-   parked with ``_sleep``) are queued and run
+   parked with ``_sleep``, while the other streams then run as issued) are queued and run
    only when something orders after them: a ``wait_event``/``wait_stream``
    that reaches them, a ``synchronize``, an ``Event.query()`` after ``lag``
    polls, an op that needs a value on the host (``.item()``), or, with a
@@ -390,7 +390,13 @@ class EmulatedAccelerator:
     # -- internals: queues --------------------------------------------------------------
 
     def _lazy(self, s: EmulatedStream) -> bool:
-        return self.late and (s.late or s.parked)
+        # While a stream is parked (_sleep: a long kernel), the others run as issued, as a GPU's
+        # free streams do: work not ordered after the parked stream's then runs before it.
+        if not self.late:
+            return False
+        if s.parked:
+            return True
+        return s.late and not any(x.parked for x in self._streams)
 
     def _submit(self, s: EmulatedStream, fn: Callable[[], None] | None) -> None:
         """Issue one op (``fn`` runs its effect; None: nothing to run) on stream ``s``."""
@@ -508,7 +514,11 @@ class EmulatedAccelerator:
     def _issue(self, func: Any, args: tuple, kwargs: dict, s: EmulatedStream, metadata: bool) -> Any:
         if not self.late:
             return func(*args, **kwargs)
-        if metadata or torch.Tag.nondeterministic_seeded in func.tags:
+        if metadata:
+            out = func(*args, **kwargs)  # no bytes: runs now (queued ops hold aliases, see below)
+            self._submit(s, None)
+            return out
+        if torch.Tag.nondeterministic_seeded in func.tags:
             self._flush(s, s.issued)  # (random ops run in issue order: the RNG stream stays the same)
             out = func(*args, **kwargs)
             self._submit(s, None)
@@ -527,19 +537,29 @@ class EmulatedAccelerator:
             self._submit(s, None)  # runs what is queued before it
             return func(*args, **kwargs)
         ok, ret = _mutated_returns(func, args, kwargs)
+        # The queued op runs on aliases taken now: a later set_/resize_/in-place view of the
+        # caller's tensor objects must not change what it reads or writes.
+        qargs, qkwargs = pytree.tree_map_only(torch.Tensor, _alias, (args, kwargs))
         if ok:
-            self._submit(s, lambda: func(*args, **kwargs))
+            self._submit(s, lambda: func(*qargs, **qkwargs))
             return ret
         if func._schema.returns and all(r.alias_info is not None and not r.alias_info.is_write
                                         for r in func._schema.returns):
             self._submit(s, None)
             return func(*args, **kwargs)  # a view: metadata only
-        # A new tensor: its shape now, its bytes when the op runs (poison until then).
-        out = func(*args, **kwargs)
+        # A new tensor: its shape now (from the meta kernel: the inputs may still be poison), its
+        # bytes when the op runs (poison until then).
+        try:
+            margs, mkwargs = pytree.tree_map_only(torch.Tensor, _to_meta, (args, kwargs))
+            out = pytree.tree_map_only(torch.Tensor, _empty_like_meta, func(*margs, **mkwargs))
+        except Exception:  # no meta kernel: run it when issued, after what is queued before it
+            self._submit(s, None)
+            self._flush(s, s.issued)
+            return func(*args, **kwargs)
         pytree.tree_map_(_poison, out)
 
         def run() -> None:
-            res = func(*args, **kwargs)
+            res = func(*qargs, **qkwargs)
             for o, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(res)):
                 if isinstance(o, torch.Tensor):
                     o.copy_(r)
@@ -550,3 +570,19 @@ class EmulatedAccelerator:
 
 def _noop() -> None:
     return None
+
+
+def _to_meta(t: torch.Tensor) -> torch.Tensor:
+    return t.to("meta") if t.device.type == "cpu" else t
+
+
+def _empty_like_meta(m: torch.Tensor) -> torch.Tensor:
+    if m.device.type != "meta":
+        return m
+    return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="cpu")
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    if t.layout is not torch.strided or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return t
+    return aten.alias.default(t)
