@@ -8,10 +8,8 @@ terminal and has no markdown table output.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-from tabulate import tabulate
 
 __all__ = ["BYTE_UNITS", "format_bytes", "render_table"]
 
@@ -39,6 +37,12 @@ def render_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, fmt: 
                  title: str | None = None) -> str:
     """Rows (already formatted cells or numbers) under ``headers``; ``fmt``: ``"simple"`` for a terminal,
     ``"github"`` for markdown. The first column is left-aligned, the others right-aligned."""
+    try:  # imported here: the engine itself never needs it (a GPU machine without a registry may lack it)
+        from tabulate import tabulate
+    except ImportError as e:
+        raise ImportError("offload: printing a table needs tabulate, a dependency of offload: pip install tabulate "
+                          "(on a machine without a package registry, its pure-Python wheel in .whl/ for "
+                          "scripts/gpu_run.sh)") from e
     align = ("left",) + ("right",) * (len(headers) - 1)
     body = tabulate([[("-" if v is None else v) for v in r] for r in rows], headers=list(headers), tablefmt=fmt,
                     colalign=align, disable_numparse=True)

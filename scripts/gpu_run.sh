@@ -25,6 +25,8 @@
 # the log and test summary are copied next to it. Commit bench/results/<device-slug>/ afterwards.
 #
 # Optional peers: wheels placed in .whl/ (e.g. trl, pure Python) are installed into /tmp/site first.
+# tabulate (pure Python, a dependency of offload since issue 26: the bench's and the ledger's tables)
+# must be importable there too: put its wheel in .whl/ if the machine lacks it.
 # Exit status: 0 when every phase succeeded, else the last failing phase's status.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -86,3 +86,25 @@ def test_trainer_figures_carry_the_kept_reasons():
     assert per_reason == {r: b for r, b in t.kept_by_reason.items() if b}
     assert sum(per_reason.values()) == figures["offload/kept_bytes"]
     assert step_figures(StepTotals(step=0))["offload/kept_bytes"] == 0
+
+
+def test_engine_needs_no_table_library():
+    """Without tabulate (a GPU machine with no package registry), offload imports, offloads and prints a
+    step's line; only a table asks for it, naming the install."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.modules['tabulate'] = None\n"
+            "import torch, offload\n"
+            "ctx = offload.OffloadActivations(device='cpu', min_offload_size=0)\n"
+            "m = torch.nn.Linear(8, 8)\n"
+            "with ctx:\n    loss = m(torch.randn(4, 8)).sum()\n"
+            "loss.backward()\nprint(ctx.ledger.step_totals[-1])\n"
+            "try:\n    ctx.ledger.report()\nexcept ImportError as e:\n    print('report:', e)\n")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step 0: packed" in proc.stdout and "report: offload: printing a table needs tabulate" in proc.stdout
