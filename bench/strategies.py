@@ -219,6 +219,12 @@ def offload_head_excluded(env: BenchEnv) -> Prepared:
     return Prepared(step=_plain_step(env, lambda: engine, checkpoint_blocks=False), engine=engine, hooks=engine)
 
 
+@_strategy("offload_verify", "ours",
+           "Ours with verify=True: every offloaded span checksummed at pack and checked at reload (debugging).")
+def offload_verify(env: BenchEnv) -> Prepared:
+    return _engine_strategy(env, checkpoint_blocks=False, use_streams=True, verify=True)
+
+
 @_strategy(
     "account_only",
     "control",
@@ -360,6 +366,7 @@ def compile_offload(env: BenchEnv) -> Prepared:
     return _compiled(env, _compile_offload_patch())
 
 
-DEFAULT_ORDER: tuple[str, ...] = tuple(STRATEGIES)
-"""All strategies, ``none`` first (its step is the correctness reference; ``compile`` is
+DEFAULT_ORDER: tuple[str, ...] = tuple(n for n in STRATEGIES if n != "offload_verify")
+"""All strategies but ``offload_verify`` (a debugging mode, run by name: ``--strategies
+none,offload,offload_verify``), ``none`` first (its step is the correctness reference; ``compile`` is
 ``compile_offload``'s and runs before it)."""

@@ -6,11 +6,11 @@ device, on the compute stream right before the device-to-host copy is issued (so
 that produced it, in stream order, with no host synchronize), and keeps it with the host copy. When
 backward first reads a reloaded span, after the compute stream waited for its copy, the checksum is
 taken again on the reloaded bytes and compared (one host synchronize per reload: this is a
-debugging mode). On a mismatch the host copy is summed too, to say which side differed: ``d2h``
+debugging mode; the checksum itself allocates nothing the size of the span). On a mismatch the host copy is summed too, to say which side differed: ``d2h``
 (the copy off the device did not read the bytes the producer wrote) or ``h2d`` (the copy back, or
 compute's wait for it, went wrong); ``OffloadVerifyError`` names the module, shape, dtype, step and
-side. The checksum is the sum of the span as 32-bit words (bytes when the span is not word-sized):
-it catches stale, uninitialised, poisoned or torn bytes, not a permutation of words.
+side. The checksum is the sum (mod 2**64) of the span as 64-bit words plus its last bytes: it
+catches stale, uninitialised, poisoned or torn bytes, not a permutation of words.
 """
 
 from __future__ import annotations
@@ -30,18 +30,25 @@ class OffloadVerifyError(OffloadError):
         self.module, self.shape, self.dtype, self.step, self.side = module, shape, dtype, step, side
 
 
-def _words(b: torch.Tensor) -> torch.Tensor:
+def _checksum(b: torch.Tensor) -> torch.Tensor:
+    """Sum (mod 2**64) of the flat uint8 span ``b`` read as 64-bit words, plus its last bytes: no
+    temporary the size of the span (a dtype'd sum of narrower words would materialise one)."""
     n = b.numel()
-    if n % 4 == 0 and b.storage_offset() % 4 == 0:
-        return b.view(torch.int32)
-    return b
+    n8 = n - n % 8
+    bulk = b[:n8]
+    if bulk.storage_offset() % 8:
+        bulk = bulk.clone()  # not word-aligned in memory: the same words, from an aligned copy
+    s = bulk.view(torch.int64).sum()
+    if n8 != n:
+        s = s + b[n8:].sum(dtype=torch.int64)  # (at most 7 bytes)
+    return s
 
 
 def span_checksum(storage: torch.UntypedStorage, lo: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """Sum of bytes ``[lo, lo + nbytes)`` of ``storage`` as 32-bit words, a 0-dim int64 tensor on
     ``device``, computed on the current stream (no host synchronize)."""
     b = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (nbytes,), (1,))
-    return _words(b).sum(dtype=torch.int64)
+    return _checksum(b)
 
 
 def check_reload(expected: torch.Tensor, reloaded: torch.Tensor, host: torch.Tensor, done: object | None, *,
@@ -50,12 +57,12 @@ def check_reload(expected: torch.Tensor, reloaded: torch.Tensor, host: torch.Ten
 
     ``done``: the reload's copy event (None when synchronous); the host copy is read only after it,
     and only on a mismatch."""
-    got = _words(reloaded).sum(dtype=torch.int64)
+    got = _checksum(reloaded)
     if bool((got == expected).item()):
         return
     if done is not None:
         done.synchronize()  # the host copy was written before the reload read it (same side stream)
-    host_sum = _words(host).sum(dtype=torch.int64)
+    host_sum = _checksum(host)
     want = int(expected.item())
     side = "d2h" if int(host_sum.item()) != want else "h2d"
     what = ("the host copy already differs from the device bytes at pack time: the device-to-host copy "

@@ -168,3 +168,16 @@ def test_bench_emulate_reports_zero_hazards_in_its_json(tmp_path, capsys):
     assert {"offload", "offload_ac", "offload_head_excluded"} <= ran
     assert "0 hazard(s)" in capsys.readouterr().out
 
+
+
+def test_offload_verify_strategy_runs_bitwise_and_is_not_in_the_default_run(tmp_path):
+    """The bench measures verify=True's cost as its own strategy, bitwise like `offload`; the default run
+    (and its committed tables) leaves the debugging mode out."""
+    from bench.strategies import DEFAULT_ORDER, STRATEGIES
+
+    assert "offload_verify" in STRATEGIES and "offload_verify" not in DEFAULT_ORDER
+    cfg = BenchConfig(workload=PRESETS["tiny"].replace(seq_len=32, n_layers=1), strategies=("none", "offload_verify"),
+                      device="cpu", steps=1, warmup=0, order="sequential", progress=False)
+    result = run_bench(cfg, {}, None)
+    s = result.get("offload_verify")
+    assert s.ok and s.correctness.bitwise_equal and s.correctness.grads_compared > 0, (s.status, s.correctness)
