@@ -14,13 +14,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..errors import OffloadError
 from ..planner import Plan, plan
+from ..planner.planning import share_of_device
 from ..planner.install import Installed
 
 __all__ = ["StepPlanner", "resolve_budget", "batch_shape"]
@@ -39,28 +39,11 @@ def resolve_budget(owner: str, budget_bytes: int | None, budget: str | float | N
             raise ValueError(f"{owner}: budget_bytes={budget_bytes!r} must be a positive int (bytes of device "
                              "memory).")
         return budget_bytes
-    frac = _fraction(owner, budget)
-    if device.type == "cpu":
-        total = psutil.virtual_memory().total
-    else:
-        total = torch.get_device_module(device.type).get_device_properties(device).total_memory
-    return max(1, int(frac * total))
+    return share_of_device(f"{owner}: budget", budget, device)
 
 
-def _fraction(owner: str, budget: Any) -> float:
-    try:
-        if isinstance(budget, str) and budget.strip().endswith("%"):
-            frac = float(budget.strip()[:-1]) / 100
-        elif isinstance(budget, (int, float)) and not isinstance(budget, bool):
-            frac = float(budget)
-        else:
-            raise ValueError
-    except ValueError:
-        frac = float("nan")
-    if not 0 < frac <= 1:
-        raise ValueError(f"{owner}: budget={budget!r} must be a share of the device's memory: '80%' or 0.8 "
-                         "(0 < share <= 1).")
-    return frac
+def _fraction(owner: str, budget: Any) -> None:
+    share_of_device(f"{owner}: budget", budget, None)
 
 
 def batch_shape(batch: Any) -> tuple[int, int]:

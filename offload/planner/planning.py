@@ -413,7 +413,7 @@ def _infeasible(budget: int, cost: CostModel, lowest: dict[str, str], model: nn.
 def plan(
     model: nn.Module,
     step: Callable[[], torch.Tensor],
-    budget_bytes: int,
+    budget_bytes: int | str,
     device: torch.device | str | None = None,
     *,
     blocks: Sequence[str | nn.Module] | None = None,
@@ -435,6 +435,8 @@ def plan(
         budget_bytes: the peak device memory the step may reach (parameters,
             gradients and everything else: what ``torch.cuda.max_memory_allocated``
             reports; on CPU what ``MemTracker`` counts, host buffers left out).
+            A string such as ``"80%"`` is that share of the device's total memory
+            (host RAM on CPU).
         device: where the model lives; None = the device of its parameters.
         blocks: candidate modules (names or modules); default the children of
             the model's largest ``nn.ModuleList``.
@@ -463,6 +465,8 @@ def plan(
     dev = _check_args(model, step, budget_bytes, device, warmup=warmup, timed=timed,
                       min_offload_size=min_offload_size, use_streams=use_streams, bandwidth_gb_s=bandwidth_gb_s,
                       solver=solver, engine_kwargs=engine_kwargs, verify=verify)
+    if isinstance(budget_bytes, str):
+        budget_bytes = share_of_device("offload.plan: budget_bytes", budget_bytes, dev)
     ekw = dict(engine_kwargs or {})
     if host_budget_bytes is not None:  # issue 25: the plan's copies must fit the host tiers
         _nonneg_int("host_budget_bytes", host_budget_bytes)
@@ -643,6 +647,32 @@ def _nonneg_int(name: str, v: Any) -> None:
         raise ValueError(f"offload.plan: {name}={v!r} must be an int >= 0.")
 
 
+def share_of_device(what: str, share: str | float, device: torch.device | None) -> int:
+    """``share`` ("80%" or 0.8) of the device's total memory (host RAM on CPU), in bytes; with
+    ``device=None`` only checks ``share``. ``what`` names the setting in the error."""
+    try:
+        if isinstance(share, str) and share.strip().endswith("%"):
+            frac = float(share.strip()[:-1]) / 100
+        elif isinstance(share, (int, float)) and not isinstance(share, bool):
+            frac = float(share)
+        else:
+            raise ValueError
+    except ValueError:
+        frac = float("nan")
+    if not 0 < frac <= 1:
+        raise ValueError(f"{what}={share!r} must be a share of the device's memory: '80%' or 0.8 "
+                         "(0 < share <= 1).")
+    if device is None:
+        return 0
+    if device.type == "cpu":
+        import psutil
+
+        total = psutil.virtual_memory().total
+    else:
+        total = torch.get_device_module(device.type).get_device_properties(device).total_memory
+    return max(1, int(frac * total))
+
+
 def _check_args(model: Any, step: Any, budget_bytes: Any, device: Any, *, warmup: Any, timed: Any,
                 min_offload_size: Any, use_streams: Any, bandwidth_gb_s: Any, solver: Any, engine_kwargs: Any,
                 verify: Any) -> torch.device:
@@ -652,9 +682,11 @@ def _check_args(model: Any, step: Any, budget_bytes: Any, device: Any, *, warmup
     if not callable(step):
         raise TypeError(f"offload.plan: step must be a zero-argument callable returning the loss, got "
                         f"step={step!r} ({type(step).__name__}).")
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+    if isinstance(budget_bytes, str):
+        share_of_device("offload.plan: budget_bytes", budget_bytes, None)  # checked; resolved on the device
+    elif isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"offload.plan: budget_bytes={budget_bytes!r} must be a positive int (bytes of device "
-                         "memory).")
+                         "memory) or a share of the device's memory such as '80%'.")
     _nonneg_int("warmup", warmup)
     _nonneg_int("timed", timed)
     _nonneg_int("min_offload_size", min_offload_size)

@@ -71,6 +71,8 @@ def test_bad_arguments_named_at_the_call() -> None:
         (dict(model="model"), TypeError, "model='model'"),
         (dict(step=3), TypeError, "step=3"),
         (dict(budget_bytes=1.5), ValueError, "budget_bytes=1.5"),
+        (dict(budget_bytes="lots"), ValueError, "budget_bytes='lots'"),
+        (dict(budget_bytes="150%"), ValueError, "budget_bytes='150%'"),
         (dict(bandwidth_gb_s=math.nan), ValueError, "bandwidth_gb_s=nan"),
         (dict(bandwidth_gb_s=(1.0, -2.0)), ValueError, "bandwidth_gb_s="),
         (dict(warmup=-1), ValueError, "warmup=-1"),
@@ -98,3 +100,12 @@ def test_staged_error_names_containers_not_indices() -> None:
         offload.plan(model, step, budget_bytes=1 << 40, blocks=[model.stages[0], model.stages[1]], **_KW)
     msg = str(e.value)
     assert "'stages.0'" in msg and "container" in msg and "[0, 1" not in msg
+
+
+def test_budget_as_a_share_of_the_device(planned) -> None:
+    """``budget_bytes="50%"``: half the device's memory (host RAM on CPU), resolved into bytes."""
+    import psutil
+
+    model, step, _ = planned
+    p = offload.plan(model, step, budget_bytes="50%", timed=0, bandwidth_gb_s=10.0)
+    assert p.budget_bytes == psutil.virtual_memory().total // 2
