@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -48,7 +49,8 @@ def _check_int(name: str, value: Any, minimum: int, why: str, allow_none: bool =
         _fail(name, value, f"an int >= {minimum}{' or None' if allow_none else ''} ({why})")
 
 
-SIZE_FIELDS = ("min_offload_size", "max_inflight_bytes", "prefetch_bytes", "host_budget_bytes")
+SIZE_FIELDS = ("min_offload_size", "max_inflight_bytes", "prefetch_bytes", "host_budget_bytes",
+               "pageable_budget_bytes", "disk_budget_bytes", "disk_queue_bytes", "disk_readahead_bytes")
 """Settings in bytes: each also takes an integral float (``2e9``) or a string with a unit (``"2GiB"``)."""
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -131,6 +133,21 @@ def _normalise_device(value: Any) -> str | None:
     return None  # unreachable
 
 
+def _normalise_disk_dir(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
+        _fail("disk_dir", value, "None or a directory path (str or os.PathLike)",
+              "None turns the disk tier off.", TypeError)
+    path = os.fspath(value)
+    if not isinstance(path, str) or not path:
+        _fail("disk_dir", value, "a non-empty directory path", "None turns the disk tier off.")
+    if os.path.exists(path) and not os.path.isdir(path):
+        _fail("disk_dir", value, "a directory (it exists as a file)",
+              "Pass a directory: the engine makes its own run directory in it, and creates it if missing.")
+    return path
+
+
 @dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
     """Every setting of ``OffloadActivations`` (all its arguments but ``model``).
@@ -156,9 +173,19 @@ class OffloadConfig:
     prefetch_bytes: int | None = None
     """Bytes backward loads ahead of need; None = twice the largest copy (off with synchronous copies), 0 = off."""
     host_budget_bytes: int | None = None
-    """Cap on host pool bytes; None = no fixed cap."""
+    """Cap on host pool bytes (pinned where possible; the first tier); None = no fixed cap."""
+    pageable_budget_bytes: int | None = 0
+    """Second tier, pageable host memory: 0 = none, a size = its cap in bytes, None = the RAM ceiling only."""
+    disk_dir: str | None = None
+    """Third tier: directory for the disk tier's run directory (created if missing); None = no disk tier."""
+    disk_budget_bytes: int | None = None
+    """Cap on the disk tier's file bytes (used only with disk_dir); None = the free space less min(1 GiB, 5% of it)."""
+    disk_queue_bytes: int = 256 * _MiB
+    """Bound on host bytes staged for the disk tier's writer threads (a pack waits beyond it)."""
+    disk_readahead_bytes: int = 256 * _MiB
+    """Bytes of disk-tier files backward reads ahead of need (on a reader thread)."""
     on_host_budget: str = "keep"
-    """What a tensor that does not fit gets: "keep" (on device), "pageable" (unpooled), "raise"."""
+    """What a tensor that fits no tier gets: "keep" (on device) or "raise"; "pageable" = pageable_budget_bytes=None, then keep."""
     virtual_memory_safe_pct: float | None = 90.0
     """System RAM use in percent above which the pool allocates nothing new; None = off."""
     dedupe: bool = True
@@ -187,8 +214,17 @@ class OffloadConfig:
                    "a size in bytes; 0 turns prefetch off, None sizes it from the copies", allow_none=True)
         _check_int("host_budget_bytes", self.host_budget_bytes, 0, "a size in bytes", allow_none=True)
         _check_int("max_records", self.max_records, 0, "a count of records")
+        _check_int("pageable_budget_bytes", self.pageable_budget_bytes, 0,
+                   "a size in bytes; 0 = no pageable tier, None = bounded by the RAM ceiling only",
+                   allow_none=True)
+        _check_int("disk_budget_bytes", self.disk_budget_bytes, 0,
+                   "a size in bytes; None = the free space less a margin", allow_none=True)
+        _check_int("disk_queue_bytes", self.disk_queue_bytes, 1, "a size in bytes")
+        _check_int("disk_readahead_bytes", self.disk_readahead_bytes, 0, "a size in bytes; 0 = no read-ahead")
+        object.__setattr__(self, "disk_dir", _normalise_disk_dir(self.disk_dir))
         _check_choice("on_host_budget", self.on_host_budget, ON_HOST_BUDGET,
-                      "keep the tensor on the device, copy it to pageable memory, or raise OffloadError")
+                      "keep the tensor on the device or raise OffloadError ('pageable' = "
+                      "pageable_budget_bytes=None, then keep)")
         _check_choice("pin_allocator", self.pin_allocator, PIN_ALLOCATORS,
                       "'caching' uses PyTorch's pinned allocator, 'exact' registers exact-size buffers "
                       "with cudaHostRegister (no power-of-two rounding)")

@@ -104,7 +104,9 @@ from .ledger import KEPT, OFFLOADED, Ledger, PackRecord, record_from_log
 from .modules import _names as _module_names
 from .modules import _tls as _module_tls
 from .modules import current_module_name, current_modules, current_modules_view, register_model, track_modules
+from .disk import DiskRecord, DiskStore
 from .pool import HostBuffer, HostPool
+from .tiers import HostTiers
 from .streams import Copy, make_backend
 
 if TYPE_CHECKING:
@@ -278,11 +280,12 @@ class _HostCopy:
     """
 
     __slots__ = ("buf", "pool", "lo", "nbytes", "prefetched", "held", "users", "used",
-                 "version", "base_ref", "release", "synchronous", "checksum", "__weakref__")
+                 "version", "base_ref", "release", "synchronous", "checksum", "tier", "__weakref__")
 
-    def __init__(self, buf: HostBuffer, pool: HostPool, lo: int, nbytes: int) -> None:
+    def __init__(self, buf: HostBuffer | DiskRecord, pool: HostTiers, lo: int, nbytes: int) -> None:
         self.buf = buf
         self.pool = pool
+        self.tier = "pool"
         self.lo = lo
         self.nbytes = nbytes
         self.prefetched: tuple[torch.Tensor, Copy] | None = None
@@ -555,6 +558,11 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         max_inflight_bytes: int = 1024 * _MiB,
         prefetch_bytes: int | None = None,
         host_budget_bytes: int | None = None,
+        pageable_budget_bytes: int | None = 0,
+        disk_dir: str | None = None,
+        disk_budget_bytes: int | None = None,
+        disk_queue_bytes: int = 256 * _MiB,
+        disk_readahead_bytes: int = 256 * _MiB,
         on_host_budget: str = "keep",
         virtual_memory_safe_pct: float | None = 90.0,
         model: nn.Module | None = None,
@@ -581,7 +589,9 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
             use_pin_memory=use_pin_memory, use_streams=use_streams,
             max_fwd_stash_size=max_fwd_stash_size, min_offload_size=min_offload_size, device=device,
             max_inflight_bytes=max_inflight_bytes, prefetch_bytes=prefetch_bytes,
-            host_budget_bytes=host_budget_bytes, on_host_budget=on_host_budget,
+            host_budget_bytes=host_budget_bytes, pageable_budget_bytes=pageable_budget_bytes,
+            disk_dir=disk_dir, disk_budget_bytes=disk_budget_bytes, disk_queue_bytes=disk_queue_bytes,
+            disk_readahead_bytes=disk_readahead_bytes, on_host_budget=on_host_budget,
             virtual_memory_safe_pct=virtual_memory_safe_pct, dedupe=dedupe, max_records=max_records,
             timing=timing, pin_allocator=pin_allocator, native_hooks=native_hooks, verify=verify,
         )
@@ -650,10 +660,13 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
             capacity_bytes=host_budget_bytes,
             device_type=dev_type,
             pin_allocator=pin_allocator,
+            refuse_unpinned=True,
         )
         """The host buffer pool (``pool.stats()`` for its counters)."""
         self.ledger = Ledger(max_records=max_records, pool_stats=self.pool.stats)
         """Every decision and per-step totals (``ledger.summary()``)."""
+        self.tiers = self._make_tiers(config, dev_type)
+        """The host tiers (pool, pageable, disk: NOTE [ Host tiers ]); ``tiers.stats()``."""
         self._backend = make_backend(self.device, use_streams, timing=timing) if self.enabled else None
         self._observers: OrderedDict[int, Callable[[PackEvent], None]] = OrderedDict()
         self._seq = itertools.count()
@@ -677,7 +690,6 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         # running ancestors (buffer detection for offload candidates), per step.
         self._owner_memo: dict[tuple[int, int, int], tuple[frozenset[int], frozenset[int]]] = {}
         self._process = psutil.Process()
-        self._ram_gauge = policy.RamCeiling()  # virtual_memory_safe_pct, sampled (no system call per tensor)
         self._native = _load_native() if config.native_hooks else None
         # Rule 10: the pack hook holds the engine weakly; handles hold it.
         self._weak_pack_hook = _weak_pack(self)
@@ -1078,6 +1090,8 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         if lo_b < hc.lo or hi_b > hc.lo + hc.nbytes or (lo_b - hc.lo) % es:
             return None
         if hc.synchronous and t.device.type == "cpu" and hi_b > lo_b:
+            if hc.tier == "disk":
+                return None  # its bytes are in a file: copy again rather than read it back to compare
             # Writes through an alias with its own version counter (.data,
             # numpy, DLPack) are invisible to the version test: compare the
             # bytes (the copy is complete; this is cheaper than a new copy).
@@ -1101,6 +1115,7 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         conj, neg = t.is_conj(), t.is_neg()
         if hc is not None:
             rec.reason = policy.DUPLICATE_STORAGE
+            rec.tier = hc.tier
         else:
             whole = rec.storage_nbytes
             contiguous = t.is_contiguous()
@@ -1117,13 +1132,15 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
                 # of one qkv projection) share this copy instead of re-copying.
                 lo_b, hi_b = 0, whole
             nbytes = hi_b - lo_b
-            buf, note = self._host_buffer(nbytes, rec)
+            buf, tier, note = self.tiers.take(nbytes, rec.module)
             if buf is None:
                 rec.reason = policy.HOST_BUDGET
+                rec.note = note
                 return None
             if nbytes > self._max_copy_bytes:
                 self._max_copy_bytes = nbytes
-            hc = _HostCopy(buf, self.pool, lo_b, nbytes)
+            hc = _HostCopy(buf, self.tiers, lo_b, nbytes)
+            hc.tier = tier
             if self._verify:  # on the compute stream, after the producer (NOTE [ Verified offload ])
                 hc.checksum = _verify.span_checksum(t.untyped_storage(), lo_b, nbytes, device)
             backend = self._backend
@@ -1165,6 +1182,10 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
             rec.copy_bytes = nbytes
             rec.pinned = buf.pinned
             rec.note = note
+            rec.tier = tier
+            self.ledger.log_tier(tier, nbytes)
+            if tier == "disk":
+                self.tiers.disk.submit(buf, None if synchronous else copy)
             if synchronous:
                 self.ledger.add_sync_copy(rec, "d2h", copy, nbytes)
             else:
@@ -1187,7 +1208,7 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         h.tracker = tracker if tracker is not None else policy._weak(t)
         h.rec = rec
         h.stash = entry if rec.decision == OFFLOADED else None
-        if not self.prefetch_bytes and self._backend.name == "sync":
+        if not self.prefetch_bytes and self._backend.name == "sync" and self.tiers.disk is None:
             # Nothing loads ahead of a synchronous copy (prefetch_budget): no order to keep.
             h.index = -1
             h.order = None
@@ -1213,36 +1234,32 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
                 live.append(r)
         order[:] = live
 
-    def _host_buffer(self, nbytes: int, rec: PackRecord) -> tuple[HostBuffer | None, str]:
-        """A host buffer for ``nbytes`` under the budget, applying ``on_host_budget`` (Rule 9)."""
-        pct = self.virtual_memory_safe_pct  # _ram_allows, inlined: once per offloaded tensor
-        if pct is None or pct >= 100 or self._ram_gauge.allows(nbytes, pct):
-            buf = self.pool.take(nbytes)
-        else:
-            buf = None
-        if buf is not None:
-            note = "pin_failed" if (self.pool.pin and not buf.pinned) else ""
-            return buf, note
-        if self.on_host_budget == "raise":
-            st = self.pool.stats()
-            raise OffloadError(
-                f"OffloadActivations: host budget full: a {nbytes}-byte activation from module "
-                f"{rec.module or '<top level>'!r} does not fit (host_budget_bytes="
-                f"{self.host_budget_bytes}, pool reserved {st['reserved_bytes']} B, in use "
-                f"{st['in_use_bytes']} B; virtual_memory_safe_pct={self.virtual_memory_safe_pct}, "
-                f"system RAM at {psutil.virtual_memory().percent:.1f}%). Raise host_budget_bytes, "
-                "offload less (min_offload_size, ctx.exclude(module)), or set "
-                "on_host_budget='keep' to leave such tensors on the device."
-            )
-        if self.on_host_budget == "pageable" and self._ram_allows(nbytes):
-            return self.pool.overflow(nbytes), "pageable_overflow"
-        return None, ""
+    def _make_tiers(self, config: OffloadConfig, dev_type: str | None) -> HostTiers:
+        """The host tiers of NOTE [ Host tiers ] from the settings (the disk tier's run directory is
+        made here: a ``disk_dir`` that is a file is refused now)."""
+        pageable = config.pageable_budget_bytes
+        if config.on_host_budget == "pageable" and pageable == 0:
+            pageable = None  # the older spelling of "pool, then pageable"
+        disk = None
+        if config.disk_dir is not None and self.enabled:
+            ledger = self.ledger
 
-    def _ram_allows(self, nbytes: int) -> bool:
-        pct = self.virtual_memory_safe_pct
-        if pct is None or pct >= 100:
-            return True
-        return self._ram_gauge.allows(nbytes, pct)  # sampled, not read per tensor: policy.RamCeiling
+            def on_time(kind: str, seconds: float, nbytes: int) -> None:
+                ledger.add_tier_time("disk", 0.0 if kind == "wait" else seconds,
+                                     seconds if kind == "wait" else 0.0)
+
+            disk = DiskStore(config.disk_dir, budget_bytes=config.disk_budget_bytes,
+                             queue_bytes=config.disk_queue_bytes, readahead_bytes=config.disk_readahead_bytes,
+                             pin=bool(config.use_pin_memory and dev_type not in (None, "cpu")), on_time=on_time)
+        return HostTiers(self.pool, pageable_budget_bytes=pageable, disk=disk,
+                         on_host_budget=config.on_host_budget,
+                         virtual_memory_safe_pct=config.virtual_memory_safe_pct)
+
+    def close(self) -> None:
+        """Delete the disk tier's files and run directory (also done at interpreter exit and when
+        the engine is freed). Graphs built before cannot be backpropagated through afterwards;
+        the engine itself stays usable (later copies skip the disk tier)."""
+        self.tiers.close()
 
     # -- the stash of in-flight sources (Rule 2) ----------------------------------
 
@@ -1333,7 +1350,9 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
         self._wait(copy)
         if held is None and hc.checksum is not None:  # a new base: checked once (NOTE [ Verified offload ])
             rec = h.rec
-            _verify.check_reload(hc.checksum, base, hc.buf.tensor, copy.done, module=rec.module,
+            # (A disk-tier copy has no host tensor left; its file is CRC-checked by the disk tier.)
+            host = hc.buf.tensor if hc.tier != "disk" else base
+            _verify.check_reload(hc.checksum, base, host, copy.done, module=rec.module,
                                  shape=shape, dtype=rec.dtype, step=rec.step)
         es = dtype.itemsize
         if hc.users > 1 and hc.nbytes % es == 0:
@@ -1364,15 +1383,41 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
                     hc.held = None
             if self.prefetch_budget != 0:
                 self._prefetch_after(h, p)
+            if self.tiers.disk is not None:
+                self._disk_readahead(h)
         return out
+
+    def _disk_readahead(self, h: _Offloaded) -> None:
+        """Start reading the disk-tier copies packed just before ``h`` (backward order: the order
+        prefetch uses) on the disk tier's reader thread, up to ``disk_readahead_bytes``."""
+        order = h.order
+        if order is None:
+            return
+        disk = self.tiers.disk
+        with self._lock:
+            i = min(h.index, len(order)) - 1
+            seen = 0
+            while i >= 0 and seen < 64:
+                x = order[i]()
+                i -= 1
+                if x is None:
+                    continue
+                seen += 1
+                hc = x.hc
+                if hc.tier != "disk" or hc.used >= hc.users or hc.prefetched is not None:
+                    continue
+                if hc.buf.read is None and not disk.prefetch(hc.buf):
+                    if hc.buf.state == "on_disk":
+                        break  # the read-ahead budget is full
 
     def _load(self, hc: _HostCopy, rec: PackRecord | None) -> tuple[torch.Tensor, Copy]:
         backend = self._backend
+        src = hc.buf.tensor if hc.tier != "disk" else self.tiers.disk.load(hc.buf)
         if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::h2d"):
-                dev, copy = backend.h2d(hc.buf.tensor)
+                dev, copy = backend.h2d(src)
         else:
-            dev, copy = backend.h2d(hc.buf.tensor)
+            dev, copy = backend.h2d(src)
         if backend.name == "sync":
             self.ledger.add_sync_copy(rec, "h2d", copy.seconds or 0.0, hc.nbytes)
         else:
@@ -1477,6 +1522,7 @@ class OffloadActivations(PeerAttributes, torch.autograd.graph.saved_tensors_hook
             except Exception:
                 dev_peak = None
         self.pool.trim()
+        self.tiers.end_step()
         if self._regions:
             from .regions import warn_unused_regions
 

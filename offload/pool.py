@@ -283,6 +283,7 @@ class HostPool:
         device_type: str | None = None,
         pin_allocator: str = "caching",
         trim_window: int = 32,
+        refuse_unpinned: bool = False,
     ) -> None:
         if pin_allocator not in PIN_ALLOCATORS:
             raise ValueError(
@@ -298,6 +299,11 @@ class HostPool:
         """Cap on reserved (chunk) bytes; None means no cap."""
         self.trim_window = trim_window
         """Steps of peaks that :meth:`trim` remembers before releasing memory."""
+        self.refuse_unpinned = refuse_unpinned
+        """With ``pin``: a chunk that cannot be pinned is not made (the take is refused, so the
+        engine moves it to its next host tier) instead of being made pageable."""
+        self.last_pin_error = ""
+        """The error of the latest failed pinned allocation ("" if none failed)."""
         self._device_type = device_type
         self._lock = threading.Lock()
         self._arena = _Arena()
@@ -356,8 +362,9 @@ class HostPool:
     def _round_down(self, nbytes: int) -> int:
         return _pow2_floor(nbytes) if self._pow2 else nbytes // _PAGE * _PAGE
 
-    def _new_tensor(self, nbytes: int) -> tuple[torch.Tensor, bool, bool]:
-        """(tensor, pinned, registered) for a new chunk of ``nbytes``."""
+    def _new_tensor(self, nbytes: int) -> tuple[torch.Tensor, bool, bool] | None:
+        """(tensor, pinned, registered) for a new chunk of ``nbytes``; None if it cannot be pinned
+        and ``refuse_unpinned``."""
         if self.pin and self.pin_allocator == "exact" and self._device_type == "cuda":
             raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
             offset = (-raw.data_ptr()) % _PAGE
@@ -367,13 +374,18 @@ class HostPool:
         if self.pin:
             try:
                 return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True, False
-            except RuntimeError:
-                pass
+            except RuntimeError as e:
+                self.last_pin_error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
             self._pin_failures += 1
+            if self.refuse_unpinned:
+                return None
         return torch.empty(nbytes, dtype=torch.uint8), False, False
 
-    def _add_chunk(self, nbytes: int) -> _Chunk:
-        tensor, pinned, registered = self._new_tensor(nbytes)
+    def _add_chunk(self, nbytes: int) -> _Chunk | None:
+        made = self._new_tensor(nbytes)
+        if made is None:
+            return None
+        tensor, pinned, registered = made
         self._seq += 1
         chunk = _Chunk(self._seq, tensor, nbytes, pinned, registered)
         if registered:
@@ -406,8 +418,7 @@ class HostPool:
         size = self._growth_size(need)
         cap = self.capacity_bytes
         if cap is None:
-            self._add_chunk(size)
-            return True
+            return self._add_chunk(size) is not None
         smallest = self._round(need)
         if smallest > cap:
             self._never_fit += 1  # could not fit even in an empty pool: fail fast, evict nothing
@@ -422,8 +433,7 @@ class HostPool:
                 self._release_chunk(c)
                 self._evictions += 1
         room = cap - self._reserved
-        self._add_chunk(max(smallest, min(size, self._round_down(room))))
-        return True
+        return self._add_chunk(max(smallest, min(size, self._round_down(room)))) is not None
 
     # -- take / give --------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config import OffloadConfig, check_keywords
 from ..engine import OffloadActivations, _resolve_device
-from ..ledger import StepTotals
+from ..ledger import TIERS, StepTotals
 
 __all__ = ["step_figures", "FIGURE_KEYS"]
 
@@ -31,8 +31,10 @@ FIGURE_KEYS = (
     "offload/exposed_copy_s",
     "offload/pool_reserved_bytes",
     "offload/pool_in_use_bytes",
+    *(f"offload/{tier}_{what}" for tier in TIERS for what in ("bytes", "s", "wait_s")),
 )
-"""The per-step figures the callbacks log, in this order."""
+"""The per-step figures the callbacks log, in this order (per host tier: the bytes copied into it,
+the seconds spent moving bytes into and out of it, the part of those compute waited for)."""
 
 
 def step_figures(t: StepTotals) -> dict[str, Any]:
@@ -45,6 +47,11 @@ def step_figures(t: StepTotals) -> dict[str, Any]:
         "offload/pool_reserved_bytes": t.pool.get("reserved_bytes", 0),
         "offload/pool_in_use_bytes": t.pool.get("in_use_bytes", 0),
     }
+    for tier in TIERS:
+        row = t.tiers.get(tier, {})
+        figures[f"offload/{tier}_bytes"] = row.get("bytes", 0)
+        figures[f"offload/{tier}_s"] = row.get("seconds", 0.0)
+        figures[f"offload/{tier}_wait_s"] = row.get("wait_seconds", 0.0)
     figures.update({f"offload/kept_bytes/{r}": b for r, b in t.kept_by_reason.items() if b})
     return figures
 

@@ -141,8 +141,11 @@ class OffloadCallback(TrainerCallback):
         self.detach()
         if self.engine is not None and self.engine.ledger.step_totals:
             s = self.engine.ledger.summary()
-            log.info("training done: %d steps, %d bytes offloaded, %d kept",
-                     len(self.engine.ledger.step_totals), s["offloaded_bytes"], s["kept_bytes"])
+            log.info("training done: %d steps, %d bytes offloaded, %d kept; per tier %s",
+                     len(self.engine.ledger.step_totals), s["offloaded_bytes"], s["kept_bytes"],
+                     {k: v["bytes"] for k, v in s["tiers"].items()})
+        if self.engine is not None:
+            self.engine.close()  # the disk tier's files and run directory
 
     def detach(self) -> None:
         """Remove the engine's hooks (or the plan) from the model (done at train end; idempotent)."""

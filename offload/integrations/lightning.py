@@ -131,6 +131,8 @@ class OffloadCallback(pl.Callback):
         for handle in self._head:
             handle.remove()
         self._head = []
+        if self.engine is not None:
+            self.engine.close()  # the disk tier's files and run directory
 
     def _leave(self, exception: BaseException | None = None) -> None:
         if self._entered and self.engine is not None:

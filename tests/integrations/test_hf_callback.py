@@ -10,6 +10,7 @@ the ``report_to`` integrations, which the Trainer runs before user callbacks).
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 import pytest
@@ -97,12 +98,12 @@ def _assert_figures_logged(rec: _LogRecorder, trainer, cb: OffloadCallback) -> N
     assert cb._attached is None, "detached at train end"
 
 
-def _train(tmp_path, name, model, with_offload, trainer_cls=Trainer, **args_kw):
+def _train(tmp_path, name, model, with_offload, trainer_cls=Trainer, engine_kw=None, **args_kw):
     cap, rec = _GradCapture(), _LogRecorder()
     callbacks = [rec, cap]
     cb = None
     if with_offload:
-        cb = OffloadCallback(device="cpu", min_offload_size=0)
+        cb = OffloadCallback(device="cpu", min_offload_size=0, **(engine_kw or {}))
         callbacks.append(cb)
     trainer = trainer_cls(model=model, args=_args(tmp_path, name, **args_kw), train_dataset=_Data(),
                           callbacks=callbacks)
@@ -306,3 +307,17 @@ def test_warns_when_transformers_own_checkpoint_offload_shadows_the_engine(offlo
         assert len(ours) == 1 and "own checkpoint offload" in ours[0] and "Drop offload=True" in ours[0], ours
     else:
         assert ours == []
+
+
+def test_disk_tier_figures_logged_and_files_removed(tmp_path):
+    """OffloadCallback(host_budget_bytes=0, disk_dir=...): grads bitwise, each step's log has the disk
+    tier's bytes and seconds, and train end deletes the run directory."""
+    disk = tmp_path / "spill"
+    trainer, cap, rec, cb = _train(tmp_path, "on", _model(), True,
+                                   engine_kw={"host_budget_bytes": 0, "disk_dir": str(disk)})
+    _, cap_ref, _, _ = _train(tmp_path, "off", _model(), False)
+    _assert_same_grads(cap, cap_ref)
+    train_logs = [d for d in rec.logs if "loss" in d]
+    assert train_logs and all(d["offload/disk_bytes"] > 0 and d["offload/pool_bytes"] == 0 for d in train_logs)
+    assert all(d["offload/disk_s"] > 0 for d in train_logs)
+    assert not disk.exists() or os.listdir(disk) == [], "train end deletes the disk tier's files"

@@ -142,3 +142,19 @@ def test_loss_kept_and_a_second_model_call_offloaded_again(tmp_path, tied):
     assert kept_after, "the loss on the logits was offloaded"
     assert not [r for r in kept_after if ".layers." in r.module], sorted({r.module for r in kept_after})
     assert offloaded_in_blocks(records) == 2 * offloaded_in_blocks(last_step(one)) > 0
+
+
+def test_lightning_disk_tier_figures_logged_and_files_removed(tmp_path):
+    """OffloadCallback with the disk tier forced: grads bitwise, per-tier figures logged each step,
+    run directory deleted at train end."""
+    disk = tmp_path / "spill"
+    cb = OffloadCallback(device="cpu", min_offload_size=0, host_budget_bytes=0, disk_dir=str(disk))
+    on, off = _LM(), _LM()
+    logger = _fit(tmp_path, on, [cb])
+    _fit(tmp_path, off, [])
+    for g, w in zip(on.grads, off.grads):
+        assert all(torch.equal(g[n], w[n]) for n in w)
+    logged = [m for m in logger.metrics if "offload/disk_bytes" in m]
+    assert len(logged) == STEPS and all(m["offload/disk_bytes"] > 0 and m["offload/pool_bytes"] == 0
+                                        for m in logged), logged
+    assert not disk.exists() or not list(disk.iterdir())

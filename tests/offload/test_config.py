@@ -64,6 +64,13 @@ BAD = [
     ("device", True),
     ("device", 3.5),
     ("device", "nonsense"),
+    ("pageable_budget_bytes", -1),
+    ("pageable_budget_bytes", "1G"),
+    ("disk_dir", 3),
+    ("disk_dir", ""),
+    ("disk_budget_bytes", -5),
+    ("disk_queue_bytes", 0),
+    ("disk_readahead_bytes", 1.5),
 ]
 
 
@@ -180,3 +187,15 @@ def test_unused_exclusion_warning_points_at_the_users_backward():
 
     got = _warned(step)
     assert len(got) == 1 and got[0].filename == __file__, [(w.filename, str(w.message)[:80]) for w in got]
+
+
+def test_tier_settings_round_trip_and_refusals(tmp_path):
+    """The host tiers' settings survive yaml; a disk_dir that is a file is refused naming the setting."""
+    cfg = OffloadConfig(host_budget_bytes=0, pageable_budget_bytes=None, disk_dir=tmp_path,
+                        disk_budget_bytes=1 << 30, disk_queue_bytes=1 << 20, on_host_budget="raise")
+    assert cfg.disk_dir == str(tmp_path)  # a path is normalised to a string: yaml-safe
+    assert OffloadConfig.from_yaml(cfg.to_yaml()) == cfg
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(ValueError, match="disk_dir=.*exists as a file"):
+        OffloadConfig(disk_dir=str(f))

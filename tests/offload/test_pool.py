@@ -375,3 +375,18 @@ def test_pageable_overflow_reconciles_with_the_ledger():
     st_ = ctx.pool.stats()
     assert st_["overflow_count"] > 0 and st_["received_bytes"] > 0, st_
     assert s["d2h_bytes"] == st_["received_bytes"] + st_["overflow_bytes"], (s["d2h_bytes"], st_)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning succeeds with CUDA")
+def test_refuse_unpinned_refuses_instead_of_pageable_chunks():
+    """refuse_unpinned=True (the engine's pool): a chunk that cannot be pinned is not made, the take
+    is refused (the engine's next tier takes it), counted in pin_failures with the error kept."""
+    pool = HostPool(pin=True, refuse_unpinned=True)
+    assert pool.take(5000) is None and pool.take(70_000) is None
+    st_ = pool.stats()
+    assert st_["pin_failures"] == 2 and st_["reserved_bytes"] == 0 and st_["refused"] == 2, st_
+    assert pool.last_pin_error, "the cause is kept for the warning"
+    pool.pin = False  # pinning off again: the pool serves as before
+    buf = pool.take(5000)
+    assert buf is not None and not buf.pinned
+    pool.give(buf)
