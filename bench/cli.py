@@ -77,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="toy", choices=("toy", "encoder", "hf_llama", "hf_gpt2"),
                    help="--plan: the model planned (bench/plan_models.py; shaped by --dim/--layers/--seq/...)")
     p.add_argument("--budget-mib", type=float, default=None, help="--max-seq: budget (default: no-plan peak at --seq)")
+    p.add_argument("--tiers", action="store_true",
+                   help="host tiers: host-only vs host + disk at 25/50%% host budgets (bench/tiers.py)")
+    p.add_argument("--host-budget", type=float, default=None,
+                   help="--max-seq: host pool budget in MiB; compares offload with and without the disk tier")
+    p.add_argument("--disk-dir", default=None, help="--tiers: directory for the disk tier (default: a temp dir)")
     return p.parse_args(argv)
 
 
@@ -203,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     if threads:
         torch.set_num_threads(threads)
     try:
+        if args.tiers or (args.max_seq and args.host_budget is not None):
+            from bench.tiers import main_max_seq_host, main_tiers
+
+            return (main_tiers if args.tiers else main_max_seq_host)(cfg.workload, cfg.device, args, argv)
         if args.plan or args.max_seq:
             from bench.plan import main_max_seq, main_plan
 
