@@ -51,6 +51,7 @@ from bench.env import default_run_dir, run_metadata
 from bench.plan_models import PlanTarget, build_target
 from bench.strategies import Skip
 from bench.workloads import Workload
+from offload._format import format_bytes, render_table
 
 __all__ = ["FIXED_ARMS", "run_frontier", "run_max_seq", "main_plan", "main_max_seq"]
 
@@ -314,7 +315,8 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
 
 
 def _mib(x: int | None) -> str:
-    return "—" if x is None else f"{x / _MiB:.2f}"
+    """Bytes as MiB (the unit every planner table uses), through the one byte formatter."""
+    return format_bytes(x, unit="MiB")
 
 
 def _ms(x: float | None) -> str:
@@ -325,25 +327,34 @@ def _pct(x: float | None) -> str:
     return "—" if x is None else f"{100 * x:+.1f}%"
 
 
+def _fits_cell(p: dict[str, Any]) -> str:
+    if p["measured_peak_bytes"] is None:
+        return "—"
+    return "yes" if p["measured_peak_bytes"] <= p["budget_bytes"] else "NO"
+
+
+def _md(rows: list[list[Any]], headers: list[str]) -> list[str]:
+    """A markdown table (the bench's one renderer), '|' in cells kept from splitting columns."""
+    rows = [[str(c).replace("|", "/") for c in r] for r in rows]
+    return render_table(rows, headers, fmt="github").rstrip("\n").splitlines()
+
+
 def format_frontier(res: dict[str, Any]) -> str:
     lines = [f"planner frontier: {res['workload']['run_id']} on {res['device']} "
-             f"(base {_mib(res['base_bytes'])} MiB, no-plan peak {_mib(res['unplanned_peak_bytes'])} MiB)", "",
-             "| arm | peak MiB | step ms (median) | status |", "|---|---:|---:|---|"]
-    for a in res["arms"]:
-        lines.append(f"| {a['name']} | {_mib(a['peak_bytes'])} | {_ms(a['step_s'])} | "
-                     f"{a['status']}{': ' + a['reason'] if a['reason'] else ''} |")
-    lines += ["", "| budget (of activation mem) | budget MiB | predicted peak | measured peak | peak err | "
-              "predicted ms | measured ms | time err | fits | vs fastest fixed that fits | decisions |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+             f"(base {_mib(res['base_bytes'])}, no-plan peak {_mib(res['unplanned_peak_bytes'])})", ""]
+    lines += _md([[a["name"], _mib(a["peak_bytes"]), _ms(a["step_s"]),
+                   f"{a['status']}{': ' + a['reason'] if a['reason'] else ''}"] for a in res["arms"]],
+                 ["arm", "peak", "step ms (median)", "status"])
+    rows = []
     for p in res["planned"]:
-        fits = "—" if p["measured_peak_bytes"] is None else (
-            "yes" if p["measured_peak_bytes"] <= p["budget_bytes"] else "NO")
         dec = ", ".join(f"{k}={v}" for k, v in p["decisions"].items()) or p["reason"][:120]
-        lines.append(f"| {p['fraction']:.2f} | {_mib(p['budget_bytes'])} | {_mib(p['predicted_peak_bytes'])} | "
-                     f"{_mib(p['measured_peak_bytes'])} | {_pct(p['peak_error'])} | {_ms(p['predicted_step_s'])} | "
-                     f"{_ms(p['measured_step_s'])} | {_pct(p['time_error'])} | {fits} | "
-                     f"{p.get('vs_fastest_fixed', '')}{' (' + p['fastest_fixed'] + ')' if p.get('fastest_fixed') else ''}"
-                     f" | {dec} |")
+        vs = f"{p.get('vs_fastest_fixed', '')}{' (' + p['fastest_fixed'] + ')' if p.get('fastest_fixed') else ''}"
+        rows.append([f"{p['fraction']:.2f}", _mib(p["budget_bytes"]), _mib(p["predicted_peak_bytes"]),
+                     _mib(p["measured_peak_bytes"]), _pct(p["peak_error"]), _ms(p["predicted_step_s"]),
+                     _ms(p["measured_step_s"]), _pct(p["time_error"]), _fits_cell(p), vs, dec])
+    lines += [""] + _md(rows, ["budget (of activation mem)", "budget", "predicted peak", "measured peak",
+                               "peak err", "predicted ms", "measured ms", "time err", "fits",
+                               "vs fastest fixed that fits", "decisions"])
     lines += _format_ilp(res)
     hw = res["hardware"]
     lines += ["", f"Link model: D2H {hw['d2h_gb_s']:.1f} GB/s, H2D {hw['h2d_gb_s']:.1f} GB/s ({hw['source']}), "
@@ -363,22 +374,20 @@ def _format_ilp(res: dict[str, Any]) -> list[str]:
              else f"torch's {ilp['sac_mode']}")
     lines = ["", f"torch auto-AC ILP (`{ilp['name']}`: MemTracker + SACEstimator with {timer}, "
              f"`sac_milp` per budget, per-unit operator policy applied as selective AC; its model puts the no-AC "
-             f"peak at {_mib(ilp['baseline_peak_bytes'])} MiB, measured {_mib(res['unplanned_peak_bytes'])}; "
-             f"profile {ilp['profile_seconds']:.1f} s):", "",
-             "| budget (of activation mem) | budget MiB | ILP peak bound | measured peak | peak err | "
-             "ILP recompute ms | measured ms | fits | AC units: discarded fraction (saved ops) |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             f"peak at {_mib(ilp['baseline_peak_bytes'])}, measured {_mib(res['unplanned_peak_bytes'])}; "
+             f"profile {ilp['profile_seconds']:.1f} s):", ""]
+    rows = []
     for p in ilp["points"]:
-        fits = "—" if p["measured_peak_bytes"] is None else (
-            "yes" if p["measured_peak_bytes"] <= p["budget_bytes"] else "NO")
         dec = ", ".join(f"{k.split('.', 1)[-1]}: {v:.2f} ({p['saved_ops'].get(k, '?')})"
                         for k, v in p["decisions"].items())
         note = dec if p["status"] == "ok" else f"{p['status']}: {p['reason']}"
         rc = "—" if p["predicted_recompute_ms"] is None else f"{p['predicted_recompute_ms']:.1f}"
-        lines.append(f"| {p['fraction']:.2f} | {_mib(p['budget_bytes'])} | {_mib(p['predicted_peak_bytes'])} | "
-                     f"{_mib(p['measured_peak_bytes'])} | {_pct(p['peak_error'])} | {rc} | "
-                     f"{_ms(p['measured_step_s'])} | {fits} | {note} |")
-    return lines
+        rows.append([f"{p['fraction']:.2f}", _mib(p["budget_bytes"]), _mib(p["predicted_peak_bytes"]),
+                     _mib(p["measured_peak_bytes"]), _pct(p["peak_error"]), rc, _ms(p["measured_step_s"]),
+                     _fits_cell(p), note])
+    return lines + _md(rows, ["budget (of activation mem)", "budget", "ILP peak bound", "measured peak",
+                              "peak err", "ILP recompute ms", "measured ms", "fits",
+                              "AC units: discarded fraction (saved ops)"])
 
 
 def write_frontier_png(res: dict[str, Any], path: Path) -> bool:
@@ -488,7 +497,7 @@ def run_max_seq(workload: Workload, device: str, *, budget_bytes: int | None = N
         lo_fail = None
         for _ in range(max_doublings + 1):
             ok, peak, note_ = _fits(name, workload, dev, seq, budget_bytes, seed, 0)
-            say(f"[max-seq] {name} seq={seq}: {'fits' if ok else 'over'} ({_mib(peak)} MiB)")
+            say(f"[max-seq] {name} seq={seq}: {'fits' if ok else 'over'} ({_mib(peak)})")
             if not ok:
                 lo_fail = seq
                 break
@@ -499,7 +508,7 @@ def run_max_seq(workload: Workload, device: str, *, budget_bytes: int | None = N
             mid -= mid % 8
             if best < mid < lo_fail:
                 ok, peak, note_ = _fits(name, workload, dev, mid, budget_bytes, seed, 0)
-                say(f"[max-seq] {name} seq={mid}: {'fits' if ok else 'over'} ({_mib(peak)} MiB)")
+                say(f"[max-seq] {name} seq={mid}: {'fits' if ok else 'over'} ({_mib(peak)})")
                 if ok:
                     best, best_peak, note = mid, peak, note_
         rows.append({"arm": name, "max_seq": best, "peak_bytes": best_peak, "capped": lo_fail is None,
@@ -511,11 +520,10 @@ def run_max_seq(workload: Workload, device: str, *, budget_bytes: int | None = N
 
 
 def format_max_seq(res: dict[str, Any]) -> str:
-    lines = [f"longest sequence under {_mib(res['budget_bytes'])} MiB: {res['workload']['run_id']} on {res['device']}",
-             "", "| arm | max seq | peak MiB | note |", "|---|---:|---:|---|"]
-    for r in res["rows"]:
-        ms = "—" if r["max_seq"] is None else f"{r['max_seq']}{'+' if r['capped'] else ''}"
-        lines.append(f"| {r['arm']} | {ms} | {_mib(r['peak_bytes'])} | {r['note']} |")
+    lines = [f"longest sequence under {_mib(res['budget_bytes'])}: {res['workload']['run_id']} on {res['device']}",
+             ""]
+    lines += _md([[r["arm"], "—" if r["max_seq"] is None else f"{r['max_seq']}{'+' if r['capped'] else ''}",
+                   _mib(r["peak_bytes"]), r["note"]] for r in res["rows"]], ["arm", "max seq", "peak", "note"])
     lines += ["", f"Method: {res['method']}; '+' = still fitting at the last length tried."]
     return "\n".join(lines)
 

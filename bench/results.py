@@ -6,7 +6,6 @@ results file carries the numbers the table printed).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -14,6 +13,8 @@ from typing import Any
 
 import numpy as np
 from scipy.stats import binom
+
+from profiling._util import to_plain as to_jsonable  # the one JSON conversion (NaN -> None)
 
 __all__ = [
     "median_ci",
@@ -319,18 +320,3 @@ class BenchResult:
         return a.activation_bytes / b.activation_bytes
 
 
-def to_jsonable(obj: Any) -> Any:
-    """Dataclasses (fields + properties), dicts, lists and floats (NaN -> None) to JSON-ready values."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        for name in dir(type(obj)):
-            if isinstance(getattr(type(obj), name, None), property):
-                out[name] = to_jsonable(getattr(obj, name))
-        return out
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
-        return None
-    return obj

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import pkgutil
+import dataclasses
 import math
+import pkgutil
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -112,20 +113,31 @@ def resolve_callable(spec: str | Callable, where: str) -> Callable:
 
 
 def to_plain(obj: Any) -> Any:
-    """Convert to data ``yaml.safe_dump`` and ``json.dump`` accept: dict/list/str/int/float/bool/None."""
+    """The one conversion to data ``json.dump`` (strict: ``allow_nan=False``) and ``yaml.safe_dump`` accept.
+
+    Dataclasses become their fields plus their properties (derived metrics), mappings and sequences
+    recurse, a non-finite float becomes None (strict JSON has no NaN; None reads as "not measured"),
+    tensors of one element and numpy scalars their value, devices and dtypes their name.
+    """
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
         return int(obj)
     if isinstance(obj, float):
-        return obj if math.isfinite(obj) else str(obj)
+        return obj if math.isfinite(obj) else None
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        for name in dir(type(obj)):
+            if isinstance(getattr(type(obj), name, None), property):
+                out[name] = to_plain(getattr(obj, name))
+        return out
     if isinstance(obj, Mapping):
         return {str(k): to_plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
         items = sorted(obj, key=str) if isinstance(obj, (set, frozenset)) else obj
         return [to_plain(v) for v in items]
     if isinstance(obj, torch.Tensor) and obj.numel() == 1:
-        return obj.item()
+        return to_plain(obj.item())
     if isinstance(obj, (torch.device, torch.dtype)):
         return str(obj)
     if hasattr(obj, "item"):  # numpy scalars

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._format import format_bytes
 from ..errors import OffloadError
 from .cost import OFFLOADING, CostModel, build_cost_model, measure_hardware
 from .host import TIER_SETTINGS, fit_host, tier_bytes
@@ -39,13 +40,6 @@ from .solve import Choice, min_peak, solve
 __all__ = ["Plan", "plan", "find_blocks"]
 
 log = logging.getLogger("offload.planner")
-
-
-def _fmt(n: float) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
@@ -227,7 +221,7 @@ class Plan:
         """Per module: decision, saved bytes, recompute cost, copy cost, hidden or exposed; totals."""
         hw = self.cost.hardware
         lines = [
-            f"offload plan: budget {_fmt(self.budget_bytes)} ({self.budget_bytes} B), solver {self.solver}, "
+            f"offload plan: budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B), solver {self.solver}, "
             f"device {self.device}",
             f"link: D2H {hw.d2h_gb_s:.1f} GB/s, H2D {hw.h2d_gb_s:.1f} GB/s ({hw.source}); copies "
             + ("synchronous: their time is exposed" if hw.synchronous else "on side streams: hidden behind the next block's compute when they fit"),
@@ -236,25 +230,25 @@ class Plan:
         ]
         for r in self._rows():
             lines.append(
-                f"{_label(r):<24} {r['decision']:<18} {_fmt(r['saved_bytes']):>11} {_fmt(r['retained_bytes']):>11} "
-                f"{r['recompute_s'] * 1e3:>8.2f}ms {_fmt(r['copy_bytes']):>11} {r['copy_s'] * 1e3:>8.2f}ms "
+                f"{_label(r):<24} {r['decision']:<18} {format_bytes(r['saved_bytes']):>11} {format_bytes(r['retained_bytes']):>11} "
+                f"{r['recompute_s'] * 1e3:>8.2f}ms {format_bytes(r['copy_bytes']):>11} {r['copy_s'] * 1e3:>8.2f}ms "
                 f"{r['exposed_s'] * 1e3:>8.2f}ms  {r['copy']}"
             )
         meas_p = "not measured" if self.measured_peak_bytes is None else (
-            f"measured {_fmt(self.measured_peak_bytes)} "
+            f"measured {format_bytes(self.measured_peak_bytes)} "
             f"({100 * (self.predicted_peak_bytes / self.measured_peak_bytes - 1):+.1f}% predicted vs measured)")
         meas_t = "not timed" if not self.measured_step_seconds else (
             f"measured {self.measured_step_seconds * 1e3:.1f} ms "
             f"({100 * (self.predicted_step_seconds / self.measured_step_seconds - 1):+.1f}%)")
         lines += [
-            f"peak: predicted {_fmt(self.predicted_peak_bytes)} at {self.binding}; {meas_p}",
+            f"peak: predicted {format_bytes(self.predicted_peak_bytes)} at {self.binding}; {meas_p}",
             f"step: predicted {self.predicted_step_seconds * 1e3:.1f} ms; {meas_t}",
-            f"without a plan: peak {_fmt(self.unplanned_peak_bytes)}, step {self.unplanned_step_seconds * 1e3:.1f} ms; "
-            f"smallest reachable peak {_fmt(self.min_peak_bytes)}",
+            f"without a plan: peak {format_bytes(self.unplanned_peak_bytes)}, step {self.unplanned_step_seconds * 1e3:.1f} ms; "
+            f"smallest reachable peak {format_bytes(self.min_peak_bytes)}",
         ]
         if self.host_tiers:  # issue 25: which host tier each offloading block's copies land in
             lines.append("host tiers: " + "; ".join(
-                f"{n}: " + ", ".join(f"{t} {_fmt(b)}" for t, b in row.items()) for n, row in self.host_tiers.items()))
+                f"{n}: " + ", ".join(f"{t} {format_bytes(b)}" for t, b in row.items()) for n, row in self.host_tiers.items()))
         for name, why in (self.cost.no_recompute if self.cost is not None else {}).items():
             lines.append(f"never recomputed: {name} ({why})")
         return "\n".join(lines)
@@ -399,14 +393,14 @@ def _infeasible(budget: int, cost: CostModel, lowest: dict[str, str], model: nn.
     hint = ("it happens outside every candidate block, so no decision lowers it: shrink the step (batch, "
             "sequence length) or move that work into a candidate" if outside else
             "shrink the step (batch, sequence length), or pass blocks=[...] with more (or larger) candidates")
-    measured = (f" Measured plans peaked above it ({'; '.join(tried)}), so plans need a margin of {_fmt(margin)} "
+    measured = (f" Measured plans peaked above it ({'; '.join(tried)}), so plans need a margin of {format_bytes(margin)} "
                 "below the budget, which none reaches." if tried else "")
     return OffloadError(
-        f"offload.plan: budget_bytes={budget} ({_fmt(budget)}) cannot be met: the smallest peak any plan "
-        f"reaches is {smallest} B ({_fmt(smallest)}), at the {where}.{measured} What holds it: the step's base "
-        f"{_fmt(cost.base)} (parameters {_fmt(params)}, gradients {_fmt(grads)}, buffers and inputs "
-        f"{_fmt(max(0, cost.base - params - grads))}), {_fmt(prefix)} kept by earlier blocks for their backward, "
-        f"and {_fmt(own)} in use within that window. Raise budget_bytes to at least {smallest}, or {hint}."
+        f"offload.plan: budget_bytes={budget} ({format_bytes(budget)}) cannot be met: the smallest peak any plan "
+        f"reaches is {smallest} B ({format_bytes(smallest)}), at the {where}.{measured} What holds it: the step's base "
+        f"{format_bytes(cost.base)} (parameters {format_bytes(params)}, gradients {format_bytes(grads)}, buffers and inputs "
+        f"{format_bytes(max(0, cost.base - params - grads))}), {format_bytes(prefix)} kept by earlier blocks for their backward, "
+        f"and {format_bytes(own)} in use within that window. Raise budget_bytes to at least {smallest}, or {hint}."
     )
 
 
@@ -589,12 +583,12 @@ def plan_from_cost(cost: CostModel, budget_bytes: int, *, model: nn.Module | Non
         peak, _ = p.measure(model, step, warmup=warmup, timed=0)
         if peak <= budget_bytes:
             return p
-        tried.append(f"{_fmt(p.predicted_peak_bytes)} predicted, {_fmt(peak)} measured")
+        tried.append(f"{format_bytes(p.predicted_peak_bytes)} predicted, {format_bytes(peak)} measured")
         log.info("offload.plan: %s measured %d B > budget_bytes=%d (predicted %d B); solving again with a "
                  "margin", p.decisions, peak, budget_bytes, p.predicted_peak_bytes)
         margin = max(margin + peak - budget_bytes, peak - p.predicted_peak_bytes)
     raise OffloadError(
-        f"offload.plan: budget_bytes={budget_bytes} ({_fmt(budget_bytes)}) was not met by a measured plan in "
+        f"offload.plan: budget_bytes={budget_bytes} ({format_bytes(budget_bytes)}) was not met by a measured plan in "
         f"{rounds + 1} tries ({'; '.join(tried)}): the cost model does not describe these candidate blocks "
         "well. Pass blocks=[...] naming whole residual blocks (the children of the model's layer list), or "
         "raise budget_bytes."

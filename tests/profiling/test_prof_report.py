@@ -38,3 +38,41 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ProfilingError, match=r"pip install 'offload\[plot\]'"):
         plot_series({"a": [1]}, tmp_path / "p.png")
+
+
+def test_one_json_conversion_is_strict_and_keeps_derived_metrics():
+    """profiling's to_plain is the bench's to_jsonable too: NaN/inf become null (strict JSON), properties kept."""
+    import dataclasses
+    import json
+
+    import torch
+
+    from bench.results import to_jsonable
+    from profiling._util import to_plain
+
+    assert to_jsonable is to_plain
+
+    @dataclasses.dataclass
+    class R:
+        a: float
+        b: tuple
+
+        @property
+        def twice(self) -> float:
+            return 2 * self.a
+
+    data = to_plain({"r": R(float("nan"), (1.0, float("inf"))), "x": torch.tensor(3.5), "d": torch.float16})
+    text = json.dumps(data, allow_nan=False)  # raises on NaN: the strict-JSON promise
+    assert json.loads(text) == {"r": {"a": None, "b": [1.0, None], "twice": None}, "x": 3.5, "d": "torch.float16"}
+
+
+def test_planner_tables_render_through_the_one_renderer():
+    """bench.plan's tables are tabulate's github tables (aligned columns, '|' in a cell cannot split a row)."""
+    from bench.plan import format_max_seq
+
+    text = format_max_seq({"workload": {"run_id": "w"}, "device": "cpu", "budget_bytes": 2**20, "method": "m",
+                           "rows": [{"arm": "a|b", "max_seq": 128, "capped": True, "peak_bytes": 2**19, "note": "n"}]})
+    table = [ln for ln in text.splitlines() if ln.startswith("|")]
+    assert len(table) == 3 and len({len(ln) for ln in table}) == 1, text  # header, rule, one row, aligned
+    assert all(ln.count("|") == 5 for ln in table), text
+    assert "0.50 MiB" in text and "128+" in text
