@@ -47,6 +47,7 @@ from bench.env import default_run_dir, run_metadata
 from bench.harness import build_model
 from bench.model import make_batch
 from bench.workloads import Workload
+from offload._format import format_bytes, render_table
 
 TARGET_RATIO = 1.25
 """disk@50 step time / host_only step time (issue 25's target)."""
@@ -172,27 +173,30 @@ def run_tiers(workload: Workload, device: str, *, steps: int = 10, warmup: int =
     }
 
 
+def _mib(b: int | float | None) -> str:
+    return format_bytes(b, unit="MiB")
+
+
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
 def format_tiers(res: dict[str, Any]) -> str:
-    mib = lambda b: f"{b / _MiB:.2f}"  # noqa: E731
     d = res["disk_probe"]
-    lines = [
-        f"host tiers: {res['workload']['run_id']} on {res['device']}; one step copies "
-        f"{mib(res['step_copied_bytes'])} MiB",
-        "",
-        "| arm | step s (median) | x host_only | pool MiB/step | pageable MiB/step | disk MiB/step | kept MiB/step (logical) "
-        "| disk write GB/s | disk read GB/s | disk exposed wait s/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = [f"host tiers: {res['workload']['run_id']} on {res['device']}; one step copies "
+             f"{_mib(res['step_copied_bytes'])}", ""]
+    rows = []
     for r in res["rows"]:
         t = r["tiers_per_step"]
         dk = r.get("disk") or {}
         n = max(len(r["bytes_by_step"]), 1)
-        fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
-        lines.append(
-            f"| {r['arm']} | {r['step_s_median']:.4f} | {r['vs_host_only']:.2f} | {mib(t['pool']['bytes'])} | "
-            f"{mib(t['pageable']['bytes'])} | {mib(t['disk']['bytes'])} | {mib(r['kept_host_budget_bytes_per_step'])} | "
-            f"{fmt(dk.get('write_gb_s'))} | {fmt(dk.get('read_gb_s'))} | "
-            f"{fmt(dk['wait_seconds'] / n) if dk else '—'} |")
+        rows.append([r["arm"], f"{r['step_s_median']:.4f}", f"{r['vs_host_only']:.2f}", _mib(t["pool"]["bytes"]),
+                     _mib(t["pageable"]["bytes"]), _mib(t["disk"]["bytes"]),
+                     _mib(r["kept_host_budget_bytes_per_step"]), _num(dk.get("write_gb_s")),
+                     _num(dk.get("read_gb_s")), _num(dk["wait_seconds"] / n) if dk else "—"])
+    lines += render_table(rows, ["arm", "step s (median)", "x host_only", "pool /step", "pageable /step",
+                                 "disk /step", "kept /step (logical)", "disk write GB/s", "disk read GB/s",
+                                 "disk exposed wait s/step"], fmt="github").rstrip("\n").splitlines()
     tg = res["target"]
     lines += [
         "",
@@ -306,13 +310,11 @@ def run_max_seq_host(workload: Workload, device: str, *, host_budget_bytes: int,
 
 
 def format_max_seq_host(res: dict[str, Any]) -> str:
-    lines = [f"longest sequence under {res['budget_bytes'] / _MiB:.1f} MiB of device memory and "
-             f"{res['host_budget_bytes'] / _MiB:.1f} MiB of host pool: {res['workload']['run_id']} on {res['device']}",
-             "", "| arm | max seq | peak MiB |", "|---|---:|---:|"]
-    for r in res["rows"]:
-        ms = "—" if r["max_seq"] is None else f"{r['max_seq']}{'+' if r['capped'] else ''}"
-        pk = "—" if r["peak_bytes"] is None else f"{r['peak_bytes'] / _MiB:.1f}"
-        lines.append(f"| {r['arm']} | {ms} | {pk} |")
+    lines = [f"longest sequence under {_mib(res['budget_bytes'])} of device memory and "
+             f"{_mib(res['host_budget_bytes'])} of host pool: {res['workload']['run_id']} on {res['device']}", ""]
+    rows = [[r["arm"], "—" if r["max_seq"] is None else f"{r['max_seq']}{'+' if r['capped'] else ''}",
+             _mib(r["peak_bytes"])] for r in res["rows"]]
+    lines += render_table(rows, ["arm", "max seq", "peak"], fmt="github").rstrip("\n").splitlines()
     lines += ["", f"Method: {res['method']}; '+' = still fitting at the last length tried."]
     return "\n".join(lines)
 
