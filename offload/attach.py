@@ -34,7 +34,7 @@ from torch import nn
 
 from . import _torch_private
 from ._warn import warn_user
-from .engine import active_engine
+from ._observers import active_engine
 
 if TYPE_CHECKING:
     from .engine import OffloadActivations

@@ -21,7 +21,7 @@ import torch
 
 from .pool import PIN_ALLOCATORS
 
-__all__ = ["OffloadConfig"]
+__all__ = ["OffloadConfig", "resolve_device", "settled_config"]
 
 ON_HOST_BUDGET = ("keep", "pageable", "raise")
 _MiB = 1 << 20
@@ -297,3 +297,63 @@ def _yaml_load(text: str) -> Any:
         list("-+0123456789"),
     )
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+# -- what the engine makes of its arguments -------------------------------------------
+
+
+def resolve_device(device: Any) -> torch.device | None:
+    """The device an engine's ``device`` setting names: None = the current accelerator (None when
+    there is none: pass-through), else the parsed device, checked to exist on this machine."""
+    if device is None:
+        if not torch.accelerator.is_available():
+            return None
+        acc = torch.accelerator.current_accelerator()
+        idx_fn = getattr(torch.accelerator, "current_device_index", None) or torch.accelerator.current_device_idx
+        return torch.device(acc.type, idx_fn())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"OffloadActivations: device={device!r} is not a device ({e}). Pass None for the "
+            "current accelerator, 'cpu' to offload CPU tensors into the host pool, or e.g. 'cuda:0'."
+        ) from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    mod = getattr(torch, dev.type, None)
+    available = mod is not None and hasattr(mod, "is_available") and mod.is_available()
+    if not available:
+        raise ValueError(
+            f"OffloadActivations: device={device!r} is not available on this machine "
+            f"(torch.{dev.type}.is_available() is False). Pass None to use the current "
+            "accelerator (pass-through when there is none) or 'cpu'."
+        )
+    idx = dev.index if dev.index is not None else mod.current_device()
+    count = mod.device_count()
+    if idx >= count:
+        raise ValueError(
+            f"OffloadActivations: device={device!r} does not exist: this machine has {count} "
+            f"{dev.type} device(s) (indices 0..{count - 1})."
+        )
+    return torch.device(dev.type, idx)
+
+
+def settled_config(settings: dict[str, Any], config: OffloadConfig | None) -> OffloadConfig:
+    """The engine's OffloadConfig: built from ``settings`` (validated there), or ``config`` when
+    given, then with no setting also passed as an argument."""
+    if config is None:
+        return OffloadConfig(**settings)  # validates every setting (type and range)
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(
+            f"OffloadActivations: config={config!r} is not an OffloadConfig (got "
+            f"{type(config).__name__}). Build one with OffloadConfig(...) or "
+            "OffloadConfig.from_dict(d)."
+        )
+    defaults = OffloadConfig()
+    both = sorted(k for k, v in settings.items() if v != getattr(defaults, k))
+    if both:
+        raise TypeError(
+            f"OffloadActivations: {both} given both as argument(s) and through config=; "
+            "pass each setting one way: config.replace(name=value) changes a config."
+        )
+    return config

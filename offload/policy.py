@@ -20,6 +20,8 @@ import psutil
 import torch
 from torch import nn
 
+from ._torch_private import graph_task_id_c as _graph_task_id
+
 __all__ = [
     "REASONS",
     "TOO_SMALL",
@@ -294,33 +296,45 @@ def classify(
     stack_modules: Iterable[nn.Module] | Callable[[], Iterable[nn.Module]],
     nbytes: int | None = None,
     ptr: int | None | object = _UNREAD,
+    after_head: bool = False,
 ) -> str:
     """Return "" to offload ``t`` or the reason to keep it on its device.
 
-    Order matters: what a tensor *is* (parameter, unsupported type, wrong
-    device) wins over where it was saved (excluded region), which wins over
-    how big it is. ``static_ptrs`` holds storages of a model given to the
-    engine up front (``model_storages``: storage -> PARAMETER / BUFFER; a set
-    means PARAMETER for each); ``stack_modules`` are the modules whose forward is running
-    now (or a function returning them, called only for a tensor that would
-    otherwise be offloaded), so buffers such as RoPE tables are caught without
-    knowing the model in advance. ``nbytes`` (numel x element size) and
+    The one statement of the rules for a saved tensor (the engine's pack hook
+    calls it; ``offload/_native/pack.cpp`` restates its keep path in C++ and
+    ``tests/offload/test_native.py`` keeps the two equal). Order matters: what a
+    tensor *is* (parameter, unsupported type, wrong device) wins over where it
+    was saved (excluded region), which wins over how big it is; a tensor the
+    policy would move or found too small stays when it was saved during a
+    backward pass (``in_backward``, Rule 11) or after the output head
+    (``after_head``, Rule 8). ``static_ptrs`` holds storages of a model given to
+    the engine up front (``model_storages``: storage -> PARAMETER / BUFFER; a set
+    means PARAMETER for each); ``stack_modules`` are the modules whose forward is
+    running now (or a function returning them, called only for a leaf that
+    would otherwise be offloaded), so buffers such as RoPE tables are caught
+    without knowing the model in advance. ``nbytes`` (numel x element size) and
     ``ptr`` (``storage_ptr(t)``; None for a tensor without a storage) save
     reading them again when the caller has them.
 
     Runs once per saved tensor on the kernel-launching thread, so the cheap
     tests come first and the storage walks only for offload candidates.
     """
-    return _classify(t, device, min_offload_size, excluded, static_ptrs, stack_modules, nbytes, ptr)
+
+    def owner(p: int) -> str:
+        return _owns_storage(stack_modules() if callable(stack_modules) else stack_modules, p)
+
+    return _classify(t, device, min_offload_size, excluded, static_ptrs, owner, nbytes, ptr, after_head)
 
 
 def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excluded: bool,
-              static_ptrs: "dict[int, str] | set[int]", stack_modules: Any, nbytes: int | None,
-              ptr: Any) -> str:
-    """``classify`` with positional arguments (a keyword call costs the pack hook ~0.2 us)."""
+              static_ptrs: "dict[int, str] | set[int]", owner: Callable[[int], str], nbytes: int | None,
+              ptr: Any, after_head: bool) -> str:
+    """``classify`` with positional arguments (a keyword call costs the pack hook ~0.2 us) and
+    ``owner(ptr)``: PARAMETER / BUFFER when a running module's parameter / buffer lives on ``ptr``."""
     # is_static_tensor and is_unsupported, inlined for the plain-tensor case.
+    leaf = t.is_leaf
     if type(t) is _Tensor:
-        if getattr(t, "_is_param", False) and t.is_leaf:
+        if leaf and getattr(t, "_is_param", False):
             # nn.Parameter's flag for a tensor it cannot subclass; a tensor with autograd
             # history is never a parameter itself (a view of one is caught through _base).
             return PARAMETER
@@ -343,16 +357,21 @@ def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excl
     if nbytes is None:
         nbytes = t.numel() * t.element_size()
     if nbytes == 0 or nbytes < min_offload_size:
-        return TOO_SMALL
+        return _where_saved(TOO_SMALL, after_head)
     if ptr in static_ptrs:
         return static_ptrs[ptr] if type(static_ptrs) is dict else PARAMETER
-    if not t.is_leaf:
-        # Autograd history: computed in this forward, so not a parameter or buffer (a
-        # parameter's view was caught through its _base above). Only leaves can be.
-        return ""
-    if callable(stack_modules):
-        stack_modules = stack_modules()
-    return _owns_storage(stack_modules, ptr)
+    # Autograd history: computed in this forward, so not a parameter or buffer (a
+    # parameter's view was caught through its _base above). Only leaves can be.
+    return (leaf and owner(ptr)) or _where_saved("", after_head)
+
+
+def _where_saved(reason: str, after_head: bool) -> str:
+    """Where it was saved decides for a tensor the policy would move or found too small."""
+    if _graph_task_id() >= 0:
+        return IN_BACKWARD  # Rule 11
+    if after_head:
+        return AFTER_HEAD  # Rule 8
+    return reason
 
 
 class RamCeiling:

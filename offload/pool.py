@@ -74,7 +74,6 @@ keeps them).
 
 from __future__ import annotations
 
-import bisect
 import collections
 import logging
 import threading
@@ -85,6 +84,7 @@ from typing import Any
 import torch
 
 from . import _torch_private
+from ._arena import _PAGE, _Arena, _Chunk, _page_ceil, _pow2_ceil, _pow2_floor, packs, plan_chunks
 
 __all__ = ["HostPool", "HostBuffer", "PIN_ALLOCATORS"]
 
@@ -96,23 +96,10 @@ CachingHostAllocator; chunks are powers of two, so its rounding wastes nothing);
 "exact" = page-aligned pageable memory registered with cudaHostRegister as a whole
 chunk (CUDA only; falls back to "caching" when registration fails)."""
 
-_PAGE = 4096
 _REC_LIMIT = 1 << 20
 """Most take/give events recorded for one step (the record is dropped beyond it)."""
 _ALIGN = 64
 """Every buffer starts on a 64-byte boundary (cache line; any dtype view is aligned)."""
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
-def _page_ceil(n: int) -> int:
-    return -(-n // _PAGE) * _PAGE
 
 
 def _unregister(region: torch.Tensor) -> None:
@@ -120,106 +107,6 @@ def _unregister(region: torch.Tensor) -> None:
     # unregistering under one is undefined: wait first.
     torch.cuda.synchronize()
     _torch_private.unregister_host_memory(region)
-
-
-class _Chunk:
-    """One allocation the pool carves buffers from."""
-
-    __slots__ = ("seq", "tensor", "nbytes", "pinned", "registered", "used", "starts", "ends",
-                 "last_step", "__weakref__")
-
-    def __init__(self, seq: int, tensor: torch.Tensor, nbytes: int, pinned: bool, registered: bool) -> None:
-        self.seq = seq
-        self.tensor: torch.Tensor | None = tensor
-        self.nbytes = nbytes
-        self.pinned = pinned
-        self.registered = registered
-        self.used = 0
-        """Bytes of this chunk handed out (aligned spans)."""
-        self.starts: dict[int, int] = {0: nbytes}
-        """Free ranges: offset -> size."""
-        self.ends: dict[int, int] = {nbytes: 0}
-        """Free ranges: end offset -> offset (to merge with a freed left neighbour)."""
-        self.last_step = 0
-        """The last step (trim count) in which a buffer was carved from this chunk."""
-
-
-class _Arena:
-    """Free ranges of a set of chunks: best-fit carving and merging frees (no memory of its own,
-    so the planner can pack a recorded step into candidate chunk sets with the same rules)."""
-
-    __slots__ = ("chunks", "index")
-
-    def __init__(self) -> None:
-        self.chunks: dict[int, _Chunk] = {}
-        self.index: list[tuple[int, int, int]] = []
-        """Free ranges as (size, chunk seq, offset), sorted: best fit, then oldest chunk, lowest offset."""
-
-    def add(self, chunk: _Chunk) -> None:
-        self.chunks[chunk.seq] = chunk
-        bisect.insort(self.index, (chunk.nbytes, chunk.seq, 0))
-
-    def remove(self, chunk: _Chunk) -> None:
-        """Forget a wholly free chunk."""
-        del self.chunks[chunk.seq]
-        self._unindex(chunk.nbytes, chunk.seq, 0)
-
-    def carve(self, span: int) -> tuple[_Chunk, int] | None:
-        """The smallest free range of at least ``span`` bytes, split at its start."""
-        i = bisect.bisect_left(self.index, (span,))
-        if i == len(self.index):
-            return None
-        size, seq, off = self.index.pop(i)
-        chunk = self.chunks[seq]
-        del chunk.starts[off]
-        del chunk.ends[off + size]
-        if size > span:
-            rest = off + span
-            bisect.insort(self.index, (size - span, seq, rest))
-            chunk.starts[rest] = size - span
-            chunk.ends[off + size] = rest
-        chunk.used += span
-        return chunk, off
-
-    def free(self, chunk: _Chunk, off: int, size: int) -> None:
-        """Return ``[off, off + size)`` of ``chunk``, merged with free neighbours."""
-        chunk.used -= size
-        left = chunk.ends.pop(off, None)
-        if left is not None:
-            lsize = chunk.starts.pop(left)
-            self._unindex(lsize, chunk.seq, left)
-            off, size = left, size + lsize
-        rsize = chunk.starts.pop(off + size, None)
-        if rsize is not None:
-            del chunk.ends[off + size + rsize]
-            self._unindex(rsize, chunk.seq, off + size)
-            size += rsize
-        chunk.starts[off] = size
-        chunk.ends[off + size] = off
-        bisect.insort(self.index, (size, chunk.seq, off))
-
-    def _unindex(self, size: int, seq: int, off: int) -> None:
-        del self.index[bisect.bisect_left(self.index, (size, seq, off))]
-
-
-def _packs(sizes: list[int], spans: list[int], events: list[int]) -> bool:
-    """Whether a recorded step (``events``: k >= 0 takes ``spans[k]``, k < 0 gives back
-    take ``-k - 1``) packs into fresh chunks of ``sizes`` without growing."""
-    arena = _Arena()
-    for seq, size in enumerate(sizes):
-        arena.add(_Chunk(seq, None, size, False, False))
-    where: dict[int, tuple[_Chunk, int]] = {}
-    for ev in events:
-        if ev >= 0:
-            got = arena.carve(spans[ev])
-            if got is None:
-                return False
-            where[ev] = got
-        else:
-            k = -ev - 1
-            chunk, off = where.pop(k)
-            arena.free(chunk, off, spans[k])
-    return True
 
 
 @dataclass(eq=False)
@@ -327,26 +214,14 @@ class HostPool:
         self._rec_clean = True  # the step began with nothing in use and no take was refused
         self._takes = 0
         self._relaid = False
-        self._reserved = 0
-        self._in_use = 0
-        self._peak_reserved = 0
-        self._peak_in_use = 0
-        self._allocations = 0
-        self._reuses = 0
-        self._pin_failures = 0
-        self._evictions = 0
-        self._received_bytes = 0
-        self._window_peak_in_use = 0
-        self._used_span = 0  # bytes of chunks handed out (aligned spans)
-        self._window_peak_span = 0
+        # Byte gauges and their peaks; _used_span: bytes of chunks handed out (aligned spans).
+        self._reserved = self._in_use = self._peak_reserved = self._peak_in_use = 0
+        self._used_span = self._window_peak_span = self._window_peak_in_use = 0
+        # Counters (stats()).
+        self._allocations = self._reuses = self._pin_failures = self._evictions = 0
+        self._received_bytes = self._trimmed = self._released_chunks = self._relayouts = 0
+        self._refused = self._never_fit = self._overflow_bytes = self._overflow_count = 0
         self._stepped = False  # a step that used the pool has ended
-        self._trimmed = 0
-        self._released_chunks = 0
-        self._relayouts = 0
-        self._refused = 0
-        self._never_fit = 0
-        self._overflow_bytes = 0
-        self._overflow_count = 0
 
     # -- chunks -------------------------------------------------------------
 
@@ -553,34 +428,6 @@ class HostPool:
 
     # -- end of step: re-layout and trim --------------------------------------
 
-    def _plan(self, spans: list[int], events: list[int], limit: int) -> list[int] | None:
-        """The smallest chunk set (found in a few tries) that the recorded step packs into,
-        if its total is at most ``limit``."""
-        used = peak = 0
-        for ev in events:
-            used += spans[ev] if ev >= 0 else -spans[-ev - 1]
-            peak = max(peak, used)
-        if peak == 0:
-            return None
-        if self._pow2:
-            grain = max(self.min_chunk_bytes, _pow2_floor(peak // 64))
-        else:
-            grain = max(_PAGE, _page_ceil(peak // 64))
-        total = -(-peak // grain) * grain
-        if self.capacity_bytes is not None:
-            limit = min(limit, self.capacity_bytes)
-        for _ in range(16):
-            if total > limit:
-                return None
-            if self._pow2:  # power-of-two chunks: the bits of total, largest first
-                sizes = [1 << b for b in range(total.bit_length() - 1, -1, -1) if total >> b & 1]
-            else:
-                sizes = [total]
-            if _packs(sizes, spans, events):
-                return sizes
-            total += grain
-        return None
-
     def _relayout(self) -> None:
         """At the end of the first step, swap its chunks for the smallest set its requests
         provably pack into: for power-of-two chunks when they exceed ``relayout_above`` x its
@@ -598,7 +445,8 @@ class HostPool:
             if len(self._arena.chunks) == 1:
                 return
             limit = self._reserved + self._reserved // 32
-        sizes = self._plan(spans, events, limit)
+        sizes = plan_chunks(spans, events, limit, pow2=self._pow2, min_chunk_bytes=self.min_chunk_bytes,
+                            capacity_bytes=self.capacity_bytes)
         if sizes is None:
             return
         released = self._free_chunks()
@@ -653,7 +501,7 @@ class HostPool:
             # Only if the step just ended still packs into what stays: a loop whose steps
             # repeat never has to allocate again.
             stay = [c.nbytes for c in sorted(self._arena.chunks.values(), key=lambda c: c.seq) if c not in gone]
-            if not (clean and _packs(stay, self._rec_spans, self._rec_events)):
+            if not (clean and packs(stay, self._rec_spans, self._rec_events)):
                 return []
         for chunk in gone:
             self._release_chunk(chunk)

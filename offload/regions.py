@@ -11,17 +11,16 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ._warn import user_stacklevel
-from .engine import _Kept
+from ._exclusion import RegionHandle, exclude_module, keep_after_module, warn_unused_regions
+from ._handles import _Kept
+from .engine import OffloadActivations
 
-if TYPE_CHECKING:
-    from .engine import OffloadActivations
 
 log = logging.getLogger(__name__)
 
@@ -52,144 +51,6 @@ class NoOpManager(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(_Kept, _Kept.unpack)
 
 
-class RegionHandle:
-    """Removable handle of an excluded module (``remove()`` undoes it; idempotent)."""
-
-    def __init__(self, handles: list[Any], name: str = "") -> None:
-        self._handles = handles
-        self.name = name
-        """Class name of the excluded module (for messages)."""
-        self.fired = 0
-        """How many times the excluded module's forward has started."""
-        self.warned = False
-        self.optional: bool | Callable[[], bool] = False
-        """True (or a callable returning True) when not running is expected: ``warn_unused_regions``
-        then says nothing (another region covers it, or the model skips it by design)."""
-
-    @property
-    def active(self) -> bool:
-        return bool(self._handles)
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def __enter__(self) -> "RegionHandle":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
-
-
-def exclude_module(engine: "OffloadActivations", module: nn.Module, *, keep_after: bool = False,
-                   root: nn.Module | None = None) -> RegionHandle:
-    """Keep tensors saved inside ``module``'s forward on the device, recorded (Rule 8).
-
-    ``keep_after=True`` (the output head) also keeps what is saved after the
-    module's forward until the next call of ``root`` (default: the engine's
-    ``model``) or the next outermost entry of the engine: the loss computed
-    inside or after the model is what backward needs first.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"OffloadActivations.exclude: module must be an nn.Module, got {type(module).__name__}. "
-            "To exclude a code region rather than a module, use `with ctx.excluded():`."
-        )
-
-    # Under a whole-model torch.compile, the engine's hooks only see the saved
-    # tensors after the compiled region ran, so a counter bumped while tracing
-    # would exclude nothing. Disabling dynamo on these hooks makes the
-    # compiler break the graph around the excluded module: its saved tensors
-    # are then packed while the region is still marked (two graph breaks,
-    # around the output head by default, in exchange for correct accounting).
-    # The hooks hold the engine weakly and are removed when it dies: a context
-    # rebuilt every step must not pin old engines (and their host pools).
-    # The region counts only on a thread where the engine is entered, and the
-    # post hook undoes only what its own pre hook did; the engine restores the
-    # thread's region state at its outermost exit, so a KeyboardInterrupt
-    # between the two hooks (always_call hooks do not run on it) cannot leave
-    # every later step excluded.
-    eng_ref = weakref.ref(engine)
-
-    @torch._dynamo.disable
-    def pre(mod: nn.Module, args: Any) -> None:
-        eng = eng_ref()
-        if eng is None or eng not in _active_engines():
-            return
-        st = eng._thread()
-        st.excluded_depth += 1
-        st.region_stack.append(mod)
-        handle.fired += 1
-
-    @torch._dynamo.disable
-    def post(mod: nn.Module, args: Any, out: Any) -> None:
-        eng = eng_ref()
-        if eng is None:
-            return
-        st = eng._thread()
-        for i in range(len(st.region_stack) - 1, -1, -1):
-            if st.region_stack[i] is mod:
-                del st.region_stack[i]
-                st.excluded_depth -= 1
-                if keep_after:
-                    st.after_head = True
-                return
-
-    hooks = [
-        module.register_forward_pre_hook(pre),
-        # always_call: the depth is restored even when the module's forward raises.
-        module.register_forward_hook(post, always_call=True),
-    ]
-    if keep_after:
-        if root is None and engine._model_ref is not None:
-            root = engine._model_ref()
-        if root is not None and root is not module:
-
-            @torch._dynamo.disable
-            def new_call(mod: nn.Module, args: Any) -> None:
-                eng = eng_ref()
-                if eng is not None:
-                    eng._thread().after_head = False
-
-            hooks.append(root.register_forward_pre_hook(new_call))
-    handle = RegionHandle(hooks, name=type(module).__name__)
-    engine._regions.append(handle)
-    weakref.finalize(engine, handle.remove)
-    return handle
-
-
-def keep_after_module(engine: "OffloadActivations", module: nn.Module) -> RegionHandle:
-    """Keep what is saved after ``module``'s forward returns, until its next call (reason ``after_head``).
-
-    For a model's body (``find_backbone``): whatever runs on its output (the
-    head, the loss) is kept even when no head module runs, as with TRL's
-    SFTTrainer, which multiplies by ``lm_head.weight`` itself (a fused,
-    chunked head). The state is the one ``exclude_module(keep_after=True)``
-    sets, so the engine's outermost entry resets it too.
-    """
-    eng_ref = weakref.ref(engine)
-
-    @torch._dynamo.disable
-    def pre(mod: nn.Module, args: Any) -> None:
-        eng = eng_ref()
-        if eng is not None and eng in _active_engines():
-            eng._thread().after_head = False
-
-    @torch._dynamo.disable
-    def post(mod: nn.Module, args: Any, out: Any) -> None:
-        eng = eng_ref()
-        if eng is not None and eng in _active_engines():
-            eng._thread().after_head = True
-            handle.fired += 1
-
-    hooks = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    handle = RegionHandle(hooks, name=f"after {type(module).__name__}")
-    engine._regions.append(handle)
-    weakref.finalize(engine, handle.remove)
-    return handle
-
-
 def find_backbone(model: nn.Module) -> nn.Module | None:
     """The body of a Hugging Face model with a head (``LlamaModel`` in ``LlamaForCausalLM``), or None.
 
@@ -200,34 +61,6 @@ def find_backbone(model: nn.Module) -> nn.Module | None:
     inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
     body = getattr(inner, "base_model", None)
     return body if isinstance(body, nn.Module) and body is not inner else None
-
-
-def _active_engines() -> list[Any]:
-    from .engine import _engines
-
-    return _engines()
-
-
-def warn_unused_regions(engine: "OffloadActivations") -> None:
-    """Warn once per excluded module whose forward never ran while the engine packed.
-
-    The usual cause is a model compiled as a whole before the exclusion was
-    registered: its cached graph does not run the new hooks, so the module's
-    tensors are offloaded like the rest. Silence would hide exactly that.
-    """
-    for h in engine._regions:
-        if h.active and h.fired == 0 and not h.warned and not (h.optional() if callable(h.optional) else h.optional):
-            h.warned = True
-            warnings.warn(
-                f"OffloadActivations.exclude({h.name}): a step finished without that module's "
-                "forward running under the engine, so nothing was excluded. If the model is "
-                "torch.compile'd as a whole and was run before the exclusion was registered, its "
-                "cached graph skips the exclusion hooks and the module's activations are offloaded. "
-                "Fix: create the offload context (get_act_offloading_ctx_manager) before the first "
-                "compiled call, or compile the blocks individually.",
-                stacklevel=user_stacklevel(),
-            )
-    engine._regions = [h for h in engine._regions if h.active]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -333,8 +166,6 @@ def get_act_offloading_ctx_manager(
         )
     if not enable_activation_offloading:
         return contextlib.nullcontext()
-    from .engine import OffloadActivations
-
     kwargs.setdefault("model", model)
     ctx = OffloadActivations(**kwargs)
     handles = exclude_output_head(ctx, model)

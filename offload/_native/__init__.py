@@ -1,7 +1,7 @@
 """The pack hook's keep path in C++ (``OffloadConfig(native_hooks=True)``).
 
 ``pack.cpp`` decides and records, for a tensor the engine keeps, exactly what
-``OffloadActivations._pack`` would; it hands every other tensor (offload
+``OffloadActivations._pack`` (``offload/_packing.py``) would; it hands every other tensor (offload
 candidates, subclasses, anything unusual, packs on another thread than the
 one that entered the engine, every pack an observer would see) to ``_pack``
 before doing anything. The Python hook stays the
@@ -89,7 +89,7 @@ def _constants() -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from .. import _spans, engine, ledger, modules, policy
+    from .. import _handles, _observers, _spans, ledger, modules, policy
 
     return {
         "tensor_type": torch.Tensor, "parameter_type": nn.Parameter,
@@ -98,6 +98,7 @@ def _constants() -> dict[str, Any]:
         "in_backward": policy.IN_BACKWARD, "after_head": policy.AFTER_HEAD,
         "kept": ledger.KEPT, "is_param": policy._is_param,
         "module_names": modules._names, "current_module_name": modules.current_module_name,
-        "observer_count": engine._observer_count, "observer_tls": engine._tls, "step_type": engine._Step,
+        "observer_count": _observers._observer_count, "observer_tls": _observers._tls,
+        "step_type": _handles._Step,
         "byte_span": _spans.byte_span,
     }

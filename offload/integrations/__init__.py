@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import OffloadConfig, check_keywords
-from ..engine import OffloadActivations, _resolve_device
+from ..config import resolve_device
+from ..engine import OffloadActivations
 from ..ledger import TIERS, StepTotals
 
 __all__ = ["step_figures", "FIGURE_KEYS"]
@@ -71,7 +72,7 @@ def _callback_config(owner: str, config: OffloadConfig | None, engine_kwargs: di
                               *OffloadConfig.field_names()), engine_kwargs)
         config = OffloadConfig(**engine_kwargs)
     try:
-        _resolve_device(config.device)
+        resolve_device(config.device)
     except ValueError as e:
         raise ValueError(f"{owner}: {e}") from None
     return config

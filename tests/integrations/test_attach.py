@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from offload import OffloadActivations, active_engine
-from offload.engine import _engines
+from offload._observers import _engines
 from offload.modules import current_modules
 from offload_testkit import (
     TINY,

@@ -644,7 +644,7 @@ def test_module_names_follow_renames_and_deaths(fresh_wrapper):
 def test_observer_count_survives_double_removal():
     """The pack hook looks for observers only while any is registered (``_observer_count``); removing
     a handle twice must not count it twice, or a live observer would stop seeing packs."""
-    from offload import engine as eng
+    from offload import _observers as eng
 
     model = _toy()
     ctx = OffloadActivations(device="cpu", min_offload_size=0)

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from torch import nn
 
 from offload import OffloadActivations, OffloadConfig, OffloadError, _native, add_pack_observer
-from offload import engine as eng_mod
+from offload import _handles, _observers, _packing
 from offload import get_act_offloading_ctx_manager
 
 from offload_testkit import (
@@ -228,9 +228,9 @@ def test_native_pass_through_engine_uses_the_python_hook():
 def test_native_constants_match_the_engine_module():
     """configure() got the engine's own objects (identity compares in C++ rely on it)."""
     consts = _native._constants()
-    assert consts["observer_count"] is eng_mod._observer_count
-    assert consts["step_type"] is eng_mod._Step
-    assert consts["parameter"] is eng_mod._PARAMETER
+    assert consts["observer_count"] is _observers._observer_count
+    assert consts["step_type"] is _handles._Step
+    assert consts["parameter"] is _packing._PARAMETER
 
 
 def test_native_loss_of_toy_under_autocast_matches():

@@ -1,0 +1,277 @@
+"""The engine's backward side: one ``_Pass`` per autograd graph task, reloads and prefetch.
+
+An offloaded handle's unpack (``_reload``) checks its version (Rule 6), takes
+the bytes from where they are (the still-alive source, a sibling's reloaded
+base, a prefetch, or a new host-to-device copy), rebuilds the tensor with its
+original layout (Rule 5) and loads the handles packed just before it (backward
+order) within the prefetch budget. The end of a graph task releases what it
+held and closes the ledger step after the last pass (Rules 1, 11, 12 of NOTE
+[ Offload lifetime rules ] in ``offload/engine.py``). A mixin of
+``OffloadActivations``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _torch_private, _verify
+from ._copies import _span
+from ._handles import _HostCopy, _inplace_error, _Offloaded
+from .streams import Copy
+
+if TYPE_CHECKING:
+    import threading
+
+_graph_task_id = _torch_private.graph_task_id_c
+_Tensor = torch.Tensor
+
+
+class _Pass:
+    """One autograd graph task's view of the engine (Rule 12).
+
+    Queued as the graph task's end-of-backward callback: called when the pass
+    finishes; released (``__del__``) with the graph task when it fails, so a
+    failed backward cleans up as soon as autograd drops it.
+    """
+
+    __slots__ = ("engine", "gid", "touched", "prefetched", "prefetched_bytes", "ended", "__weakref__")
+
+    def __init__(self, engine: Any, gid: int) -> None:
+        self.engine = engine
+        self.gid = gid
+        # Weak: these must not keep host copies (or reloaded device bytes)
+        # alive after the graph is freed.
+        self.touched: list[weakref.ref] = []
+        self.prefetched: list[weakref.ref] = []
+        self.prefetched_bytes = 0
+        self.ended = False
+
+    def __call__(self) -> None:
+        self.engine._end_pass(self)
+
+    def __del__(self) -> None:
+        if not self.ended:
+            try:
+                self.engine._end_pass(self)
+            except Exception:  # interpreter shutdown
+                pass
+
+
+class _Backward:
+    """Backward-side methods of ``OffloadActivations`` (its ``__init__`` sets the state)."""
+
+    _backend: Any
+    _lock: "threading.RLock"
+    _passes: "weakref.WeakValueDictionary[int, _Pass]"
+    _last_pass: tuple[int, weakref.ref] | None
+    _max_copy_bytes: int
+    prefetch_bytes: int | None
+    tiers: Any
+
+    def _begin_backward_pass(self) -> _Pass | None:
+        """This graph task's pass state, created (and its end queued) at its first unpack."""
+        gid = _graph_task_id()
+        if gid < 0:
+            return None  # unpacked outside backward (e.g. grad_fn._saved_*): nothing to track
+        last = self._last_pass  # (gid, weak _Pass): skips the WeakValueDictionary per unpack
+        if last is not None and last[0] == gid:
+            p = last[1]()
+            if p is not None and not p.ended:
+                return p
+        p = self._passes.get(gid)
+        if p is None:
+            with self._lock:
+                p = self._passes.get(gid)
+                if p is None:
+                    p = _Pass(self, gid)
+                    self._passes[gid] = p
+                    _torch_private.queue_end_of_backward(p)
+        self._last_pass = (gid, weakref.ref(p))  # graph task ids are never reused
+        return p
+
+    def _reload(self, h: _Offloaded) -> torch.Tensor:
+        """The unpack of an offloaded handle."""
+        p = self._begin_backward_pass()
+        tracker = h.tracker
+        now = tracker._version if type(tracker) is _Tensor else getattr(tracker(), "_version", h.version)
+        if now != h.version:
+            shape, _, _, dtype = h.layout[:4]
+            raise _inplace_error(shape, dtype, now, h.version)
+        entry = h.stash
+        hc = h.hc
+        if entry is not None and entry.src is not None and hc.users == 1:
+            # The source is still alive (its copy may be in flight): use it as is. Not when
+            # other handles share the host copy: they get views of one reloaded base, and an
+            # in-place write through one must be seen by the others' checks (Rule 6).
+            h.rec.note = "reused_source"
+            # Allocated on the producer stream: a consumer on another stream is recorded (Rule 4).
+            self._backend.record_consumer(entry.src, entry.copy)
+            return entry.src
+        base, copy, held = self._device_bytes(h, hc)
+        if copy.done is not None:  # (a synchronous copy is complete)
+            self._wait(copy)
+        if held is None and hc.checksum is not None:  # a new base: checked once (NOTE [ Verified offload ])
+            rec = h.rec
+            # (A disk-tier copy has no host tensor left; its file is CRC-checked by the disk tier.)
+            host = hc.buf.tensor if hc.tier != "disk" else base
+            _verify.check_reload(hc.checksum, base, host, copy.done, module=rec.module,
+                                 shape=h.layout[0], dtype=rec.dtype, step=rec.step)
+        out = self._rebuild(h, hc, base, copy)
+        if p is not None:
+            with self._lock:
+                if hc.used == 0:
+                    p.touched.append(weakref.ref(hc))
+                hc.used += 1
+                # Keep the bytes on the device until every sibling view has been
+                # unpacked once, instead of reloading the storage per view.
+                if hc.used < hc.users:
+                    hc.held = held if held is not None else (base, copy, base._version)
+                else:
+                    hc.held = None
+            if self.prefetch_budget != 0:
+                self._prefetch_after(h, p)
+            if self.tiers.disk is not None:
+                self._disk_readahead(h)
+        return out
+
+    def _disk_readahead(self, h: _Offloaded) -> None:
+        """Start reading the disk-tier copies packed just before ``h`` (backward order: the order
+        prefetch uses) on the disk tier's reader thread, up to ``disk_readahead_bytes``."""
+        order = h.order
+        if order is None:
+            return
+        disk = self.tiers.disk
+        with self._lock:
+            i = min(h.index, len(order)) - 1
+            seen = 0
+            while i >= 0 and seen < 64:
+                x = order[i]()
+                i -= 1
+                if x is None:
+                    continue
+                seen += 1
+                hc = x.hc
+                if hc.tier != "disk" or hc.used >= hc.users or hc.prefetched is not None:
+                    continue
+                if hc.buf.read is None and not disk.prefetch(hc.buf):
+                    if hc.buf.state == "on_disk":
+                        break  # the read-ahead budget is full
+
+    def _device_bytes(self, h: _Offloaded, hc: _HostCopy) -> tuple[torch.Tensor, Copy, Any]:
+        """The reloaded flat base of ``hc`` and its copy: a sibling's, a prefetch's, or a new load;
+        with the sibling's ``held`` entry when there was one."""
+        with self._lock:
+            held, pre = hc.held, hc.prefetched
+            if held is None and pre is not None:
+                hc.prefetched = None
+                q = self._passes.get(pre[2])
+                if q is not None:
+                    q.prefetched_bytes -= hc.nbytes
+        if held is not None:
+            base, copy, version = held
+            if base._version != version:
+                # A sibling's reloaded tensor was modified in place during this
+                # backward: autograd raises here too (Rule 6).
+                shape, _, _, dtype = h.layout[:4]
+                raise _inplace_error(shape, dtype, base._version, version)
+            return base, copy, held
+        if pre is not None:
+            return pre[0], pre[1], None
+        base, copy = self._load(hc, h.rec)
+        return base, copy, None
+
+    def _rebuild(self, h: _Offloaded, hc: _HostCopy, base: torch.Tensor, copy: Copy) -> torch.Tensor:
+        """The saved tensor again, from the reloaded base: original size, stride and offset (Rule 5)."""
+        shape, stride, offset, dtype, device, conj, neg = h.layout
+        es = dtype.itemsize
+        if hc.users > 1 and hc.nbytes % es == 0:
+            # Views of one base share its version counter, so an in-place
+            # write through one reloaded tensor is seen by the others (Rule 6).
+            out = base.view(dtype).as_strided(shape, stride, offset)
+        elif offset == 0 and len(shape) == 1 and stride == (1,) and shape[0] * es == hc.nbytes:
+            # The whole reloaded base as a 1-D tensor: a dtype view of it is a
+            # third of the cost of set_ on a new tensor (the base has no other user).
+            out = base.view(dtype)
+        else:
+            out = torch.empty(0, dtype=dtype, device=device).set_(base.untyped_storage(), offset, shape, stride)
+        if conj:
+            out = out.conj()
+        if neg:
+            out = _torch_private.neg_view(out)
+        self._backend.record_consumer(out, copy)  # Rule 4: consumed on another stream than allocated
+        return out
+
+    @property
+    def prefetch_budget(self) -> int:
+        """Bytes backward may load ahead of need (``prefetch_bytes`` resolved).
+
+        The default (None) is twice the largest copy on a side stream, and 0
+        with synchronous copies (CPU, ``use_streams=False``): a load ahead
+        cannot overlap anything there, it only holds the bytes longer.
+        """
+        if self.prefetch_bytes is not None:
+            return self.prefetch_bytes
+        if self._backend is None or self._backend.name == "sync":
+            return 0
+        return 2 * self._max_copy_bytes
+
+    def _prefetch_after(self, h: _Offloaded, p: _Pass) -> None:
+        """Load the handles packed just before ``h`` (backward order) within the budget."""
+        order = h.order
+        if order is None:
+            return  # packed when nothing loaded ahead (a synchronous backend's default)
+        with _span("offload::prefetch"), self._lock:
+            i = min(h.index, len(order)) - 1  # read under the lock: compaction renumbers
+            budget = self.prefetch_budget
+            lookahead = 0
+            while i >= 0 and lookahead < 64 and p.prefetched_bytes < budget:
+                x = order[i]()
+                i -= 1
+                if x is None:
+                    continue
+                lookahead += 1
+                hc = x.hc
+                if hc.prefetched is not None or (x.stash is not None and x.stash.src is not None):
+                    continue
+                if hc.held is not None or hc.used >= hc.users:
+                    continue  # on the device already, or consumed in this pass
+                if p.prefetched_bytes + hc.nbytes > budget:
+                    break
+                dev, copy = self._load(hc, x.rec)
+                hc.prefetched = (dev, copy, p.gid)
+                p.prefetched_bytes += hc.nbytes
+                p.prefetched.append(weakref.ref(hc))
+
+    def _end_pass(self, p: _Pass) -> None:
+        """A graph task ended (or failed): release what it held; close the step after the last one."""
+        with self._lock:
+            if p.ended:
+                return
+            p.ended = True
+            if self._passes.get(p.gid) is p:
+                del self._passes[p.gid]
+            for ref in p.prefetched:
+                hc = ref()
+                if hc is not None and hc.prefetched is not None and hc.prefetched[2] == p.gid:
+                    # Never consumed: the block goes back to its allocation
+                    # stream's pool, so order that stream after the H2D write
+                    # before dropping it (Rule 4).
+                    copy = hc.prefetched[1]
+                    self._backend.release_after(copy, copy.stream)
+                    hc.prefetched = None
+            p.prefetched.clear()
+            for ref in p.touched:
+                hc = ref()
+                if hc is not None:
+                    hc.held = None  # consumed (waited on) by compute: safe to drop
+                    hc.used = 0
+            p.touched.clear()
+            if self._passes:
+                return  # a nested or concurrent pass is still running (Rule 11)
+            self._drain_stash()
+            for order in self._orders:
+                self._compact(order)
+        self.close_step()

@@ -1,0 +1,203 @@
+"""The engine's copies: device to host at pack, host to device at unpack, and the stash (Rule 2).
+
+Every copy goes through the engine's copy backend (``offload.streams``:
+a side stream with events, or synchronous copies), so this is where the
+stream ordering rules are kept (Rules 2 and 4 of NOTE [ Offload lifetime
+rules ] in ``offload/engine.py``). Host bytes come from the engine's
+``HostPlacement`` (``offload/_host.py``). A mixin of ``OffloadActivations``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _torch_private, _verify, policy
+from ._handles import _HostCopy, _saved_alias, _StashEntry
+from .ledger import OFFLOADED, Ledger, PackRecord
+from .streams import Copy
+
+if TYPE_CHECKING:
+    import threading
+
+    from .tiers import HostTiers
+    from .pool import HostPool
+
+_profiler_enabled = _torch_private.profiler_enabled_c
+_NO_SPAN = nullcontext()  # stateless: one instance serves every caller
+
+
+def _span(name: str) -> Any:
+    """A ``record_function`` range when a profiler is recording, else a no-op (cheap)."""
+    if _profiler_enabled():
+        return torch.autograd.profiler.record_function(name)
+    return _NO_SPAN
+
+
+class _Copies:
+    """Copy-side state and methods of ``OffloadActivations`` (its ``__init__`` sets these)."""
+
+    _backend: Any
+    tiers: "HostTiers"
+    _lock: "threading.RLock"
+    _stash: deque[_StashEntry]
+    _stash_bytes: int
+    _max_copy_bytes: int
+    ledger: Ledger
+    pool: "HostPool"
+    max_fwd_stash_size: int
+    max_inflight_bytes: int
+    timing: bool
+    _verify: bool
+
+    # -- device to host (pack) ------------------------------------------------------
+
+    def _copy_out(self, t: torch.Tensor, rec: PackRecord, dtype: torch.dtype, device: torch.device,
+                  offset: int, version: int, base: torch.Tensor,
+                  lazy_bits: bool) -> tuple[_HostCopy, _StashEntry | None] | None:
+        """Copy the bytes of ``t``'s storage it can touch into a new host copy; None when no host
+        buffer is granted (Rule 9). Fills the record's copy fields. The source stays alive in the
+        stash until an asynchronous copy is done (Rule 2)."""
+        es = dtype.itemsize
+        whole = rec.storage_nbytes
+        contiguous = t.is_contiguous()
+        if contiguous:
+            lo_b = offset * es
+            hi_b = lo_b + rec.nbytes
+        else:
+            lo, hi = policy.span_elems(t)
+            lo_b, hi_b = lo * es, hi * es
+        # t is exactly its storage: copy it into a typed view of the buffer, no byte view of t.
+        whole_t = contiguous and offset == 0 and hi_b == whole and not lazy_bits
+        if 2 * (hi_b - lo_b) >= whole:
+            # Most of the storage: copy all of it so sibling views (q, k, v
+            # of one qkv projection) share this copy instead of re-copying.
+            lo_b, hi_b = 0, whole
+        nbytes = hi_b - lo_b
+        buf, tier, note = self.tiers.take(nbytes, rec.module)  # where the bytes go (Rule 9)
+        if buf is None:
+            rec.note = note
+            return None
+        if nbytes > self._max_copy_bytes:
+            self._max_copy_bytes = nbytes
+        hc = _HostCopy(buf, self.tiers, lo_b, nbytes)
+        hc.tier = tier
+        if self._verify:  # on the compute stream, after the producer (NOTE [ Verified offload ])
+            hc.checksum = _verify.span_checksum(t.untyped_storage(), lo_b, nbytes, device)
+        backend = self._backend
+        synchronous = backend.name == "sync"
+        if not synchronous:  # (a synchronous copy is never in flight when its handle dies)
+            hc.release = backend.release_after
+        hc.synchronous = synchronous
+        hc.version = version
+        try:  # policy._weak, inlined: once per offloaded tensor
+            hc.base_ref = weakref.ref(base)
+        except TypeError:  # a subclass that refuses weak references
+            hc.base_ref = policy._weak(base)
+        dst = None
+        if whole_t:
+            # The typed view made for this range last step comes back with it when the pool
+            # replays the step (HostBuffer.cache): no view of either side to make.
+            dst = buf.cache
+            if dst is None or dst.dtype is not dtype or dst.shape != rec.shape:
+                try:
+                    dst = buf.tensor.view(dtype).view(rec.shape)
+                except RuntimeError:  # a dtype view refuses
+                    dst = None
+                buf.cache = dst
+        if dst is not None:
+            src = t
+        else:
+            dst = buf.tensor
+            src = torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage(), lo_b, (nbytes,), (1,))
+        if _profiler_enabled():
+            with torch.autograd.profiler.record_function("offload::d2h"):
+                copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
+        elif synchronous:
+            copy = backend.d2h_seconds(src, dst)  # its duration: no Copy object to build
+        else:
+            copy = backend.d2h(src, dst)
+        rec.decision = OFFLOADED
+        rec.reason = ""
+        rec.copy_bytes = nbytes
+        rec.pinned = buf.pinned
+        rec.note = note
+        rec.tier = tier
+        self.ledger.log_tier(tier, nbytes)
+        if tier == "disk":
+            self.tiers.disk.submit(buf, None if synchronous else copy)
+        if synchronous:
+            self.ledger.add_sync_copy(rec, "d2h", copy, nbytes)
+            return hc, None
+        self.ledger.add_copy_time(rec, "d2h", copy)
+        entry = _StashEntry(_saved_alias(t), copy, nbytes)
+        self._stash_push(entry)
+        return hc, entry
+
+    # -- the stash of in-flight sources (Rule 2) --------------------------------------
+
+    def _stash_push(self, entry: _StashEntry) -> None:
+        with self._lock:
+            self._stash.append(entry)
+            self._stash_bytes += entry.nbytes
+            self.ledger.note_inflight(self._stash_bytes)
+            self._poll_stash()
+            while self._stash and (
+                len(self._stash) > self.max_fwd_stash_size or self._stash_bytes > self.max_inflight_bytes
+            ):
+                self._release_oldest()
+
+    def _release_oldest(self) -> None:
+        e = self._stash.popleft()
+        self._stash_bytes -= e.nbytes
+        self._backend.release_after(e.copy, e.copy.stream)
+        e.src = None
+
+    def _poll_stash(self) -> None:
+        with self._lock:
+            while self._stash and self._stash[0].copy.query():
+                self._release_oldest()
+
+    def _drain_stash(self) -> None:
+        with self._lock:
+            while self._stash:
+                self._release_oldest()
+
+    # -- host to device (unpack) --------------------------------------------------------
+
+    def _load(self, hc: _HostCopy, rec: PackRecord | None) -> tuple[torch.Tensor, Copy]:
+        """Start the copy of ``hc`` back to the device (Rule 4: allocated for the compute stream)."""
+        backend = self._backend
+        src = hc.buf.tensor if hc.tier != "disk" else self.tiers.disk.load(hc.buf)
+        if _profiler_enabled():
+            with torch.autograd.profiler.record_function("offload::h2d"):
+                dev, copy = backend.h2d(src)
+        else:
+            dev, copy = backend.h2d(src)
+        if backend.name == "sync":
+            self.ledger.add_sync_copy(rec, "h2d", copy.seconds or 0.0, hc.nbytes)
+        else:
+            self.ledger.add_copy_time(rec, "h2d", copy, hc.nbytes)
+        return dev, copy
+
+    def _wait(self, copy: Copy) -> None:
+        """Make the compute stream wait for ``copy`` (Rule 4), timing the wait when it is exposed."""
+        if copy.done is None:
+            return
+        if self.timing and not copy.query():
+            # The copy is not done when compute needs it: time the exposed wait
+            # with a pair of events on the compute stream around the wait.
+            stream = self._backend.current_stream()
+            start = self._backend._event()
+            start.record(stream)
+            with _span("offload::stall"):
+                self._backend.wait(copy)
+            end = self._backend._event()
+            end.record(stream)
+            self.ledger.add_copy_time(None, "stall", Copy(end, None, start, stream))
+        else:
+            self._backend.wait(copy)

@@ -1,0 +1,177 @@
+"""The handles autograd holds for saved tensors, and the engine's unpack hook.
+
+A kept tensor's handle is the tuple ``(alias, version, step)``; an offloaded
+one's is an ``_Offloaded`` that shares a ``_HostCopy`` with every other save of
+its storage (Rule 7). Handles hold their engine (the hooks hold none: Rule 10),
+so unpacking needs nothing but the handle. See NOTE [ Offload lifetime rules ]
+in ``offload/engine.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _torch_private
+from .errors import _internal_assert
+from .pool import HostBuffer, HostPool
+from .streams import Copy
+
+if TYPE_CHECKING:
+    from .disk import DiskRecord
+    from .tiers import HostTiers
+    from .engine import OffloadActivations
+
+_profiler_enabled = _torch_private.profiler_enabled_c
+
+
+def _inplace_error(shape: torch.Size, dtype: torch.dtype, now: int, expected: int) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{dtype} {list(shape)}] is at version {now}; expected version "
+        f"{expected} instead. (Detected by offload: saved-tensor hooks bypass autograd's own "
+        "check, so the engine checks the version itself. Hint: clone the tensor before "
+        "modifying it in place, or do the in-place op after backward.)"
+    )
+
+
+def _saved_alias(t: torch.Tensor) -> torch.Tensor:
+    # Rule 10: a detached alias shares storage and version counter but not the
+    # autograd history, so holding it cannot close a cycle through grad_fn. A
+    # leaf (a parameter, an input) has no grad_fn: holding it closes no cycle.
+    return t if t.is_leaf else t.detach()
+
+
+class _Kept:
+    """A tensor left where it is; only its version is checked at unpack (Rule 6).
+
+    ``NoOpManager``'s handle. The engine's own kept handle is the cheaper tuple
+    ``(alias, version, step)`` (see ``_pack``); both unpack the same way.
+    """
+
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t if t.is_leaf else t.detach()  # _saved_alias, inlined (Rule 10)
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise _inplace_error(t.shape, t.dtype, t._version, self.version)
+        return t
+
+
+class _Step:
+    """Held by every handle packed in one ledger step (Rule 10: no ``__del__`` per handle).
+
+    The engine holds it weakly: once it is gone, every graph of the step was
+    freed, so a forward-only step can close (``_close_finished_step``).
+    """
+
+    __slots__ = ("engine", "__weakref__")
+
+    def __init__(self, engine: "OffloadActivations") -> None:
+        self.engine = engine
+
+
+def _dead() -> None:
+    return None
+
+
+class _HostCopy:
+    """Bytes [lo, lo + nbytes) of one storage, held in a host buffer (Rule 1).
+
+    Shared by every handle whose tensor aliases that storage (Rule 7); goes
+    back to the pool when the last handle is dropped.
+    """
+
+    __slots__ = ("buf", "pool", "lo", "nbytes", "prefetched", "held", "users", "used",
+                 "version", "base_ref", "release", "synchronous", "checksum", "tier", "__weakref__")
+
+    def __init__(self, buf: "HostBuffer | DiskRecord", pool: "HostTiers", lo: int, nbytes: int) -> None:
+        self.buf = buf
+        self.pool = pool
+        self.tier = "pool"
+        self.lo = lo
+        self.nbytes = nbytes
+        self.prefetched: tuple[torch.Tensor, Copy] | None = None
+        # Reloaded device bytes (a flat uint8 base, its copy and the base's
+        # version), held while other handles sharing this copy have not been
+        # unpacked yet in this backward pass; they get views of the same base.
+        self.held: tuple[torch.Tensor, Copy, int] | None = None
+        self.users = 0
+        self.used = 0
+        # backend.release_after, to order a never-consumed prefetch's
+        # allocation stream after its copy when this dies (Rule 4).
+        self.release: Callable[[Copy, Any], None] | None = None
+        self.version = 0
+        self.base_ref: Callable[[], torch.Tensor | None] | None = None
+        self.synchronous = False
+        self.checksum: torch.Tensor | None = None  # verify=True: the span's checksum at pack (device)
+
+    def __del__(self) -> None:
+        try:
+            if self.prefetched is not None and self.release is not None:
+                copy = self.prefetched[1]
+                self.release(copy, copy.stream)
+            self.pool.give(self.buf)
+        except Exception:  # interpreter shutdown: nothing left to return to
+            pass
+
+
+class _StashEntry:
+    """A source tensor kept alive until its D2H copy is done (Rule 2)."""
+
+    __slots__ = ("src", "copy", "nbytes")
+
+    def __init__(self, src: torch.Tensor, copy: Copy, nbytes: int) -> None:
+        self.src: torch.Tensor | None = src
+        self.copy = copy
+        self.nbytes = nbytes
+
+
+class _Offloaded:
+    """Handle returned by pack for an offloaded tensor (holds its engine: Rule 10)."""
+
+    __slots__ = ("hc", "layout", "version", "tracker", "rec", "index", "order", "stash", "engine", "step",
+                 "__weakref__")
+    # layout: (shape, stride, offset in elements of the host copy, dtype, device, conj, neg),
+    # one tuple rather than seven slots to fill per pack.
+
+    def unpack(self) -> torch.Tensor:
+        return self.engine._reload(self)
+
+
+def _unpack_kept(handle: tuple) -> torch.Tensor:
+    t, version, step = handle
+    step.engine._begin_backward_pass()
+    if t._version != version:
+        raise _inplace_error(t.shape, t.dtype, t._version, version)
+    return t
+
+
+def _unpack_handle(handle: Any) -> torch.Tensor:
+    """The engine's unpack hook: handles know their engine (the hook holds none)."""
+    if _profiler_enabled():
+        with torch.autograd.profiler.record_function("offload::unpack"):
+            return _unpack_any(handle)
+    if type(handle) is tuple:  # _unpack_kept, inlined: once per kept tensor
+        t, version, step = handle
+        step.engine._begin_backward_pass()
+        if t._version != version:
+            raise _inplace_error(t.shape, t.dtype, t._version, version)
+        return t
+    return _unpack_any(handle)
+
+
+def _unpack_any(handle: Any) -> torch.Tensor:
+    cls = type(handle)
+    if cls is tuple:
+        return _unpack_kept(handle)
+    if cls is _Offloaded or cls is _Kept:
+        return handle.unpack()
+    _internal_assert(False, f"unpack got a {cls.__name__}")
+    raise AssertionError  # unreachable
