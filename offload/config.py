@@ -21,10 +21,14 @@ import torch
 
 from .pool import PIN_ALLOCATORS
 
-__all__ = ["OffloadConfig", "resolve_device", "settled_config"]
+__all__ = ["OffloadConfig", "SIZE_LIMIT", "resolve_device", "settled_config"]
 
 ON_HOST_BUDGET = ("keep", "pageable", "raise")
 _MiB = 1 << 20
+SIZE_LIMIT = (1 << 63) - 1
+"""The largest value of every size and count setting: a signed 64-bit size, what torch's sizes,
+the C++ pack hook (int64) and a Python container's length (Py_ssize_t) hold. Any larger value
+means the same as this one to the engine (nothing is that big), so it is refused, not clamped."""
 
 
 def _fail(name: str, value: Any, expected: str, fix: str = "", exc: type[Exception] = ValueError) -> None:
@@ -40,6 +44,7 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def _check_int(name: str, value: Any, minimum: int, why: str, allow_none: bool = False) -> None:
+    """An int size or count setting in [minimum, SIZE_LIMIT] (or None where allowed)."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -47,6 +52,11 @@ def _check_int(name: str, value: Any, minimum: int, why: str, allow_none: bool =
               "Pass a whole number (e.g. 1024, not '1024').", TypeError)
     if value < minimum:
         _fail(name, value, f"an int >= {minimum}{' or None' if allow_none else ''} ({why})")
+    if value > SIZE_LIMIT:
+        _fail(name, value, f"an int <= {SIZE_LIMIT} (2**63 - 1: {why}; the engine holds sizes and counts "
+                           "as 64-bit integers)",
+              "Pass a smaller value: any value that large already means 'no limit' in practice"
+              + (", and None means no limit." if allow_none else "."))
 
 
 SIZE_FIELDS = ("min_offload_size", "max_inflight_bytes", "prefetch_bytes", "host_budget_bytes",

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from offload import OffloadActivations, OffloadConfig, get_act_offloading_ctx_manager
+from offload.config import SIZE_LIMIT
 from offload_testkit import MLP, assert_really_offloaded, assert_same_grads, make_inputs, run_step, twin_of
 
 
@@ -199,3 +200,52 @@ def test_tier_settings_round_trip_and_refusals(tmp_path):
     f.write_text("")
     with pytest.raises(ValueError, match="disk_dir=.*exists as a file"):
         OffloadConfig(disk_dir=str(f))
+
+
+# -- upper bounds of the size settings (every int setting is a size or a count) -----------------
+
+SIZE_SETTINGS = ("max_fwd_stash_size", "min_offload_size", "max_inflight_bytes", "prefetch_bytes",
+                 "host_budget_bytes", "pageable_budget_bytes", "disk_budget_bytes", "disk_queue_bytes",
+                 "disk_readahead_bytes", "max_records")
+
+
+def test_size_settings_are_every_int_setting():
+    """The bound below covers every int setting: a new size setting must be added to SIZE_SETTINGS."""
+    ints = {f.name for f in dataclasses.fields(OffloadConfig) if "int" in str(f.type)}
+    assert ints == set(SIZE_SETTINGS)
+
+
+@pytest.mark.parametrize("name", SIZE_SETTINGS)
+@pytest.mark.parametrize("via", ["config", "engine", "from_dict"])
+def test_size_beyond_what_the_engine_can_hold_is_refused_at_build(name, via):
+    """A size no engine can honour (10**30: more than a 64-bit size, what torch, the C++ hook and the
+    record ring hold) is refused when the config is built, naming the setting, the value and the bound."""
+    value = 10**30
+    with pytest.raises(ValueError) as ei:
+        if via == "config":
+            OffloadConfig(**{name: value})
+        elif via == "engine":
+            OffloadActivations(**{"device": "cpu", name: value})
+        else:
+            OffloadConfig.from_dict({name: value})
+    msg = str(ei.value)
+    assert name in msg and repr(value) in msg and str(SIZE_LIMIT) in msg, msg
+    with pytest.raises(ValueError, match=name):
+        OffloadConfig(**{name: SIZE_LIMIT + 1})
+
+
+@pytest.mark.parametrize("name", SIZE_SETTINGS)
+def test_largest_accepted_size_is_honoured(name, request):
+    """Each size setting at its largest accepted value builds an engine that trains bitwise for two
+    steps (Python hook, and the C++ hook in the --native-hooks pass): the bound is one the code honours."""
+    cfg = OffloadConfig(**{"device": "cpu", "min_offload_size": 0, name: SIZE_LIMIT})
+    model = MLP()
+    twin = twin_of(model)
+    ctx = OffloadActivations(config=cfg)
+    inputs = make_inputs("mlp")
+    for _ in range(2):
+        run_step(model, inputs, ctx)
+        run_step(twin, inputs)
+    assert_same_grads(model, twin)
+    s = ctx.ledger.summary()
+    assert s["packed_count"] > 0 and s["steps"] == 2, s
