@@ -39,15 +39,25 @@ class RegionHandle:
         self.optional: bool | Callable[[], bool] = False
         """True (or a callable returning True) when not running is expected: ``warn_unused_regions``
         then says nothing (another region covers it, or the model skips it by design)."""
+        self._finalizer: weakref.finalize | None = None
+        """Removes the hooks when the engine dies first; detached by ``remove()``."""
+        self._engine_ref: Callable[[], Any] | None = None
 
     @property
     def active(self) -> bool:
         return bool(self._handles)
 
     def remove(self) -> None:
+        """Remove the hooks and every registration made for them (nothing of it outlives the call)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        engine = self._engine_ref() if self._engine_ref is not None else None
+        if engine is not None and self in engine._regions:
+            engine._regions.remove(self)
 
     def __enter__(self) -> "RegionHandle":
         return self
@@ -151,9 +161,12 @@ def _new_call_hook(eng_ref: Callable[[], Any]) -> Callable[[nn.Module, Any], Non
 
 
 def _register(engine: "OffloadActivations", handle: RegionHandle) -> RegionHandle:
-    """Track ``handle`` on the engine (``warn_unused_regions``); its hooks go when the engine dies."""
+    """Track ``handle`` on the engine (``warn_unused_regions``) until it is removed; its hooks go
+    when the engine dies first. ``handle.remove()`` undoes both, so a region made per step leaves
+    nothing behind."""
     engine._regions.append(handle)
-    weakref.finalize(engine, handle.remove)
+    handle._engine_ref = weakref.ref(engine)
+    handle._finalizer = weakref.finalize(engine, handle.remove)
     return handle
 
 
