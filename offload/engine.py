@@ -436,7 +436,12 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             model = self._model_ref() if self._model_ref is not None else None
             if model is not None:
                 register_model(model)  # ledger module names are fully qualified from it
+                # Rule 7, by storage: read again at every entry (parameters are replaced,
+                # moved and re-gathered between steps), never kept for a model that is gone,
+                # whose freed addresses new activations reuse.
                 self._static_ptrs = policy.model_storages(model)
+            elif self._static_ptrs:
+                self._static_ptrs = {}
             self._poll_stash()
             _engines().append(self)
             pushed = True

@@ -369,3 +369,37 @@ def test_host_budget_pageable_policy_runs_bitwise():
     assert torch.equal(got, run_step(twin, inputs))
     assert_same_grads(model, twin)
     assert_reconciles(ctx.ledger.summary())
+
+
+@pytest.mark.parametrize("how", ["model_freed", "weight_replaced", "other_model"])
+def test_storage_of_a_gone_parameter_is_an_activation_again(how):
+    """A storage that held a parameter of the engine's model is kept as 'parameter' only while that
+    parameter is the model's: once the model is freed, the weight replaced or another model given
+    (update_model_params), a tensor saved on that storage is offloaded like any activation (before, a
+    stale address set kept it on the device, and the ledger called it a parameter)."""
+    store = torch.randn(64, 64)  # the weight's bytes; an activation will live on them later
+    lin = nn.Linear(64, 64)
+    lin.weight = nn.Parameter(store)  # shares store's storage
+    ctx = cpu_ctx(model=lin)
+    x = store.detach().requires_grad_()  # a leaf on that storage, as a new activation at a dead weight's address
+    ptr = store.untyped_storage().data_ptr()
+
+    def decision() -> tuple[str, str]:
+        with ctx:
+            y = x.sin()
+        y.sum().backward()
+        step = ctx.ledger.current_step - 1
+        recs = [r for r in ctx.ledger.records if r.step == step and r.storage_key == ptr]
+        assert len(recs) == 1, recs
+        return recs[0].decision, recs[0].reason
+
+    assert decision() == ("kept", "parameter")  # the weight's storage, while it is the weight's
+    if how == "model_freed":
+        del lin
+        gc.collect()
+    elif how == "weight_replaced":
+        lin.weight = nn.Parameter(torch.randn(64, 64))
+    else:
+        ctx.update_model_params(nn.Linear(3, 3))
+    assert decision() == ("offloaded", "")
+    x.grad = None
