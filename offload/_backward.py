@@ -272,6 +272,6 @@ class _Backward:
             if self._passes:
                 return  # a nested or concurrent pass is still running (Rule 11)
             self._drain_stash()
-            for order in self._orders:
-                self._compact(order)
+            for ts in list(self._threads):
+                self._compact(ts.order)
         self.close_step()

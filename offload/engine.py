@@ -124,7 +124,7 @@ class _ThreadState:
     """One thread's forward-side state of one engine (Rule 12)."""
 
     __slots__ = ("excluded_depth", "region_stack", "order", "after_head", "enter_depth",
-                 "modules_cms", "saved", "module_stack")
+                 "modules_cms", "saved", "module_stack", "__weakref__")
 
     def __init__(self) -> None:
         self.excluded_depth = 0
@@ -355,7 +355,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         self._seen = SpanSet()  # unique bytes: the union of saved spans, as the profilers count
         # Per-thread forward state and per-graph-task backward state (Rule 12).
         self._tls = threading.local()
-        self._orders: list[list[weakref.ref]] = []
+        # Thread states of live threads, weakly: a thread's state goes with the thread (Rule 12).
+        self._threads: "weakref.WeakSet[_ThreadState]" = weakref.WeakSet()
         self._order_compact_at = 1024
         self._passes: "weakref.WeakValueDictionary[int, _Pass]" = weakref.WeakValueDictionary()
         self._last_pass: tuple[int, weakref.ref] | None = None
@@ -407,7 +408,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         if st is None:
             st = self._tls.state = _ThreadState()
             with self._lock:
-                self._orders.append(st.order)
+                self._threads.add(st)
         return st
 
     @property

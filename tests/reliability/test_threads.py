@@ -9,6 +9,7 @@ differs from the same thread's single-threaded no-offload reference.
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import torch
@@ -115,3 +116,34 @@ def test_two_threads_two_engines_concurrently():
         assert s["offloaded_count"] > 0
         assert_ledger_consistent(s)
         assert in_use_after_gc(ctx) == 0
+
+
+def test_finished_threads_leave_no_state_in_the_engine():
+    """A forward and backward on a new thread per step (DataParallel-style): once a thread has ended,
+    nothing in the engine holds its per-thread state (the pack order prefetch walks), so the engine's
+    memory does not grow with the number of threads (before: one list per thread, for ever)."""
+    import gc
+
+    cfg = ToyLlamaConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=32)
+    model = make_model(0, cfg)
+    ctx = engine(prefetch_bytes=1 << 20)  # keeps a pack order even with synchronous copies
+    batch = make_batch(cfg, 2, 8, seed=0)
+    orders: list = []
+    errors: list = []
+
+    def work() -> None:
+        try:
+            train_step(model, batch, ctx)
+            orders.append(ctx._thread().order)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    for _ in range(20):
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    assert not errors, errors
+    assert len(orders) == 20 and ctx.ledger.summary()["offloaded_count"] > 0
+    gc.collect()
+    holders = [r for o in orders for r in gc.get_referrers(o) if r is not orders and not inspect.isframe(r)]
+    assert holders == [], f"{len(holders)} references to finished threads' state"
