@@ -532,7 +532,9 @@ def format_max_seq(res: dict[str, Any]) -> str:
 
 
 def _write(stem: str, res: dict[str, Any], text: str, out_dir: Path, meta: dict[str, Any],
-           png: Callable[[dict[str, Any], Path], bool] | None) -> list[Path]:
+           png: Callable[[dict[str, Any], Path], bool] | None, caption: str = "memory vs step time") -> list[Path]:
+    """``<stem>.json`` (meta + result), ``<stem>.png`` when ``png`` draws one, and ``<stem>.md`` (command,
+    table, picture): the result files of every ``bench.plan`` / ``bench.tiers`` run."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     jp = out_dir / f"{stem}.json"
@@ -541,7 +543,7 @@ def _write(stem: str, res: dict[str, Any], text: str, out_dir: Path, meta: dict[
     md = [f"# {stem}", "", f"Command: `{meta.get('command', '')}`", "", text]
     if png is not None and png(res, out_dir / f"{stem}.png"):
         paths.append(out_dir / f"{stem}.png")
-        md += ["", f"![memory vs step time]({stem}.png)"]
+        md += ["", f"![{caption}]({stem}.png)"]
     mp = out_dir / f"{stem}.md"
     mp.write_text("\n".join(md) + "\n")
     paths.append(mp)

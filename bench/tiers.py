@@ -30,7 +30,6 @@ the rest kept on the device, vs the same plus the disk tier.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 from bench.env import default_run_dir, run_metadata
 from bench.harness import build_model
 from bench.model import make_batch
+from bench.plan import _write
 from bench.workloads import Workload
 from offload._format import format_bytes, render_table
 
@@ -322,21 +322,6 @@ def format_max_seq_host(res: dict[str, Any]) -> str:
 # -- entry points (bench.cli) ---------------------------------------------------------------------
 
 
-def _write(stem: str, res: dict[str, Any], text: str, out_dir: Path, meta: dict[str, Any], png: Any) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    jp = out_dir / f"{stem}.json"
-    jp.write_text(json.dumps({"meta": meta, **res}, indent=1, default=str) + "\n")
-    paths.append(jp)
-    md = [f"# {stem}", "", f"Command: `{meta['command']}`", "", text]
-    if png is not None and png(res, out_dir / f"{stem}.png"):
-        paths.append(out_dir / f"{stem}.png")
-        md += ["", f"![bytes per tier over steps]({stem}.png)"]
-    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
-    paths.append(out_dir / f"{stem}.md")
-    return paths
-
-
 def main_tiers(workload: Workload, device: str, args: Any, argv: list[str] | None) -> int:
     steps = args.steps if args.steps is not None else 10
     warmup = args.warmup if args.warmup is not None else 2
@@ -347,7 +332,8 @@ def main_tiers(workload: Workload, device: str, args: Any, argv: list[str] | Non
     if not args.no_write:
         meta = run_metadata(device, argv if argv is not None else sys.argv[1:])
         out = args.out if args.out is not None else default_run_dir("tiers", str(workload.run_id))
-        for p in _write(f"tiers_{workload.run_id}", res, text, out, meta, None if args.no_plot else plot_tiers):
+        for p in _write(f"tiers_{workload.run_id}", res, text, out, meta, None if args.no_plot else plot_tiers,
+                        caption="bytes per tier over steps"):
             print(f"wrote {p}")
     return 0
 
