@@ -56,6 +56,10 @@ def warn_if_inside_foreign_hooks(engine: Any) -> None:
     owner = hooks_owner(top[0])
     if owner.startswith(_EXPECTED):
         return
+    from ._observers import _engines  # an outer engine's native_hooks=True hook is a C++ object, ours all the same
+
+    if any(e is not engine and e._owns_pack_hook(top[0]) for e in _engines()):
+        return
     engine._warned_foreign_hooks = True
     warn_user(
         f"{type(engine).__name__}: entered inside another saved-tensor hooks context ({owner}). Only the "
