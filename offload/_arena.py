@@ -1,4 +1,4 @@
-"""Free-range bookkeeping of the host pool's chunks, and the re-layout planner.
+"""Free-range bookkeeping of the host pool's chunks, and the re-layout and trim planners.
 
 ``_Arena`` carves best-fit ranges from a set of chunks and merges frees; it
 owns no memory, so ``plan_chunks`` can replay a recorded step against
@@ -12,7 +12,7 @@ import bisect
 
 import torch
 
-__all__ = ["_Arena", "_Chunk", "packs", "plan_chunks"]
+__all__ = ["_Arena", "_Chunk", "packs", "plan_chunks", "trim_choice"]
 
 _PAGE = 4096
 
@@ -158,3 +158,35 @@ def plan_chunks(spans: list[int], events: list[int], limit: int, *, pow2: bool, 
             return sizes
         total += grain
     return None
+
+
+def trim_choice(chunks: list[_Chunk], reserved: int, keep: int,
+                step: tuple[list[int], list[int]] | None) -> list[_Chunk]:
+    """The wholly free chunks of ``chunks`` (``reserved`` bytes in all) to release to bring the
+    pool down to about ``keep`` bytes; ``step`` is the step just ended as (spans, events), None
+    when it was not recorded cleanly. Empty when releasing would leave less than ``keep`` bytes
+    that the step does not provably pack into."""
+    free = [c for c in chunks if c.used == 0]
+    gone: list[_Chunk] = []
+    left = reserved
+    for chunk in sorted(free, key=lambda c: -c.seq):  # newest first, never below keep
+        if left - chunk.nbytes >= keep:
+            gone.append(chunk)
+            left -= chunk.nbytes
+    # Still over twice the need: the free chunks are bigger than the excess (one merged
+    # chunk): release them anyway, the next step regrows what it needs once.
+    for chunk in sorted(free, key=lambda c: -c.nbytes):
+        if left <= 2 * keep:
+            break
+        if chunk not in gone:
+            gone.append(chunk)
+            left -= chunk.nbytes
+    if not gone:
+        return []
+    if left >= keep:
+        # Only if the step just ended still packs into what stays: a loop whose steps
+        # repeat never has to allocate again.
+        stay = [c.nbytes for c in sorted(chunks, key=lambda c: c.seq) if c not in gone]
+        if step is None or not packs(stay, *step):
+            return []
+    return gone

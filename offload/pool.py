@@ -77,36 +77,23 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import _torch_private
-from ._arena import _PAGE, _Arena, _Chunk, _page_ceil, _pow2_ceil, _pow2_floor, packs, plan_chunks
+from . import _pinned
+from ._arena import _PAGE, _Arena, _Chunk, _page_ceil, _pow2_ceil, _pow2_floor, plan_chunks, trim_choice
+from ._pinned import PIN_ALLOCATORS
 
 __all__ = ["HostPool", "HostBuffer", "PIN_ALLOCATORS"]
 
 logger = logging.getLogger("offload.pool")
 
-PIN_ALLOCATORS = ("caching", "exact")
-"""How pinned chunks are made: "caching" = torch.empty(pin_memory=True) (PyTorch's
-CachingHostAllocator; chunks are powers of two, so its rounding wastes nothing);
-"exact" = page-aligned pageable memory registered with cudaHostRegister as a whole
-chunk (CUDA only; falls back to "caching" when registration fails)."""
-
 _REC_LIMIT = 1 << 20
 """Most take/give events recorded for one step (the record is dropped beyond it)."""
 _ALIGN = 64
 """Every buffer starts on a 64-byte boundary (cache line; any dtype view is aligned)."""
-
-
-def _unregister(region: torch.Tensor) -> None:
-    # Runs when the chunk is dropped. An async copy may still read it, and
-    # unregistering under one is undefined: wait first.
-    torch.cuda.synchronize()
-    _torch_private.unregister_host_memory(region)
 
 
 @dataclass(eq=False)
@@ -240,17 +227,11 @@ class HostPool:
     def _new_tensor(self, nbytes: int) -> tuple[torch.Tensor, bool, bool] | None:
         """(tensor, pinned, registered) for a new chunk of ``nbytes``; None if it cannot be pinned
         and ``refuse_unpinned``."""
-        if self.pin and self.pin_allocator == "exact" and self._device_type == "cuda":
-            raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-            offset = (-raw.data_ptr()) % _PAGE
-            region = raw[offset:offset + nbytes]
-            if _torch_private.register_host_memory(region):
-                return region, True, True
         if self.pin:
-            try:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True, False
-            except RuntimeError as e:
-                self.last_pin_error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+            made = _pinned.pinned_chunk(nbytes, self.pin_allocator, self._device_type)
+            if not isinstance(made, str):
+                return made[0], True, made[1]
+            self.last_pin_error = made
             self._pin_failures += 1
             if self.refuse_unpinned:
                 return None
@@ -264,7 +245,7 @@ class HostPool:
         self._seq += 1
         chunk = _Chunk(self._seq, tensor, nbytes, pinned, registered)
         if registered:
-            weakref.finalize(chunk, _unregister, tensor)
+            _pinned.unregister_when_dropped(chunk, tensor)
         self._arena.add(chunk)
         self._allocations += 1
         self._reserved += nbytes
@@ -473,36 +454,12 @@ class HostPool:
     def _released_pinned(self, chunks: list[_Chunk]) -> None:
         """Hand released caching-allocator blocks back to CUDA (else PyTorch keeps them cached)."""
         if any(c.pinned and not c.registered for c in chunks):
-            try:
-                torch.accelerator.empty_host_cache()
-            except Exception:  # no accelerator, or an older torch
-                pass
+            _pinned.return_pinned_cache()
 
     def _trim_to(self, keep: int, clean: bool) -> list[_Chunk]:
         """Release free chunks down to about ``keep`` bytes (see :meth:`trim`)."""
-        free = self._free_chunks()
-        gone: list[_Chunk] = []
-        left = self._reserved
-        for chunk in sorted(free, key=lambda c: -c.seq):  # newest first, never below keep
-            if left - chunk.nbytes >= keep:
-                gone.append(chunk)
-                left -= chunk.nbytes
-        # Still over twice the need: the free chunks are bigger than the excess (one merged
-        # chunk): release them anyway, the next step regrows what it needs once.
-        for chunk in sorted(free, key=lambda c: -c.nbytes):
-            if left <= 2 * keep:
-                break
-            if chunk not in gone:
-                gone.append(chunk)
-                left -= chunk.nbytes
-        if not gone:
-            return []
-        if left >= keep:
-            # Only if the step just ended still packs into what stays: a loop whose steps
-            # repeat never has to allocate again.
-            stay = [c.nbytes for c in sorted(self._arena.chunks.values(), key=lambda c: c.seq) if c not in gone]
-            if not (clean and packs(stay, self._rec_spans, self._rec_events)):
-                return []
+        step = (self._rec_spans, self._rec_events) if clean else None
+        gone = trim_choice(list(self._arena.chunks.values()), self._reserved, keep, step)
         for chunk in gone:
             self._release_chunk(chunk)
         return gone
@@ -628,7 +585,4 @@ class HostPool:
     def _host_allocator_bytes(self) -> int | None:
         if not (self.pin and self._device_type == "cuda" and self.pin_allocator == "caching"):
             return None
-        try:
-            return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
-        except Exception:
-            return None
+        return _pinned.host_allocator_bytes()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import offload.pool
+import offload._pinned
 from offload import OffloadError, active_engine
 
 from ._common import (
@@ -136,7 +136,7 @@ def test_ram_ceiling_raise_names_the_setting():
 
 
 class _TorchWithoutPinning:
-    """Stands in for ``torch`` inside offload.pool: pinned allocations fail like an exhausted
+    """Stands in for ``torch`` inside offload._pinned: pinned allocations fail like an exhausted
     (or capped, as on WSL2) page-locked memory limit; everything else is real torch."""
 
     def __getattr__(self, name):
@@ -151,8 +151,8 @@ class _TorchWithoutPinning:
 
 def _fail_pinning(monkeypatch) -> None:
     """Make the pool's pin step fail: no cudaHostRegister, no pinned torch.empty."""
-    monkeypatch.setattr(offload.pool, "torch", _TorchWithoutPinning())
-    monkeypatch.setattr(offload.pool._torch_private, "register_host_memory", lambda t: False)
+    monkeypatch.setattr(offload._pinned, "torch", _TorchWithoutPinning())
+    monkeypatch.setattr(offload._pinned._torch_private, "register_host_memory", lambda t: False)
 
 
 def _check_pin_fallback(ctx, model, ref) -> None:
