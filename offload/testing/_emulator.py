@@ -165,6 +165,7 @@ class EmulatedStream(torch.Stream):
         self.queue: deque[Callable[[], None]] = deque()
         self.issued = 0
         self.executed = 0
+        self.running: int | None = None  # the thread running this stream's oldest queued op
         self.parked = False
         self.late = sid != 0
 
@@ -254,6 +255,7 @@ class EmulatedAccelerator:
         self._names: dict[int, str] = {0: "default"}
         self.checker = Checker(self._names, raise_on_hazard=raise_on_hazard) if check else None
         self._lock = threading.RLock()
+        self._ran = threading.Condition(self._lock)  # notified whenever a queued op finished running
         self._tls = threading.local()
         self._streams: list[EmulatedStream] = []
         self.default = EmulatedStream(self, 0, "default")
@@ -405,24 +407,34 @@ class EmulatedAccelerator:
             if self._lazy(s):
                 s.queue.append(fn or _noop)
                 return
-            pending = s.executed < s.issued - 1
+            index = s.issued
+            pending = s.executed < index - 1
         if pending:
-            self._flush(s, s.issued - 1)
+            self._flush(s, index - 1)
         if fn is not None:
             fn()
         with self._lock:
-            s.executed = max(s.executed, s.issued)
+            s.executed = max(s.executed, index)  # not s.issued: another thread may have queued since
 
     def _flush(self, s: EmulatedStream, upto: int) -> None:
-        """Run stream ``s``'s queued ops up to issue index ``upto``."""
+        """Run stream ``s``'s queued ops up to issue index ``upto``.
+
+        A stream is FIFO, as on a GPU: its ops run one at a time, in issue order, and count as
+        executed (what an event's completion reads) only once they have run. Another thread
+        flushing the same stream meanwhile waits for the running op instead of taking the next
+        one or trusting a count that ran ahead of it.
+        """
+        me = threading.get_ident()
         while True:
-            with self._lock:
+            with self._ran:
+                while s.running is not None and s.running != me and s.executed < upto:
+                    self._ran.wait()
                 if s.executed >= upto or not s.queue:
                     if s.executed >= s.issued:
                         s.parked = False
                     return
                 fn = s.queue.popleft()
-                s.executed += 1
+                outer, s.running = s.running, me
                 self.flushes += 1
             prev = getattr(self._tls, "bypass", False)
             self._tls.bypass = True
@@ -431,6 +443,10 @@ class EmulatedAccelerator:
                     fn()
             finally:
                 self._tls.bypass = prev
+                with self._ran:
+                    s.executed += 1
+                    s.running = outer
+                    self._ran.notify_all()
 
     def _random_flush(self) -> None:
         rng = self._rng

@@ -112,20 +112,9 @@ def test_several_forwards_then_one_backward_and_retain_graph(late):
     acc.assert_no_hazards()
 
 
-_TWO_THREADS_MODES = [
-    MODES[0],
-    # OPEN BUG, not a test problem: with late data, two threads sharing one engine get NaN (poison) grads
-    # in about 1 run in 3 since the engine split (issue 22; passed 5/5 just before it). Suspected cause:
-    # defect 5 of issue 22 (one thread's end of backward closes the step, clearing the dedupe and span maps,
-    # while the other thread is still packing), whose fix did not land this session. Non-strict so CI does
-    # not flip on a coin; the check mode still runs, and a passing late run still counts. Remove this mark
-    # with the defect-5 fix.
-    pytest.param(True, id="late", marks=pytest.mark.xfail(
-        strict=False, reason="issue 22 defect 5: two threads sharing one engine, late data, NaN grads ~1 in 3")),
-]
 
 
-@pytest.mark.parametrize("late", _TWO_THREADS_MODES)
+@pytest.mark.parametrize("late", MODES)
 def test_two_threads_share_one_engine(late):
     """Rule 12: two threads train their own models through one engine; each thread enters the emulator."""
     ctx_box = {}

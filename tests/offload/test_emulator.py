@@ -248,3 +248,49 @@ def test_raise_on_hazard_raises_at_the_op():
         a = torch.ones(4) * 2
         with acc.stream(side), pytest.raises(HazardError, match="aten::mul"):
             a.add_(1.0)
+
+
+_GATE = {"started": threading.Event(), "release": threading.Event()}
+
+
+@torch.library.custom_op("offload_testing::gated_fill", mutates_args=("x",))
+def _gated_fill(x: torch.Tensor, value: float) -> None:
+    """A slow kernel: fills ``x`` only once the test opens the gate."""
+    _GATE["started"].set()
+    assert _GATE["release"].wait(30), "the test never opened the gate"
+    x.fill_(value)
+
+
+def test_a_stream_runs_its_ops_in_order_when_two_host_threads_wait_on_it():
+    """A stream is FIFO across host threads: while one thread runs a queued op, another thread waiting
+    for a later event waits for that op too; it never runs the next op early or sees the event done
+    before the op's bytes are written (two threads sharing one engine got poison gradients from this)."""
+    _GATE["started"].clear()
+    _GATE["release"].clear()
+    seen = {}
+    with EmulatedAccelerator(late=True, check=False) as acc:
+        side = acc.Stream()
+        x, y = torch.zeros(4), torch.zeros(4)
+        with acc.stream(side):
+            torch.ops.offload_testing.gated_fill(x, 1.0)
+            y.copy_(x)  # queued behind the slow fill: must read its result
+            ev = acc.Event()
+            ev.record()
+
+        def wait(name):
+            with acc:
+                ev.synchronize()
+            seen[name] = (x.tolist(), y.tolist())
+
+        first = threading.Thread(target=wait, args=("first",))
+        first.start()
+        assert _GATE["started"].wait(30)  # the first thread is inside the slow op
+        second = threading.Thread(target=wait, args=("second",))
+        second.start()
+        second.join(0.5)
+        blocked = second.is_alive()
+        _GATE["release"].set()
+        first.join(30)
+        second.join(30)
+    assert blocked, f"the second thread's synchronize returned while the op before its event was running: {seen}"
+    assert seen["first"] == seen["second"] == ([1.0] * 4, [1.0] * 4), seen
