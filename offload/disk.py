@@ -38,24 +38,21 @@ NOTE [ Disk tier ]
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import shutil
-import socket
-import struct
-import sys
 import threading
 import time
 import uuid
 import weakref
-import zlib
 from collections import deque
 from typing import Any, Callable
 
 import torch
 
+from . import _disk_record
+from ._disk_record import HEADER_BYTES, RecordMismatch
+from ._disk_run import LOCK_NAME, RUN_PREFIX, clean_stale_runs, delete_run, open_run_dir
 from ._warn import warn_user
 from .errors import OffloadError
 from .pool import HostPool
@@ -64,90 +61,11 @@ __all__ = ["DiskStore", "DiskRecord", "DiskTierError", "RUN_PREFIX", "LOCK_NAME"
 
 logger = logging.getLogger("offload.disk")
 
-RUN_PREFIX = "offload-"
-"""Run directories are named ``offload-<host>-<pid>-<token>``."""
-LOCK_NAME = "LOCK"
-_MAGIC = b"OFLDTNS1"
-_HEADER = struct.Struct("<8s16sQQI4x")  # magic, store token, sequence, nbytes, crc32
-HEADER_BYTES = _HEADER.size
 _GiB = 1 << 30
 
 
 class DiskTierError(OffloadError):
     """A disk-tier file does not hold what was written (truncated, overwritten, foreign)."""
-
-
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        data = data[n:]
-        offset += n
-
-
-def _read_all(fd: int, into: memoryview, offset: int) -> int:
-    got = 0
-    while got < len(into):
-        n = os.preadv(fd, [into[got:]], offset + got)
-        if n <= 0:
-            break
-        got += n
-    return got
-
-
-def _lock_text() -> str:
-    return (f"pid={os.getpid()}\nhost={socket.gethostname()}\nstarted={time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
-            f"command={' '.join(sys.argv)[:400]}\n")
-
-
-def _cleanup_run(run_dir: str, lock_fd: list[int]) -> None:
-    """Delete a run directory and drop its lock (finalizer: holds no reference to the store)."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    if lock_fd and lock_fd[0] >= 0:
-        try:
-            os.close(lock_fd[0])
-        except OSError:
-            pass
-        lock_fd[0] = -1
-
-
-def clean_stale_runs(parent: str) -> list[str]:
-    """Delete the run directories in ``parent`` left by dead processes of this host; their names."""
-    host = socket.gethostname()
-    gone = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return gone
-    for name in names:
-        if not name.startswith(RUN_PREFIX + host + "-"):
-            continue
-        path = os.path.join(parent, name)
-        lock = os.path.join(path, LOCK_NAME)
-        try:
-            fd = os.open(lock, os.O_RDWR)
-        except OSError:
-            # No lock file: a run that died between mkdir and creating its lock.
-            if os.path.isdir(path) and time.time() - os.path.getmtime(path) > 60:
-                shutil.rmtree(path, ignore_errors=True)
-                gone.append(name)
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # held: a live run
-            try:
-                whose = os.pread(fd, 1024, 0).decode(errors="replace").replace("\n", " ").strip()
-            except OSError:
-                whose = "?"
-            shutil.rmtree(path, ignore_errors=True)
-            gone.append(name)
-            logger.warning("offload disk tier: deleted %s, left by a process that died (%s)", path, whose)
-        finally:
-            os.close(fd)
-    return gone
 
 
 class DiskRecord:
@@ -200,17 +118,8 @@ class DiskStore:
         self._created_parent = not os.path.exists(parent)
         os.makedirs(parent, exist_ok=True)
         self.stale_cleaned = clean_stale_runs(parent)
-        self.run_dir = os.path.join(
-            parent, f"{RUN_PREFIX}{socket.gethostname()}-{os.getpid()}-{self.token.hex()[:8]}")
-        os.mkdir(self.run_dir)
-        # Locked through a read-only descriptor (a file open for writing would keep the file
-        # system from turning read-only), written once through another.
-        lock_path = os.path.join(self.run_dir, LOCK_NAME)
-        self._lock_fd = [os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644)]
-        fcntl.flock(self._lock_fd[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with open(lock_path, "w") as f:
-            f.write(_lock_text())
-        self._finalizer = weakref.finalize(self, _cleanup_run, self.run_dir, self._lock_fd)
+        self.run_dir, self._lock_fd = open_run_dir(parent, self.token)
+        self._finalizer = weakref.finalize(self, delete_run, self.run_dir, self._lock_fd)
         self._staging = HostPool(pin=pin, capacity_bytes=queue_bytes)
         self._cv = threading.Condition()
         self._queue: deque[DiskRecord] = deque()
@@ -219,7 +128,14 @@ class DiskStore:
         self._closed = False
         self._warned = False
         self._threads: list[threading.Thread] = []
-        # Counters (under _cv).
+        self._zero_counters()
+        for i in range(self.writers):
+            self._start(f"offload-disk-writer-{i}", DiskStore._take_write, DiskStore._write, drain=True)
+        for i in range(self.readers):
+            self._start(f"offload-disk-reader-{i}", DiskStore._take_read, DiskStore._serve_read, drain=False)
+
+    def _zero_counters(self) -> None:
+        """The counters behind :meth:`stats` (changed under ``_cv``)."""
         self._pending_bytes = 0  # staged or queued, not yet written
         self._peak_pending = 0
         self._live_file_bytes = 0
@@ -241,15 +157,43 @@ class DiskStore:
         self._oversize = 0
         self._last_error = ""
         self._undeleted: list[str] = []
-        for i in range(self.writers):
-            self._start(self._writer_loop, f"offload-disk-writer-{i}")
-        for i in range(self.readers):
-            self._start(self._reader_loop, f"offload-disk-reader-{i}")
 
-    def _start(self, fn: Callable[[weakref.ref], None], name: str) -> None:
-        t = threading.Thread(target=fn, args=(weakref.ref(self),), name=name, daemon=True)
+    def _start(self, name: str, take: Callable[[DiskStore], Any], handle: Callable[[DiskStore, Any], None],
+               drain: bool) -> None:
+        t = threading.Thread(target=DiskStore._serve, args=(weakref.ref(self), take, handle, drain), name=name,
+                             daemon=True)
         t.start()
         self._threads.append(t)
+
+    @staticmethod
+    def _serve(ref: weakref.ref, take: Callable[[DiskStore], Any], handle: Callable[[DiskStore, Any], None],
+               drain: bool) -> None:
+        """Body of a writer or reader thread: wait for work, ``take`` it (``_cv`` held; None when
+        there is none) and ``handle`` it, until the store is closed (with ``drain``: and nothing is
+        left to take) or collected. The thread holds the store only while it works, so a store
+        nobody closed is still collected (its finalizer deletes the run directory)."""
+        while True:
+            self = ref()
+            if self is None:
+                return
+            cv = self._cv
+            with cv:
+                while True:
+                    closed = self._closed
+                    if closed and not drain:
+                        return
+                    item = take(self)
+                    if item is not None:
+                        break
+                    if closed:
+                        return
+                    del self
+                    cv.wait(0.5)
+                    self = ref()
+                    if self is None:
+                        return
+            handle(self, item)
+            del self, item
 
     # -- compute thread: reserve and submit -------------------------------------------
 
@@ -269,36 +213,17 @@ class DiskStore:
             return None
         need = HEADER_BYTES + nbytes
         if self._free_bytes() < need:
-            with self._cv:
-                self._refused += 1
-                self._refused_bytes += nbytes
-            if self.budget_bytes is None:
-                self._warn_once(nbytes, "not enough free space (the tier keeps a margin of "
-                                "min(1 GiB, 5% of the file system) free)")
+            self._refuse(nbytes, "not enough free space (the tier keeps a margin of min(1 GiB, 5% of the "
+                         "file system) free)" if self.budget_bytes is None else None)
             return None
         with self._cv:
             seq = self._seq
             self._seq += 1
         path = os.path.join(self.run_dir, f"{seq:012d}.bin")
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                try:
-                    os.posix_fallocate(fd, 0, need)
-                except OSError as e:
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-            finally:
-                os.close(fd)
+            _disk_record.allocate(path, nbytes)
         except OSError as e:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            with self._cv:
-                self._refused += 1
-                self._refused_bytes += nbytes
-            self._warn_once(nbytes, f"{os.strerror(e.errno) if e.errno else e}")
+            self._refuse(nbytes, f"{os.strerror(e.errno) if e.errno else e}")
             return None
         rec = DiskRecord(seq, nbytes, path)
         t0 = time.perf_counter()
@@ -308,18 +233,7 @@ class DiskStore:
             self._files += 1
             self._received += nbytes
             self._count += 1
-            while True:
-                if self._pending_bytes == 0 or self._pending_bytes + nbytes <= self.queue_bytes:
-                    buf = self._staging.take(nbytes)
-                    if buf is not None:
-                        break
-                    if self._pending_bytes == 0:
-                        buf = None  # bigger than the bound (or fragmented): a one-off buffer
-                        self._oversize += 1
-                        break
-                self._cv.wait()
-            self._pending_bytes += nbytes
-            self._peak_pending = max(self._peak_pending, self._pending_bytes)
+            buf = self._take_staging(nbytes)
         waited = time.perf_counter() - t0
         if buf is None:
             rec.tensor = torch.empty(nbytes, dtype=torch.uint8)
@@ -331,6 +245,32 @@ class DiskStore:
                 self._wait_s += waited
             self._time("wait", waited, 0)
         return rec
+
+    def _refuse(self, nbytes: int, cause: str | None) -> None:
+        """Count a reserve that falls through to the next tier; warn (once) when ``cause`` is given."""
+        with self._cv:
+            self._refused += 1
+            self._refused_bytes += nbytes
+        if cause is not None:
+            self._warn_once(nbytes, cause)
+
+    def _take_staging(self, nbytes: int) -> Any:
+        """A staging buffer of ``nbytes`` from the private pool, once the bytes not yet written
+        leave room under ``queue_bytes``; None for a one-off buffer (a request bigger than the
+        bound, taken once the queue drained). ``_cv`` held."""
+        while True:
+            if self._pending_bytes == 0 or self._pending_bytes + nbytes <= self.queue_bytes:
+                buf = self._staging.take(nbytes)
+                if buf is not None:
+                    break
+                if self._pending_bytes == 0:
+                    buf = None  # bigger than the bound (or fragmented): a one-off buffer
+                    self._oversize += 1
+                    break
+            self._cv.wait()
+        self._pending_bytes += nbytes
+        self._peak_pending = max(self._peak_pending, self._pending_bytes)
+        return buf
 
     def submit(self, rec: DiskRecord, copy: Any = None) -> None:
         """Queue ``rec`` for writing once ``copy`` (a streams.Copy into its staging buffer) is done."""
@@ -363,25 +303,9 @@ class DiskStore:
 
     # -- writer threads ------------------------------------------------------------------
 
-    @staticmethod
-    def _writer_loop(ref: weakref.ref) -> None:
-        while True:
-            self = ref()
-            if self is None:
-                return
-            cv = self._cv
-            with cv:
-                while not self._queue and not self._closed:
-                    del self
-                    cv.wait(0.5)
-                    self = ref()
-                    if self is None:
-                        return
-                if self._closed and not self._queue:
-                    return
-                rec = self._queue.popleft()
-            self._write(rec)
-            del self, rec
+    def _take_write(self) -> DiskRecord | None:
+        """The next record to write (``_cv`` held), None if none is queued."""
+        return self._queue.popleft() if self._queue else None
 
     def _write(self, rec: DiskRecord) -> None:
         copy = rec.copy
@@ -394,15 +318,10 @@ class DiskStore:
                 return
         t0 = time.perf_counter()
         data = memoryview(rec.tensor.numpy()).cast("B")
-        crc = zlib.crc32(data)
+        crc = 0
         err: OSError | None = None
         try:
-            fd = os.open(rec.path, os.O_WRONLY)
-            try:
-                _write_all(fd, memoryview(_HEADER.pack(_MAGIC, self.token, rec.seq, rec.nbytes, crc)), 0)
-                _write_all(fd, data, HEADER_BYTES)
-            finally:
-                os.close(fd)
+            crc = _disk_record.write(rec.path, self.token, rec.seq, data)
         except OSError as e:
             err = e
         secs = time.perf_counter() - t0
@@ -452,59 +371,31 @@ class DiskStore:
             self._cv.notify_all()
             return True
 
-    @staticmethod
-    def _reader_loop(ref: weakref.ref) -> None:
-        while True:
-            self = ref()
-            if self is None:
-                return
-            cv = self._cv
-            with cv:
-                while not self._reads and not self._closed:
-                    del self
-                    cv.wait(0.5)
-                    self = ref()
-                    if self is None:
-                        return
-                if self._closed:
-                    return
-                rec, slot = self._reads.popleft()
-                wanted = rec.read is slot  # else released meanwhile (load already took it: still wanted)
-                wanted = wanted or rec.state == "on_disk"
-            if wanted:
-                try:
-                    slot[1] = self._read_file(rec)
-                except BaseException as e:  # handed to load(), on the compute thread
-                    slot[1] = e
-            slot[0].set()
-            del self, rec, slot
+    def _take_read(self) -> tuple[DiskRecord, list, bool] | None:
+        """The next read ahead (``_cv`` held) as (record, its slot, still wanted), None if none."""
+        if not self._reads:
+            return None
+        rec, slot = self._reads.popleft()
+        wanted = rec.read is slot  # else released meanwhile (load already took it: still wanted)
+        return rec, slot, wanted or rec.state == "on_disk"
+
+    def _serve_read(self, item: tuple[DiskRecord, list, bool]) -> None:
+        """Read a record ahead into its slot (the bytes, or the error for ``load`` to raise)."""
+        rec, slot, wanted = item
+        if wanted:
+            try:
+                slot[1] = self._read_file(rec)
+            except BaseException as e:  # handed to load(), on the compute thread
+                slot[1] = e
+        slot[0].set()
 
     def _read_file(self, rec: DiskRecord) -> torch.Tensor:
         t0 = time.perf_counter()
         out = torch.empty(rec.nbytes, dtype=torch.uint8)
         try:
-            fd = os.open(rec.path, os.O_RDONLY)
-        except OSError as e:
-            raise self._corrupt(rec, f"it cannot be opened ({os.strerror(e.errno)})") from e
-        try:
-            size = os.fstat(fd).st_size
-            if size != HEADER_BYTES + rec.nbytes:
-                raise self._corrupt(rec, f"it holds {size} bytes, expected {HEADER_BYTES + rec.nbytes}")
-            head = os.pread(fd, HEADER_BYTES, 0)
-            magic, token, seq, nbytes, crc = _HEADER.unpack(head)
-            if magic != _MAGIC or token != self.token:
-                raise self._corrupt(rec, "its header is not this run's (a foreign or overwritten file)")
-            if seq != rec.seq or nbytes != rec.nbytes:
-                raise self._corrupt(rec, f"its header says record {seq} of {nbytes} bytes, expected "
-                                    f"record {rec.seq} of {rec.nbytes}")
-            data = memoryview(out.numpy()).cast("B")
-            got = _read_all(fd, data, HEADER_BYTES)
-            if got != rec.nbytes:
-                raise self._corrupt(rec, f"only {got} of {rec.nbytes} bytes could be read")
-            if crc != rec.crc or zlib.crc32(data) != crc:
-                raise self._corrupt(rec, "its bytes do not match the checksum written with them")
-        finally:
-            os.close(fd)
+            _disk_record.read_checked(rec.path, memoryview(out.numpy()).cast("B"), self.token, rec.seq, rec.crc)
+        except RecordMismatch as e:
+            raise self._corrupt(rec, str(e)) from e.__cause__
         secs = time.perf_counter() - t0
         with self._cv:
             self._read += rec.nbytes

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -226,24 +227,16 @@ def test_dir_of_a_killed_process_is_cleaned_at_next_start(tmp_path):
 def test_concurrent_puts_and_loads(tmp_path):
     """Two threads writing and reading their own records concurrently get their own bytes back."""
     store = DiskStore(tmp_path, queue_bytes=128 << 10)
-    errors: list[BaseException] = []
 
     def work(k: int) -> None:
-        try:
-            recs = [(_put(store, _bytes(20_000 + i, 100 * k + i)), 100 * k + i) for i in range(25)]
-            for rec, seed in reversed(recs):
-                store.prefetch(rec)
-                assert torch.equal(store.load(rec), _bytes(rec.nbytes, seed))
-                store.give(rec)
-        except BaseException as e:  # reported below
-            errors.append(e)
+        recs = [(_put(store, _bytes(20_000 + i, 100 * k + i)), 100 * k + i) for i in range(25)]
+        for rec, seed in reversed(recs):
+            store.prefetch(rec)
+            assert torch.equal(store.load(rec), _bytes(rec.nbytes, seed))
+            store.give(rec)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(work, range(2)))  # both run at once; a failure in either is raised here
     assert _files(store) == []
     store.close()
 

@@ -13,8 +13,8 @@ import random
 import subprocess
 import sys
 import textwrap
-import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -187,24 +187,16 @@ def test_two_threads_share_one_disk_engine(tmp_path):
     ctx = _disk_engine(tmp_path)
     pairs = [(make_model(seed=k), None) for k in range(2)]
     pairs = [(m, twin(m)) for m, _ in pairs]
-    errors: list[BaseException] = []
 
     def work(k: int) -> None:
         model, ref = pairs[k]
-        try:
-            for i in range(3):
-                batch = make_batch(CFG, 2, 16 + 8 * (i + k), seed=10 * k + i)
-                train_step(model, batch, ctx)
-                train_step(ref, batch)
-        except BaseException as e:  # reported below
-            errors.append(e)
+        for i in range(3):
+            batch = make_batch(CFG, 2, 16 + 8 * (i + k), seed=10 * k + i)
+            train_step(model, batch, ctx)
+            train_step(ref, batch)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(work, range(2)))  # both run at once; a failure in either is raised here
     for k, (model, ref) in enumerate(pairs):
         assert_grads_equal(ref, model, f"thread {k}")
     assert_tiers_reconcile(ctx)
