@@ -136,25 +136,15 @@ class DiskStore:
 
     def _zero_counters(self) -> None:
         """The counters behind :meth:`stats` (changed under ``_cv``)."""
-        self._pending_bytes = 0  # staged or queued, not yet written
-        self._peak_pending = 0
-        self._live_file_bytes = 0
-        self._peak_file_bytes = 0
-        self._files = 0
-        self._received = 0  # bytes copied into the tier (what d2h_bytes reconciles with)
-        self._count = 0
-        self._written = 0
-        self._write_s = 0.0
-        self._read = 0
-        self._read_s = 0.0
-        self._wait_s = 0.0
-        self._prefetched = 0  # bytes read ahead, not yet loaded
-        self._refused = 0
+        # Bytes: staged or queued and not yet written (and its peak); in files (and peak); copied
+        # into the tier (what d2h_bytes reconciles with); written; read; read ahead and not yet
+        # loaded; kept in host memory after a failed write; refused.
+        self._pending_bytes = self._peak_pending = self._live_file_bytes = self._peak_file_bytes = 0
+        self._received = self._written = self._read = self._prefetched = self._memory_bytes = 0
         self._refused_bytes = 0
-        self._write_failures = 0
-        self._memory_bytes = 0
-        self._cancelled = 0
-        self._oversize = 0
+        # Counts, and seconds spent writing, reading and waiting.
+        self._files = self._count = self._refused = self._write_failures = self._cancelled = self._oversize = 0
+        self._write_s = self._read_s = self._wait_s = 0.0
         self._last_error = ""
         self._undeleted: list[str] = []
 

@@ -75,17 +75,26 @@ BAD = [
 ]
 
 
+VIAS = ["config", "engine", "from_dict"]
+"""The three ways a setting reaches the engine."""
+
+
+def _build(via: str, name: str, value: object) -> None:
+    """Build ``name=value`` the way ``via`` names: OffloadConfig, the engine's keywords, or from_dict."""
+    if via == "config":
+        OffloadConfig(**{name: value})
+    elif via == "engine":
+        OffloadActivations(**{"device": "cpu", name: value})
+    else:
+        OffloadConfig.from_dict({name: value})
+
+
 @pytest.mark.parametrize("name,value", BAD, ids=[f"{n}={v!r}" for n, v in BAD])
-@pytest.mark.parametrize("via", ["config", "engine", "from_dict"])
+@pytest.mark.parametrize("via", VIAS)
 def test_bad_value_names_the_setting(name, value, via):
     """A wrong type or value is refused at construction, naming the setting and the value."""
     with pytest.raises((TypeError, ValueError)) as ei:
-        if via == "config":
-            OffloadConfig(**{name: value})
-        elif via == "engine":
-            OffloadActivations(**{"device": "cpu", name: value})
-        else:
-            OffloadConfig.from_dict({name: value})
+        _build(via, name, value)
     msg = str(ei.value)
     assert name in msg and repr(value) in msg, msg
 
@@ -216,18 +225,13 @@ def test_size_settings_are_every_int_setting():
 
 
 @pytest.mark.parametrize("name", SIZE_SETTINGS)
-@pytest.mark.parametrize("via", ["config", "engine", "from_dict"])
+@pytest.mark.parametrize("via", VIAS)
 def test_size_beyond_what_the_engine_can_hold_is_refused_at_build(name, via):
     """A size no engine can honour (10**30: more than a 64-bit size, what torch, the C++ hook and the
     record ring hold) is refused when the config is built, naming the setting, the value and the bound."""
     value = 10**30
     with pytest.raises(ValueError) as ei:
-        if via == "config":
-            OffloadConfig(**{name: value})
-        elif via == "engine":
-            OffloadActivations(**{"device": "cpu", name: value})
-        else:
-            OffloadConfig.from_dict({name: value})
+        _build(via, name, value)
     msg = str(ei.value)
     assert name in msg and repr(value) in msg and str(SIZE_LIMIT) in msg, msg
     with pytest.raises(ValueError, match=name):

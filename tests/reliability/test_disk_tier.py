@@ -235,6 +235,17 @@ def test_disk_dir_that_is_a_file_is_refused(tmp_path):
         engine(disk_dir=str(f))
 
 
+def _two_steps_warned(model, ref, ctx) -> list[warnings.WarningMessage]:
+    """Two steps of different lengths through ``ctx`` and on the twin ``ref``; the warnings ``ctx`` gave."""
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        train_step(model, BATCH, ctx)
+        train_step(model, make_batch(CFG, 2, 24, seed=1), ctx)
+    train_step(ref, BATCH)
+    train_step(ref, make_batch(CFG, 2, 24, seed=1))
+    return w
+
+
 def test_disk_full_falls_through_with_one_warning(tmp_path, monkeypatch):
     """The disk fills mid-step (ENOSPC from the file system): later copies fall through to the final
     policy (keep) with one warning naming the directory; grads bitwise; nothing left behind."""
@@ -251,12 +262,7 @@ def test_disk_full_falls_through_with_one_warning(tmp_path, monkeypatch):
         return real(fd, off, n)
 
     monkeypatch.setattr(os, "posix_fallocate", filling)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        train_step(model, BATCH, ctx)
-        train_step(model, make_batch(CFG, 2, 24, seed=1), ctx)
-    train_step(ref, BATCH)
-    train_step(ref, make_batch(CFG, 2, 24, seed=1))
+    w = _two_steps_warned(model, ref, ctx)
     assert_grads_equal(ref, model, "disk full")
     full = [x for x in w if "disk tier" in str(x.message)]
     assert len(full) == 1 and _run_dir(ctx) in str(full[0].message), [str(x.message) for x in w]
@@ -389,12 +395,7 @@ def test_pin_failure_moves_to_the_next_tier(tmp_path, next_tier):
     ctx.pool.pin = True
     model = make_model()
     ref = twin(model)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        train_step(model, BATCH, ctx)
-        train_step(model, make_batch(CFG, 2, 24, seed=1), ctx)
-    train_step(ref, BATCH)
-    train_step(ref, make_batch(CFG, 2, 24, seed=1))
+    w = _two_steps_warned(model, ref, ctx)
     assert_grads_equal(ref, model, f"pin failed -> {next_tier}")
     pins = [str(x.message) for x in w if "pinning host memory" in str(x.message)]
     assert len(pins) == 1 and "not a device out-of-memory" in pins[0] and "use_pin_memory=False" in pins[0], pins
