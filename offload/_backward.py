@@ -108,7 +108,7 @@ class _Backward:
             # in-place write through one must be seen by the others' checks (Rule 6).
             h.rec.note = "reused_source"
             # Allocated on the producer stream: a consumer on another stream is recorded (Rule 4).
-            self._backend.record_consumer(entry.src, entry.copy)
+            self._backend.record_consumer(entry.src, entry.copy, "reused_source_record_stream")
             return entry.src
         base, copy, held = self._device_bytes(h, hc)
         if copy.done is not None:  # (a synchronous copy is complete)
@@ -201,7 +201,7 @@ class _Backward:
             out = out.conj()
         if neg:
             out = _torch_private.neg_view(out)
-        self._backend.record_consumer(out, copy)  # Rule 4: consumed on another stream than allocated
+        self._backend.record_consumer(out, copy, "record_stream")  # Rule 4: consumed on another stream than allocated
         return out
 
     @property
@@ -260,7 +260,7 @@ class _Backward:
                     # stream's pool, so order that stream after the H2D write
                     # before dropping it (Rule 4).
                     copy = hc.prefetched[1]
-                    self._backend.release_after(copy, copy.stream)
+                    self._backend.release_after(copy, copy.stream, "unused_prefetch_release_waits_copy")
                     hc.prefetched = None
             p.prefetched.clear()
             for ref in p.touched:

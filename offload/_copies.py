@@ -154,7 +154,7 @@ class _Copies:
     def _release_oldest(self) -> None:
         e = self._stash.popleft()
         self._stash_bytes -= e.nbytes
-        self._backend.release_after(e.copy, e.copy.stream)
+        self._backend.release_after(e.copy, e.copy.stream, "stash_release_waits_copy")
         e.src = None
 
     def _poll_stash(self) -> None:
@@ -195,9 +195,9 @@ class _Copies:
             start = self._backend._event()
             start.record(stream)
             with _span("offload::stall"):
-                self._backend.wait(copy)
+                self._backend.wait(copy, "stall_waits_copy")
             end = self._backend._event()
             end.record(stream)
             self.ledger.add_copy_time(None, "stall", Copy(end, None, start, stream))
         else:
-            self._backend.wait(copy)
+            self._backend.wait(copy, "compute_waits_copy")

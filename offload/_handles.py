@@ -106,7 +106,7 @@ class _HostCopy:
         self.used = 0
         # backend.release_after, to order a never-consumed prefetch's
         # allocation stream after its copy when this dies (Rule 4).
-        self.release: Callable[[Copy, Any], None] | None = None
+        self.release: Callable[[Copy, Any, str], None] | None = None
         self.version = 0
         self.base_ref: Callable[[], torch.Tensor | None] | None = None
         self.synchronous = False
@@ -116,7 +116,7 @@ class _HostCopy:
         try:
             if self.prefetched is not None and self.release is not None:
                 copy = self.prefetched[1]
-                self.release(copy, copy.stream)
+                self.release(copy, copy.stream, "dropped_prefetch_release_waits_copy")
             self.pool.give(self.buf)
         except Exception:  # interpreter shutdown: nothing left to return to
             pass

@@ -18,16 +18,27 @@ NOTE [ Ordering faults ]
 Each ordering call below can be switched off, one at a time, by name
 (``offload.testing.inject_fault(name)``; tests only): the emulated suite must
 fail for every one of them (tests/offload/test_emulated_faults.py lists which
-test catches which). ``_FAULTS`` is empty in every real run.
+test catches which). ``_FAULTS`` is empty in every real run, so each check is
+one falsy test. A call the engine makes from several places takes the name of
+its call site (``site=``), so each place is switched off on its own.
+In this module:
   d2h_waits_producer   side.wait_stream(compute) before a D2H (Rule 2)
   h2d_waits_compute    side.wait_stream(compute) before an H2D (Rule 4)
   copy_event           done.record(side) after each copy (Rules 2, 4)
-  compute_waits_copy   compute.wait_event(done) before a reload is read (Rule 4)
-  release_waits_copy   producer.wait_event(done) before a source is dropped (Rule 2)
   live_current_stream  current_stream() looked up at every call (Rule 3)
   compute_outside_side the compute stream read outside the side-stream context (Rule 3)
   h2d_alloc_on_compute reload destinations allocated on the compute stream (Rule 4)
-  record_stream        record_stream for a consumer on another stream (Rule 4)
+Engine call sites (``site=``) of ``wait``, ``record_consumer``, ``release_after``:
+  compute_waits_copy   _copies._wait: compute.wait_event(done) before a reload is read (Rule 4)
+  stall_waits_copy     _copies._wait, the timed branch (the copy not done yet): the same wait
+  record_stream        _backward._rebuild: record_stream for a reload read on another stream (Rule 4)
+  reused_source_record_stream  _backward._reload: the same for a reused in-flight source
+  stash_release_waits_copy     _copies._release_oldest: producer.wait_event(done) before an
+                       in-flight source leaves the stash (Rule 2)
+  unused_prefetch_release_waits_copy  _backward._end_pass: allocation stream waits for a
+                       prefetch never consumed in its pass before it is dropped (Rule 4)
+  dropped_prefetch_release_waits_copy  _handles._HostCopy.__del__: the same for a prefetch
+                       whose handles died unconsumed during the pass (Rule 4)
 """
 
 from __future__ import annotations
@@ -41,9 +52,10 @@ _perf_counter = time.perf_counter
 
 __all__ = ["Copy", "SyncBackend", "StreamBackend", "make_backend"]
 
-FAULT_NAMES = ("d2h_waits_producer", "h2d_waits_compute", "copy_event", "compute_waits_copy",
-               "release_waits_copy", "live_current_stream", "compute_outside_side", "h2d_alloc_on_compute",
-               "record_stream")
+FAULT_NAMES = ("d2h_waits_producer", "h2d_waits_compute", "copy_event", "live_current_stream",
+               "compute_outside_side", "h2d_alloc_on_compute", "compute_waits_copy", "stall_waits_copy",
+               "record_stream", "reused_source_record_stream", "stash_release_waits_copy",
+               "unused_prefetch_release_waits_copy", "dropped_prefetch_release_waits_copy")
 _FAULTS: set[str] = set()
 """Ordering calls switched off (NOTE [ Ordering faults ]): only offload.testing.inject_fault adds to it."""
 _DEVICE_MODULES: list[tuple[str, object]] = []
@@ -102,13 +114,13 @@ class SyncBackend:
         out.copy_(src)
         return out, Copy(None, time.perf_counter() - t0)
 
-    def wait(self, copy: Copy) -> None:
+    def wait(self, copy: Copy, site: str) -> None:
         pass
 
-    def release_after(self, copy: Copy, producer_stream) -> None:
+    def release_after(self, copy: Copy, producer_stream, site: str) -> None:
         pass
 
-    def record_consumer(self, t: torch.Tensor, copy: Copy) -> None:
+    def record_consumer(self, t: torch.Tensor, copy: Copy, site: str) -> None:
         pass
 
 
@@ -194,28 +206,28 @@ class StreamBackend:
         out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
         return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute")
 
-    def wait(self, copy: Copy) -> None:
-        """Make the live compute stream wait for ``copy`` (Rule 4)."""
-        if copy.done is not None and not (_FAULTS and "compute_waits_copy" in _FAULTS):
+    def wait(self, copy: Copy, site: str) -> None:
+        """Make the live compute stream wait for ``copy`` (Rule 4). ``site``: the caller's fault name."""
+        if copy.done is not None and not (_FAULTS and site in _FAULTS):
             self.current_stream().wait_event(copy.done)
 
-    def record_consumer(self, t: torch.Tensor, copy: Copy) -> None:
-        """Rule 4: ``t`` (allocated on ``copy.stream``) is read on the live stream: tell the allocator."""
+    def record_consumer(self, t: torch.Tensor, copy: Copy, site: str) -> None:
+        """Rule 4: ``t`` (allocated on ``copy.stream``) is read on the live stream: tell the allocator.
+        ``site``: the caller's fault name."""
         consumer = self.current_stream()
-        if copy.stream is not None and consumer != copy.stream and not (_FAULTS and "record_stream" in _FAULTS):
+        if copy.stream is not None and consumer != copy.stream and not (_FAULTS and site in _FAULTS):
             t.record_stream(consumer)
 
-    def release_after(self, copy: Copy, producer_stream) -> None:
+    def release_after(self, copy: Copy, producer_stream, site: str) -> None:
         """Order the producer stream after ``copy`` before the source block can be reused.
 
         The source was allocated on ``producer_stream``; once that stream waits on
         the copy's event, any later reuse of the freed block by the allocator is
         queued behind the copy, so the Python reference can be dropped without a
-        host synchronize (Rule 2).
+        host synchronize (Rule 2). ``site``: the caller's fault name.
         """
-        if copy.done is not None and producer_stream is not None:
-            if not (_FAULTS and "release_waits_copy" in _FAULTS):
-                producer_stream.wait_event(copy.done)
+        if copy.done is not None and producer_stream is not None and not (_FAULTS and site in _FAULTS):
+            producer_stream.wait_event(copy.done)
 
 
 def make_backend(device: torch.device, use_streams: bool, *, timing: bool = True) -> SyncBackend | StreamBackend:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emulated_testkit import ordering_workout
+from emulated_testkit import ordering_workout, reused_source_workout, unconsumed_prefetch_workout
 from offload import streams
 from offload.testing import FAULT_NAMES, EmulatedAccelerator, inject_fault
 from offload_testkit import assert_same_grads
@@ -19,49 +19,78 @@ EXPECTED_KIND = {
     "d2h_waits_producer": "unordered access",  # the D2H reads a tensor its producer wrote, unordered
     "h2d_waits_compute": "unordered access",  # the H2D writes a block compute allocated, unordered
     "copy_event": "unordered access",  # compute reads a reload: the event it waited on was never recorded
-    "compute_waits_copy": "unordered access",  # compute reads a reload it never waited for
-    "release_waits_copy": "free before access",  # a source freed while its D2H is queued
     "live_current_stream": "unordered access",  # copies ordered after a stale stream, not the user's
     "compute_outside_side": "free before access",  # the "producer" is the side stream: the release is a no-op
     "h2d_alloc_on_compute": "free before access",  # a reload's block belongs to the side stream
+    "compute_waits_copy": "unordered access",  # compute reads a reload it never waited for
+    "stall_waits_copy": "unordered access",  # the same, when the copy is still running (timed stall)
     "record_stream": "free before access",  # a prefetched reload read on another stream, freed unrecorded
+    "reused_source_record_stream": "free before access",  # an in-flight source read on another stream
+    "stash_release_waits_copy": "free before access",  # a source freed while its D2H is queued
+    "unused_prefetch_release_waits_copy": "free before access",  # a prefetch dropped at pass end, H2D queued
+    "dropped_prefetch_release_waits_copy": "free before access",  # a prefetch whose handles died, H2D queued
+}
+
+
+# The workout that reaches each call site: the ordering workout reaches all but three.
+WORKOUTS = {
+    "ordering": ordering_workout,
+    "reused_source": reused_source_workout,
+    "prefetch_unconsumed": lambda acc, **kw: unconsumed_prefetch_workout(acc, drop_first=False, **kw),
+    "prefetch_dropped": lambda acc, **kw: unconsumed_prefetch_workout(acc, drop_first=True, **kw),
+}
+WORKOUT_OF = {
+    "reused_source_record_stream": "reused_source",
+    "unused_prefetch_release_waits_copy": "prefetch_unconsumed",
+    "dropped_prefetch_release_waits_copy": "prefetch_dropped",
 }
 
 
 @pytest.mark.parametrize("late,seed", [(False, None), (True, None), (True, 0), (True, 1)],
                          ids=["check", "late", "late_seed0", "late_seed1"])
-def test_workout_is_clean_and_bitwise(late, seed):
+@pytest.mark.parametrize("workout", list(WORKOUTS))
+def test_workout_is_clean_and_bitwise(workout, late, seed):
     """The intact engine: zero hazards, the twin's gradients bit for bit, reloads on the stream path
     (late data run at the latest point, and at random points with a seed)."""
     with EmulatedAccelerator(late=late, seed=seed) as acc:
-        model, twin, ctx = ordering_workout(acc)
+        model, twin, ctx = WORKOUTS[workout](acc)
     acc.assert_no_hazards()
     assert_same_grads(model, twin)
     s = ctx.ledger.summary()
-    assert ctx.backend == "stream" and s["h2d_bytes"] > 0 and s["steps"] == 2
+    assert ctx.backend == "stream" and s["h2d_bytes"] > 0
+    if workout == "ordering":
+        assert s["steps"] == 2
+    if workout == "reused_source":
+        assert "reused_source" in [r.note for r in ctx.ledger.records]  # the path the workout is for
 
 
 def test_every_fault_is_listed():
     assert set(EXPECTED_KIND) == set(FAULT_NAMES)
+    assert set(WORKOUT_OF) <= set(FAULT_NAMES)
     assert not streams._FAULTS
 
 
 @pytest.mark.parametrize("fault", FAULT_NAMES)
 def test_each_ordering_call_is_needed(fault):
-    """Without this ordering call the checker reports a hazard of the expected kind."""
+    """Without this ordering call (this call site) the checker reports a hazard of the expected kind."""
+    # Without timing every reload's wait takes the untimed branch of _wait (and an unrecorded event
+    # has no elapsed time); with it, the emulator's copies are not done yet when compute needs them
+    # (query() is False until something orders after them): the timed stall branch.
+    kw = {"timing": False} if fault in ("copy_event", "compute_waits_copy") else {}
     with inject_fault(fault), EmulatedAccelerator() as acc:
-        ordering_workout(acc, timing=fault != "copy_event")  # (an unrecorded event has no elapsed time)
+        WORKOUTS[WORKOUT_OF.get(fault, "ordering")](acc, **kw)
     assert not streams._FAULTS
     kinds = {h.kind for h in acc.hazards}
     assert EXPECTED_KIND[fault] in kinds, f"{fault}: hazards {sorted(kinds)}"
 
 
-@pytest.mark.parametrize("fault", ["copy_event", "compute_waits_copy"])
-def test_missing_reload_wait_changes_bytes_in_late_mode(fault):
+@pytest.mark.parametrize("fault,timing", [("copy_event", False), ("compute_waits_copy", False),
+                                          ("stall_waits_copy", True)])
+def test_missing_reload_wait_changes_bytes_in_late_mode(fault, timing):
     """Without the checker: late data makes a missing wait on a reload read poison (a crash or wrong grads)."""
     with inject_fault(fault), EmulatedAccelerator(late=True, check=False) as acc:
         try:
-            model, twin, _ = ordering_workout(acc, timing=False)
+            model, twin, _ = ordering_workout(acc, timing=timing)
         except (RuntimeError, IndexError):
             return  # poison reached an op that checks its input (e.g. a class index of -1)
     with pytest.raises(AssertionError):
