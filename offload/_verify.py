@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .errors import DEBUG_TIP, OffloadError
+from .streams import _FAULTS
 
 __all__ = ["OffloadVerifyError", "span_checksum", "check_reload"]
 
@@ -60,8 +61,11 @@ def check_reload(expected: torch.Tensor, reloaded: torch.Tensor, host: torch.Ten
     got = _checksum(reloaded)
     if bool((got == expected).item()):
         return
-    if done is not None:
-        done.synchronize()  # the host copy was written before the reload read it (same side stream)
+    if done is not None and not (_FAULTS and "verify_host_after_copy" in _FAULTS):  # NOTE [ Ordering faults ]
+        # The host copy's D2H ran before the reload (same side stream): without this, a reload whose
+        # compute wait is missing (the bug being named) may find its D2H still queued, and the side
+        # would read "d2h".
+        done.synchronize()
     host_sum = _checksum(host)
     want = int(expected.item())
     side = "d2h" if int(host_sum.item()) != want else "h2d"

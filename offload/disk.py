@@ -56,6 +56,7 @@ from ._disk_run import LOCK_NAME, RUN_PREFIX, clean_stale_runs, delete_run, open
 from ._warn import warn_user
 from .errors import OffloadError
 from .pool import HostPool
+from .streams import _FAULTS
 
 __all__ = ["DiskStore", "DiskRecord", "DiskTierError", "RUN_PREFIX", "LOCK_NAME"]
 
@@ -300,8 +301,9 @@ class DiskStore:
     def _write(self, rec: DiskRecord) -> None:
         copy = rec.copy
         rec.copy = None
-        if copy is not None and getattr(copy, "done", None) is not None:
-            copy.done.synchronize()
+        if copy is not None and getattr(copy, "done", None) is not None and not (
+                _FAULTS and "disk_write_waits_copy" in _FAULTS):  # NOTE [ Ordering faults ]
+            copy.done.synchronize()  # the D2H into the staging buffer is done before the host reads it
         with self._cv:
             if rec.state != "queued":  # released (or closed) before it was written
                 self._unstage(rec)

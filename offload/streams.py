@@ -39,6 +39,11 @@ Engine call sites (``site=``) of ``wait``, ``record_consumer``, ``release_after`
                        prefetch never consumed in its pass before it is dropped (Rule 4)
   dropped_prefetch_release_waits_copy  _handles._HostCopy.__del__: the same for a prefetch
                        whose handles died unconsumed during the pass (Rule 4)
+Elsewhere:
+  disk_write_waits_copy  disk.DiskStore._write: the writer thread synchronizes on the D2H into
+                       the staging buffer before it reads the bytes for the file
+  verify_host_after_copy _verify.check_reload, on a mismatch: the host synchronizes on the reload's
+                       copy before it sums the host copy (to name the side that differed)
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ __all__ = ["Copy", "SyncBackend", "StreamBackend", "make_backend"]
 FAULT_NAMES = ("d2h_waits_producer", "h2d_waits_compute", "copy_event", "live_current_stream",
                "compute_outside_side", "h2d_alloc_on_compute", "compute_waits_copy", "stall_waits_copy",
                "record_stream", "reused_source_record_stream", "stash_release_waits_copy",
-               "unused_prefetch_release_waits_copy", "dropped_prefetch_release_waits_copy")
+               "unused_prefetch_release_waits_copy", "dropped_prefetch_release_waits_copy",
+               "disk_write_waits_copy", "verify_host_after_copy")
 _FAULTS: set[str] = set()
 """Ordering calls switched off (NOTE [ Ordering faults ]): only offload.testing.inject_fault adds to it."""
 _DEVICE_MODULES: list[tuple[str, object]] = []

@@ -8,7 +8,8 @@ step on a user stream created after the engine (the live current stream).
 Two more reach the call sites it cannot: ``reused_source_workout`` (backward on
 another stream reads sources still in flight) and ``unconsumed_prefetch_workout``
 (a prefetch that backward never reads, dropped at the end of the pass or when its
-handles die during it).
+handles die during it). ``disk_workout`` sends every offloaded tensor through the
+disk tier's writer thread.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from torch import nn
 
 from offload_testkit import cpu_ctx, loss_of, make_inputs, make_model, twin_of
 
-__all__ = ["ordering_workout", "reused_source_workout", "switch_stream_in_backward", "unconsumed_prefetch_workout"]
+__all__ = ["disk_workout", "ordering_workout", "reused_source_workout", "switch_stream_in_backward",
+           "unconsumed_prefetch_workout"]
 
 
 def switch_stream_in_backward(acc: Any, module: nn.Module, stream: Any) -> Any:
@@ -111,4 +113,24 @@ def unconsumed_prefetch_workout(acc: Any, *, drop_first: bool, **ctx_kw: Any) ->
         else:
             graph_a.pop().backward()
     acc.synchronize()
+    return model, twin, ctx
+
+
+def disk_workout(acc: Any, disk_dir: str, **ctx_kw: Any) -> tuple[nn.Module, nn.Module, Any]:
+    """A step of the toy Llama with no host budget: every offloaded tensor is copied into a staging
+    buffer on the side stream, and written to a file by the disk tier's writer thread. The caller
+    closes the returned engine."""
+    model = make_model("toy")
+    twin = twin_of(model)
+    inputs = make_inputs("toy")
+    ctx = cpu_ctx(**{"host_budget_bytes": 0, "disk_dir": disk_dir, **ctx_kw})
+    try:
+        with ctx:
+            loss = loss_of(model, inputs)
+        loss.backward()
+        loss_of(twin, inputs).backward()
+        acc.synchronize()
+    except BaseException:
+        ctx.close()
+        raise
     return model, twin, ctx

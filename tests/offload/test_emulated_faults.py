@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emulated_testkit import ordering_workout, reused_source_workout, unconsumed_prefetch_workout
+from emulated_testkit import disk_workout, ordering_workout, reused_source_workout, unconsumed_prefetch_workout
 from offload import streams
+from offload.disk import DiskTierError
 from offload.testing import FAULT_NAMES, EmulatedAccelerator, inject_fault
 from offload_testkit import assert_same_grads
 
@@ -29,6 +30,12 @@ EXPECTED_KIND = {
     "stash_release_waits_copy": "free before access",  # a source freed while its D2H is queued
     "unused_prefetch_release_waits_copy": "free before access",  # a prefetch dropped at pass end, H2D queued
     "dropped_prefetch_release_waits_copy": "free before access",  # a prefetch whose handles died, H2D queued
+}
+# Host-side waits: the host reads bytes the checker cannot see it read (numpy, file writes), or
+# only names the wrong side; late data shows them (the tests below).
+CAUGHT_BY_LATE_DATA = {
+    "disk_write_waits_copy": "test_disk_writer_that_does_not_wait_writes_wrong_bytes",
+    "verify_host_after_copy": "tests/offload/test_verify.py::test_missing_wait_on_a_reload_while_its_d2h_is_queued",
 }
 
 
@@ -65,12 +72,13 @@ def test_workout_is_clean_and_bitwise(workout, late, seed):
 
 
 def test_every_fault_is_listed():
-    assert set(EXPECTED_KIND) == set(FAULT_NAMES)
+    assert set(EXPECTED_KIND) | set(CAUGHT_BY_LATE_DATA) == set(FAULT_NAMES)
+    assert not set(EXPECTED_KIND) & set(CAUGHT_BY_LATE_DATA)
     assert set(WORKOUT_OF) <= set(FAULT_NAMES)
     assert not streams._FAULTS
 
 
-@pytest.mark.parametrize("fault", FAULT_NAMES)
+@pytest.mark.parametrize("fault", list(EXPECTED_KIND))
 def test_each_ordering_call_is_needed(fault):
     """Without this ordering call (this call site) the checker reports a hazard of the expected kind."""
     # Without timing every reload's wait takes the untimed branch of _wait (and an unrecorded event
@@ -93,6 +101,33 @@ def test_missing_reload_wait_changes_bytes_in_late_mode(fault, timing):
             model, twin, _ = ordering_workout(acc, timing=timing)
         except (RuntimeError, IndexError):
             return  # poison reached an op that checks its input (e.g. a class index of -1)
+    with pytest.raises(AssertionError):
+        assert_same_grads(model, twin)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["check", "late"])
+def test_disk_workout_is_clean_and_bitwise(tmp_path, late):
+    with EmulatedAccelerator(late=late) as acc:
+        model, twin, ctx = disk_workout(acc, str(tmp_path))
+    try:
+        acc.assert_no_hazards()
+        assert_same_grads(model, twin)
+        s = ctx.ledger.summary()
+        assert ctx.backend == "stream" and s["tiers"]["disk"]["count"] == s["offloaded_count"] > 0
+    finally:
+        ctx.close()
+
+
+def test_disk_writer_that_does_not_wait_writes_wrong_bytes(tmp_path):
+    """The writer thread reads the staging buffer with numpy (the checker cannot see it): without its
+    wait on the D2H it writes poison, which the file check or the gradients catch. No late work runs
+    before backward (lag: queries never complete), so the writer always comes first."""
+    with inject_fault("disk_write_waits_copy"), EmulatedAccelerator(late=True, check=False, lag=1 << 30) as acc:
+        try:
+            model, twin, ctx = disk_workout(acc, str(tmp_path))
+        except DiskTierError:
+            return  # the bytes changed under the writer (the file's check names them)
+    ctx.close()
     with pytest.raises(AssertionError):
         assert_same_grads(model, twin)
 

@@ -51,6 +51,25 @@ def test_missing_wait_on_a_reload_raises_naming_the_h2d_side():
     assert "side: h2d" in str(e) and e.module in str(e) and str(list(e.shape)) in str(e)
 
 
+@pytest.mark.parametrize("host_waits", [True, False], ids=["intact", "fault_verify_host_after_copy"])
+def test_missing_wait_on_a_reload_while_its_d2h_is_queued(host_waits):
+    """Two views of one storage (one host copy, two users: reloaded, not reused) and nothing run late
+    before backward: the reload's D2H is still queued when compute reads the reload without waiting.
+    verify=True names h2d, because it synchronizes on the reload's copy before it sums the host copy;
+    without that wait (the fault) it would sum the unwritten host copy and name d2h."""
+    x = torch.randn(4096, requires_grad=True)
+    faults = ("compute_waits_copy",) + (() if host_waits else ("verify_host_after_copy",))
+    with inject_fault(*faults), EmulatedAccelerator(late=True, check=False, lag=1 << 30):
+        ctx = cpu_ctx(verify=True, prefetch_bytes=0, timing=False)
+        with ctx:
+            t = x * 2.0
+            loss = (t[:2048].sin() + t[2048:].cos()).sum()
+        with pytest.raises(OffloadVerifyError) as ei:
+            loss.backward()
+    assert ei.value.side == ("h2d" if host_waits else "d2h")
+    assert all(r.note != "reused_source" for r in ctx.ledger.records)
+
+
 def test_d2h_that_does_not_wait_for_its_producer_raises_naming_the_d2h_side():
     """The producer's kernel queued late (a parked stream) and the D2H not waiting for it: the host copy
     holds the wrong bytes, and verify=True says the d2h side differed."""
