@@ -30,7 +30,7 @@ every aten op on the entering thread. Nothing in ``torch.cuda`` is patched.
    engine's in-flight bookkeeping (stash, stall timing) takes its GPU paths.
 
 What it cannot see: timing, real DMA engines, pinned-memory behaviour,
-kernels that bypass the dispatcher (compiled Inductor code, C++ extensions),
+kernels that bypass the dispatcher (Inductor's generated kernels, C++ extensions),
 and host reads of host memory are attributed to the current stream.
 """
 
@@ -207,6 +207,13 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.acc = acc
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile compiles with this mode off and runs the compiled code under it (by default
+        Dynamo falls back to eager under a dispatch mode): the ops of a graph that runs aten ops
+        (``backend="aot_eager"``) are seen one by one; Inductor's own kernels are not."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.acc._dispatch(func, types, args, kwargs or {})
 
@@ -229,9 +236,10 @@ class EmulatedAccelerator:
         check: feed the happens-before checker (off: only the stream semantics).
         raise_on_hazard: raise ``HazardError`` at the op that causes a hazard
             (frees are reported in ``hazards`` only: they happen in destructors).
-        dispatch: see every aten op (a ``TorchDispatchMode``). False: streams
-            and events only, nothing checked or run late; for ``torch.compile``,
-            which runs eagerly under a dispatch mode (Dynamo does not trace there).
+        dispatch: see every aten op (a ``TorchDispatchMode``; ``torch.compile``
+            compiles with it off and runs the compiled code under it). False:
+            streams and events only, nothing checked or run late (instruction
+            counts of the engine's own bookkeeping).
     """
 
     type = "cpu"

@@ -374,13 +374,14 @@ def pack_case_strategies() -> dict[str, Any]:
                 in_backward=st.booleans())
 
 
-def compiled_toy_reference(n_layers: int = 1) -> tuple[nn.Module, nn.Module, tuple, torch.Tensor, dict]:
-    """A toy Llama, its ``torch.compile``'d module, inputs, and the compiled loss and grads without
-    offloading (same kernels, same numerics); grads are zeroed after. Call ``torch._dynamo.reset()``
-    around it."""
+def compiled_toy_reference(n_layers: int = 1, backend: Any = "inductor") -> tuple[nn.Module, nn.Module, tuple,
+                                                                                 torch.Tensor, dict]:
+    """A toy Llama, its ``torch.compile``'d module (``backend``), inputs, and the compiled loss and grads
+    without offloading (same kernels, same numerics); grads are zeroed after. Call
+    ``torch._dynamo.reset()`` around it."""
     torch.manual_seed(0)
     model = ToyLlama(dataclasses.replace(TINY, n_layers=n_layers))
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend=backend)
     inputs = make_inputs("toy")
     want = loss_of(compiled, inputs)
     want.backward()

@@ -5,6 +5,7 @@ run late; gradients bitwise equal to a twin trained without offloading, in both 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import offload
-from offload.testing import EmulatedAccelerator
+from offload.testing import EmulatedAccelerator, inject_fault
 from offload_testkit import (TINY, assert_same_grads, compiled_toy_reference, cpu_ctx, loss_of, make_batch,
                              make_inputs, make_model, run_step, twin_of)
 
@@ -200,23 +201,60 @@ def test_plan_apply(late):
     acc.assert_no_hazards()
 
 
-def test_torch_compile_on_the_stream_path():
-    """torch.compile'd toy Llama on the emulated stream path, bitwise with the compiled reference. Dynamo
-    does not trace under a dispatch mode, so here the emulator runs without one (dispatch=False): the
-    engine's stream bookkeeping runs, nothing is checked (ops inside compiled code are invisible anyway)."""
+def _counted(backend: str) -> tuple[Any, list[int]]:
+    """A torch.compile backend that is ``backend`` and counts the runs of the graphs it compiled."""
+    runs = [0]
+    inner = torch._dynamo.lookup_backend(backend)
+
+    def compile_fn(gm, example_inputs):
+        compiled = inner(gm, example_inputs)
+
+        def run(*args):
+            runs[0] += 1
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # (called as the inner one is)
+        return run
+
+    return compile_fn, runs
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_on_the_stream_path(backend):
+    """torch.compile'd toy Llama on the emulated stream path, checked and with late data: zero hazards,
+    bitwise with the compiled reference. Dynamo compiles with the emulator's dispatch mode off and runs
+    the compiled code under it (_Mode.ignore_compile_internals): with aot_eager every aten op of the
+    compiled forward and backward graphs is checked and runs late; with Inductor its own kernels are
+    invisible, the engine's copies, waits and frees and the ops left to aten are checked."""
     torch._dynamo.reset()
     try:
-        model, compiled, inputs, want, ref = compiled_toy_reference()
-        with EmulatedAccelerator(dispatch=False, check=False) as acc:
-            ctx = cpu_ctx(max_fwd_stash_size=1)
-            assert ctx.backend == "stream"
-            with ctx:
+        fn, runs = _counted(backend)
+        model, compiled, inputs, want, ref = compiled_toy_reference(backend=fn)
+        for late in (False, True):
+            before = runs[0]
+            with EmulatedAccelerator(late=late) as acc:
+                ctx = cpu_ctx(max_fwd_stash_size=1)
+                assert ctx.backend == "stream"
+                with ctx:
+                    loss = loss_of(compiled, inputs)
+                loss.backward()
+                acc.synchronize()
+            acc.assert_no_hazards()
+            assert runs[0] > before, "the compiled graph did not run under the emulator (an eager fallback)"
+            assert torch.equal(loss, want)
+            for n, p in model.named_parameters():
+                assert torch.equal(p.grad, ref[n]), n
+            model.zero_grad(set_to_none=True)
+            s = acc.summary()
+            assert s["ops_checked"] > 0 and (s["late_ops_run"] > 0) == late
+            assert ctx.ledger.summary()["offloaded_bytes"] > 0
+        # And the check is real: compute not waiting for its reloads is reported, also when the
+        # reads are Inductor's (the reload's views and copies before them are aten ops).
+        with inject_fault("compute_waits_copy"), EmulatedAccelerator() as acc:
+            with cpu_ctx(max_fwd_stash_size=1, timing=False):
                 loss = loss_of(compiled, inputs)
             loss.backward()
-            acc.synchronize()
-        assert torch.equal(loss, want)
-        for n, p in model.named_parameters():
-            assert torch.equal(p.grad, ref[n]), n
-        assert ctx.ledger.summary()["offloaded_bytes"] > 0
+        model.zero_grad(set_to_none=True)
+        assert "unordered access" in {h.kind for h in acc.hazards}
     finally:
         torch._dynamo.reset()
