@@ -291,29 +291,30 @@ class Checker:
 
     def record_stream(self, t: torch.Tensor, sid: int) -> None:
         """``t.record_stream(stream)``: a free of ``t``'s storage waits for ``sid``'s work issued so far."""
-        try:
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return
-        if not ptr:
-            return
         with self._lock:
-            self._track(ptr, st, sid, fresh=False)
-            self._live[ptr].recorded.add(sid)
+            info = self._live_of(t, sid)
+            if info is not None:
+                info.recorded.add(sid)
 
     def host_memory(self, t: torch.Tensor) -> None:
         """``t``'s storage is a host buffer: its free is not checked (see ``_Live.host``)."""
+        with self._lock:
+            info = self._live_of(t, 0)
+            if info is not None:
+                info.host = True
+
+    def _live_of(self, t: torch.Tensor, sid: int) -> _Live | None:
+        """What is known of ``t``'s storage, tracked from now on (seen on ``sid`` if new; lock held);
+        None for a storage without bytes."""
         try:
             st = t.untyped_storage()
             ptr = st.data_ptr()
         except (RuntimeError, NotImplementedError):
-            return
+            return None
         if not ptr:
-            return
-        with self._lock:
-            self._track(ptr, st, 0, fresh=False)
-            self._live[ptr].host = True
+            return None
+        self._track(ptr, st, sid, fresh=False)
+        return self._live[ptr]
 
     # -- storages and frees -----------------------------------------------------
 
