@@ -4,6 +4,8 @@ emulated run fail, while the intact engine runs the same workout clean and bitwi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -34,7 +36,7 @@ EXPECTED_KIND = {
 # Host-side waits: the host reads bytes the checker cannot see it read (numpy, file writes), or
 # only names the wrong side; late data shows them (the tests below).
 CAUGHT_BY_LATE_DATA = {
-    "disk_write_waits_copy": "test_disk_writer_that_does_not_wait_writes_wrong_bytes",
+    "disk_write_waits_copy": "test_disk_writer_that_does_not_wait_writes_wrong_bytes",  # (this file)
     "verify_host_after_copy": "tests/offload/test_verify.py::test_missing_wait_on_a_reload_while_its_d2h_is_queued",
 }
 
@@ -76,6 +78,10 @@ def test_every_fault_is_listed():
     assert not set(EXPECTED_KIND) & set(CAUGHT_BY_LATE_DATA)
     assert set(WORKOUT_OF) <= set(FAULT_NAMES)
     assert not streams._FAULTS
+    root = Path(__file__).resolve().parents[2]
+    for where in CAUGHT_BY_LATE_DATA.values():  # the named tests exist
+        path, _, name = where.rpartition("::")
+        assert f"def {name}(" in (root / path if path else Path(__file__)).read_text(), where
 
 
 @pytest.mark.parametrize("fault", list(EXPECTED_KIND))
