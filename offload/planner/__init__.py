@@ -4,10 +4,12 @@
     handle = plan.apply(model)        # engine attached to the blocks; remove() restores the model
     print(plan.report())
 
-Modules: ``meter`` (peak of one step, host buffers left out), ``profile``
-(one step per decision), ``cost`` (the cost model and its assumptions),
-``solve`` (exact Pareto DP, greedy fallback), ``install`` (applying
-decisions), ``planning`` (the Plan object and ``plan()``).
+Modules: ``blocks`` (the candidate blocks), ``meter`` (peak of one step, host
+buffers left out), ``profile`` (one step per decision), ``cost`` (the cost
+model and its assumptions), ``solve`` (exact Pareto DP, greedy fallback),
+``choose`` (from a cost model to the decisions for a budget), ``host`` (the
+host tiers' limits), ``install`` (applying decisions), ``planning`` (the Plan
+object and ``plan()``).
 """
 
 from .cost import CostModel, Hardware

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from .profile import StepProfile
+from .profile import DecisionProfile, StepProfile
 
 __all__ = ["Hardware", "Option", "BlockCost", "CostModel", "measure_hardware", "build_cost_model"]
 
@@ -250,92 +250,110 @@ def _retained(s: Any) -> int:
 
 def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str, Any] | None = None) -> CostModel:
     """Turn per-decision profiles into per-position options (see the module docstring)."""
+    _check_same_calls(profile)
     keep = profile.by_decision["keep"]
-    calls = keep.calls
+    blocks = _block_costs(profile)
+    n = len(blocks)
+    compute = {d: [p.blocks[k].fwd_s + p.blocks[k].bwd_s for k in range(n)] for d, p in profile.by_decision.items()}
+    overhead = _copy_overhead(profile, compute, hw)
+    for d, prof in profile.by_decision.items():
+        for k, opt in enumerate(_options(d, prof, keep, compute, hw, overhead)):
+            blocks[k].options[d] = opt
+    rest = max(0.0, keep.step_s - sum(compute["keep"]))
+    ekw = dict(engine_kwargs or {})
+    ahead = _prefetch_bytes(profile, hw, ekw)
+    return CostModel(base=keep.base, rest_s=rest, blocks=blocks, hardware=hw, copy_overhead_s=overhead,
+                     prefetch_bytes=int(ahead), engine_kwargs=ekw, rest_s_all=list(keep.step_s_all))
+
+
+def _check_same_calls(profile: StepProfile) -> None:
+    """Every decision's profile ran the candidate blocks in the same order as "keep" did."""
+    calls = profile.by_decision["keep"].calls
     for d, p in profile.by_decision.items():
         if p.calls != calls:
             raise ValueError(
                 f"offload.plan: the candidate blocks ran differently under {d!r} than under 'keep' "
                 f"({[profile.names[i] for i in p.calls]} vs {[profile.names[i] for i in calls]})."
             )
-    n = len(calls)
-    B = keep.base
+
+
+def _block_costs(profile: StepProfile) -> list[BlockCost]:
+    """One ``BlockCost`` per call position (options still empty), numbering repeated calls of a block."""
+    keep = profile.by_decision["keep"]
     seen: dict[int, int] = {}
     blocks = []
-    for p, i in enumerate(calls):
+    for p, i in enumerate(keep.calls):
         blocks.append(BlockCost(profile.names[i], keep.blocks[p].saved_bytes, keep.blocks[p].in_bytes,
                                 call=seen.get(i, 0)))
         seen[i] = seen.get(i, 0) + 1
-    compute = {d: [p.blocks[k].fwd_s + p.blocks[k].bwd_s for k in range(n)] for d, p in profile.by_decision.items()}
+    return blocks
 
-    def link_s(nbytes: int) -> tuple[float, float]:
-        return nbytes / (hw.d2h_gb_s * 1e9), nbytes / (hw.h2d_gb_s * 1e9)
 
-    # Per-copy engine overhead (synchronous copies): measured slowdown beyond bytes / BW.
+def _link_s(hw: Hardware, nbytes: int) -> tuple[float, float]:
+    """Seconds to copy ``nbytes`` to the host and back at the link's bandwidths."""
+    return nbytes / (hw.d2h_gb_s * 1e9), nbytes / (hw.h2d_gb_s * 1e9)
+
+
+def _copy_overhead(profile: StepProfile, compute: dict[str, list[float]], hw: Hardware) -> float:
+    """Per-copy engine overhead (synchronous copies): the measured slowdown beyond bytes / bandwidth."""
     overheads = []
     for d, base_d in (("offload", "keep"), ("recompute_offload", "recompute")):
         if d not in profile.by_decision or base_d not in profile.by_decision:
             continue
-        for k in range(n):
-            s = profile.by_decision[d].blocks[k]
+        for k, s in enumerate(profile.by_decision[d].blocks):
             if s.copies:
-                d2h, h2d = link_s(s.copy_bytes)
+                d2h, h2d = _link_s(hw, s.copy_bytes)
                 extra = compute[d][k] - max(compute[base_d][k], compute["keep"][k]) - d2h - h2d
                 overheads.append(max(0.0, extra) / s.copies)
-    overhead = statistics.median(overheads) if (overheads and hw.synchronous) else 0.0
+    return statistics.median(overheads) if (overheads and hw.synchronous) else 0.0
 
-    for d, prof in profile.by_decision.items():
-        r = [_retained(s) for s in prof.blocks]
-        prefix = 0
-        for k, s in enumerate(prof.blocks):
-            keep_c = compute["keep"][k]
-            if d in ("keep", "offload"):
-                comp = keep_c
-            else:
-                # A recompute re-runs the block's forward: never cheaper than keep + that forward,
-                # whatever two noisy totals say.
-                measured = compute[d][k] if d == "recompute" else compute.get("recompute", compute[d])[k]
-                comp = max(measured, keep_c + keep.blocks[k].fwd_s)
-            d2h, h2d = link_s(s.copy_bytes)
-            if hw.synchronous:
-                exposed = d2h + h2d + s.copies * overhead
-            else:
-                nxt = keep.blocks[k + 1] if k + 1 < n else None
-                win_f = nxt.fwd_s if nxt else 0.0
-                win_b = nxt.bwd_s if nxt else 0.0
-                exposed = max(0.0, d2h - win_f) + max(0.0, h2d - win_b)
-            opt = Option(
-                decision=d,
-                retained=r[k],
-                event=0,
-                seconds=comp + exposed,
-                compute_s=keep_c,
-                recompute_s=comp - keep_c,
-                copy_bytes=s.copy_bytes,
-                copy_s=d2h + h2d,
-                exposed_s=exposed,
-                fwd_event=s.fwd_peak - prof.base - prefix,
-                bwd_event=s.bwd_peak - prof.base - prefix,
-                fwd_s_all=list(s.fwd_s_all),
-                bwd_s_all=list(s.bwd_s_all),
-            )
-            if k == n - 1:
-                opt.head_event = prof.head_peak - prof.base - prefix
-            if k == 0:
-                # The windows before the first call and after the first call's backward: no other
-                # block holds anything then, so they depend on the first block's decision only.
-                opt.pre_event = max(1, prof.pre_peak - prof.base)
-                opt.post_event = max(1, prof.post_peak - prof.base)
-            opt.event = max(opt.fwd_event, opt.bwd_event, opt.head_event, opt.pre_event, opt.post_event)
-            blocks[k].options[d] = opt
-            prefix += r[k]
-    rest = max(0.0, keep.step_s - sum(compute["keep"]))
-    ekw = dict(engine_kwargs or {})
-    ahead = 0
-    if not hw.synchronous:
-        biggest = max((s.max_copy for p in profile.by_decision.values() for s in p.blocks), default=0)
-        ahead = ekw.get("prefetch_bytes")
-        if ahead is None:
-            ahead = ekw["prefetch_bytes"] = 2 * biggest
-    return CostModel(base=B, rest_s=rest, blocks=blocks, hardware=hw, copy_overhead_s=overhead,
-                     prefetch_bytes=int(ahead), engine_kwargs=ekw, rest_s_all=list(keep.step_s_all))
+
+def _options(d: str, prof: DecisionProfile, keep: DecisionProfile, compute: dict[str, list[float]], hw: Hardware,
+             overhead: float) -> list[Option]:
+    """Decision ``d``'s option at every call position, from its profile ``prof``: its events are
+    measured above the step's base and what the earlier positions retain under ``d``."""
+    n = len(prof.blocks)
+    out = []
+    prefix = 0
+    for k, s in enumerate(prof.blocks):
+        keep_c = compute["keep"][k]
+        if d in ("keep", "offload"):
+            comp = keep_c
+        else:
+            # A recompute re-runs the block's forward: never cheaper than keep + that forward,
+            # whatever two noisy totals say.
+            measured = compute[d][k] if d == "recompute" else compute.get("recompute", compute[d])[k]
+            comp = max(measured, keep_c + keep.blocks[k].fwd_s)
+        d2h, h2d = _link_s(hw, s.copy_bytes)
+        if hw.synchronous:
+            exposed = d2h + h2d + s.copies * overhead
+        else:
+            nxt = keep.blocks[k + 1] if k + 1 < n else None
+            exposed = max(0.0, d2h - (nxt.fwd_s if nxt else 0.0)) + max(0.0, h2d - (nxt.bwd_s if nxt else 0.0))
+        opt = Option(decision=d, retained=_retained(s), event=0, seconds=comp + exposed, compute_s=keep_c,
+                     recompute_s=comp - keep_c, copy_bytes=s.copy_bytes, copy_s=d2h + h2d, exposed_s=exposed,
+                     fwd_event=s.fwd_peak - prof.base - prefix, bwd_event=s.bwd_peak - prof.base - prefix,
+                     fwd_s_all=list(s.fwd_s_all), bwd_s_all=list(s.bwd_s_all))
+        if k == n - 1:
+            opt.head_event = prof.head_peak - prof.base - prefix
+        if k == 0:
+            # The windows before the first call and after the first call's backward: no other
+            # block holds anything then, so they depend on the first block's decision only.
+            opt.pre_event = max(1, prof.pre_peak - prof.base)
+            opt.post_event = max(1, prof.post_peak - prof.base)
+        opt.event = max(opt.fwd_event, opt.bwd_event, opt.head_event, opt.pre_event, opt.post_event)
+        out.append(opt)
+        prefix += opt.retained
+    return out
+
+
+def _prefetch_bytes(profile: StepProfile, hw: Hardware, ekw: dict[str, Any]) -> int:
+    """The bytes the engine prefetches ahead (0 for synchronous copies); sets the engine's default,
+    twice the largest copy, in ``ekw`` when it has none."""
+    if hw.synchronous:
+        return 0
+    biggest = max((s.max_copy for p in profile.by_decision.values() for s in p.blocks), default=0)
+    ahead = ekw.get("prefetch_bytes")
+    if ahead is None:
+        ahead = ekw["prefetch_bytes"] = 2 * biggest
+    return ahead

@@ -16,7 +16,6 @@ that were None when it started.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
@@ -30,87 +29,17 @@ from torch import nn
 
 from .._format import format_bytes
 from ..errors import OffloadError
-from .cost import OFFLOADING, CostModel, build_cost_model, measure_hardware
-from .host import TIER_SETTINGS, fit_host, tier_bytes
+from .blocks import find_blocks
+from .choose import choose
+from .cost import CostModel, build_cost_model, measure_hardware
+from .host import TIER_SETTINGS, tier_bytes
 from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install
-from .meter import measure_step
+from .meter import StepMeasurement, measure_step
 from .profile import StepProfile, profile_step, run_step, zero_grads_
-from .solve import Choice, min_peak, solve
 
 __all__ = ["Plan", "plan", "find_blocks"]
 
 log = logging.getLogger("offload.planner")
-
-
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-
-
-def _leaves(prefix: str, m: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The callable blocks of a (possibly nested) container, in order: a list of lists gives its leaves."""
-    if not isinstance(m, _CONTAINERS):
-        return [(prefix, m)]
-    out = []
-    for k, c in m.named_children():
-        out += _leaves(f"{prefix}.{k}" if prefix else k, c)
-    return out
-
-
-def find_blocks(model: nn.Module, blocks: Sequence[str | nn.Module] | None = None) -> list[tuple[str, nn.Module]]:
-    """Candidate blocks as (FQN, module): the given ones, or the blocks of the model's largest ``nn.ModuleList``
-    (a list of lists, as in a staged model, gives its inner blocks).
-
-    Candidates must be disjoint: one listed inside another (nested), a container (``nn.ModuleList``,
-    which never runs) or the same module twice is refused, naming the modules. Candidates that never
-    run, or that run inside another candidate, are refused when the step is profiled.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"offload.plan: model must be an nn.Module, got model={model!r} ({type(model).__name__}).")
-    names = {id(m): n for n, m in model.named_modules()}
-    if blocks is None:
-        all_lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-        # Outermost lists only: a list of lists counts once, with its inner blocks.
-        inner = {id(c) for _, m in all_lists for c in m.modules() if c is not m}
-        lists = [(n, m) for n, m in all_lists if id(m) not in inner]
-        if not lists:
-            raise ValueError(
-                f"offload.plan: {type(model).__name__} has no nn.ModuleList, so there are no default "
-                "candidate blocks; pass blocks=[...] (module names or modules)."
-            )
-        found = [_leaves(n, m) for n, m in lists]
-        return max(found, key=len)
-    if isinstance(blocks, (str, nn.Module)):
-        raise TypeError(f"offload.plan: blocks must be a list of module names or modules, got blocks={blocks!r}.")
-    modules = dict(model.named_modules())
-    out = []
-    for b in blocks:
-        if isinstance(b, str):
-            if b not in modules:
-                raise ValueError(f"offload.plan: blocks names {b!r}, which is not a submodule of the model.")
-            out.append((b, modules[b]))
-        elif isinstance(b, nn.Module) and id(b) in names:
-            out.append((names[id(b)], b))
-        else:
-            raise ValueError(f"offload.plan: blocks entry {b!r} is not a submodule (or its name) of the model.")
-    if not out:
-        raise ValueError("offload.plan: blocks=[] names no candidate block.")
-    if len({id(m) for _, m in out}) != len(out):
-        raise ValueError("offload.plan: blocks lists the same module twice.")
-    for n, m in out:
-        if isinstance(m, _CONTAINERS):
-            inner = [x for x, _ in _leaves(n, m)]
-            raise ValueError(
-                f"offload.plan: blocks names {n!r}, an {type(m).__name__}: a container, which never runs "
-                f"(its blocks do). Name its blocks instead: {inner[:6]}{' ...' if len(inner) > 6 else ''}."
-            )
-    for n, m in out:
-        inside = {id(x) for x in m.modules()} - {id(m)}
-        for n2, m2 in out:
-            if id(m2) in inside:
-                raise ValueError(
-                    f"offload.plan: candidate {n2!r} is inside candidate {n!r}: candidates must be disjoint "
-                    "(each decision covers a whole module). Pass one of them, not both."
-                )
-    return out
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -309,101 +238,6 @@ def _engine_device(device: str) -> str | None:
     return "cpu" if torch.device(device).type == "cpu" else device
 
 
-def _choices(cost: CostModel, *, offloading: bool = True,
-             fixed: dict[str, str] | None = None) -> list[list[Choice]] | None:
-    """Solver input, one list of options per call position; every peak the cost model knows is in
-    ``event`` (see ``CostModel.events``). With ``offloading`` every option's backward is charged the
-    prefetch bytes; ``fixed`` pins blocks to one decision (a block called more than once). None when a
-    position is left without options."""
-    ahead = cost.prefetch_bytes if offloading else 0
-    out = []
-    for b in cost.blocks:
-        opts = []
-        for d, o in b.options.items():
-            if d in OFFLOADING and not offloading:
-                continue
-            if fixed is not None and b.name in fixed and d != fixed[b.name]:
-                continue
-            if d in RECOMPUTE and b.name in cost.no_recompute:
-                continue
-            opts.append(Choice(d, o.retained, max(o.event, o.bwd_event + ahead), o.seconds))
-        if not opts:
-            return None
-        out.append(opts)
-    return out
-
-
-_MAX_TIED = 4
-"""Blocks called more than once whose decisions are enumerated jointly (4 ** 4 solves at most)."""
-
-
-def _variants(cost: CostModel) -> list[list[list[Choice]]]:
-    """Solver inputs whose union is every plan, each solved exactly.
-
-    Plans that offload and plans that do not are separate (the prefetch charge depends on the whole
-    plan). A block called more than once must take one decision for all its calls, which a chain
-    solver cannot express: its decision is enumerated (up to ``_MAX_TIED`` such blocks; beyond, they
-    share one decision).
-    """
-    counts: dict[str, int] = {}
-    for b in cost.blocks:
-        counts[b.name] = counts.get(b.name, 0) + 1
-    tied = [n for n, c in counts.items() if c > 1]
-    if not tied:
-        fixes: list[dict[str, str] | None] = [None]
-    elif len(tied) <= _MAX_TIED:
-        fixes = [dict(zip(tied, combo)) for combo in itertools.product(DECISIONS, repeat=len(tied))]
-    else:
-        log.info("offload.plan: %d blocks run more than once per step; they get one shared decision", len(tied))
-        fixes = [{n: d for n in tied} for d in DECISIONS]
-    out = []
-    for fixed in fixes:
-        for offloading in ((True, False) if cost.prefetch_bytes else (True,)):
-            ch = _choices(cost, offloading=offloading, fixed=fixed)
-            if ch is not None:
-                out.append(ch)
-    return out
-
-
-def _lowest(cost: CostModel, variants: list[list[list[Choice]]]) -> dict[str, str]:
-    """The plan with the smallest predicted peak (then the least time)."""
-    best = None
-    for ch in variants:
-        sol = min_peak(ch)
-        dec = _as_dict(cost, sol.decisions)
-        key = (cost.peak(dec), cost.seconds(dec))
-        if best is None or key < best[0]:
-            best = (key, dec)
-    assert best is not None
-    return best[1]
-
-
-def _as_dict(cost: CostModel, per_position: Sequence[str]) -> dict[str, str]:
-    return {b.name: d for b, d in zip(cost.blocks, per_position)}
-
-
-def _infeasible(budget: int, cost: CostModel, lowest: dict[str, str], model: nn.Module | None, margin: int = 0,
-                tried: Sequence[str] = ()) -> OffloadError:
-    params = sum(p.numel() * p.element_size() for p in model.parameters()) if model is not None else 0
-    # Gradients of trainable parameters exist during the step (profiling keeps them allocated).
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if model else 0
-    smallest, where, prefix = max(cost.breakdown(lowest))
-    own = smallest - cost.base - prefix
-    outside = where.startswith(("stem", "end of backward", "head"))
-    hint = ("it happens outside every candidate block, so no decision lowers it: shrink the step (batch, "
-            "sequence length) or move that work into a candidate" if outside else
-            "shrink the step (batch, sequence length), or pass blocks=[...] with more (or larger) candidates")
-    measured = (f" Measured plans peaked above it ({'; '.join(tried)}), so plans need a margin of {format_bytes(margin)} "
-                "below the budget, which none reaches." if tried else "")
-    return OffloadError(
-        f"offload.plan: budget_bytes={budget} ({format_bytes(budget)}) cannot be met: the smallest peak any plan "
-        f"reaches is {smallest} B ({format_bytes(smallest)}), at the {where}.{measured} What holds it: the step's base "
-        f"{format_bytes(cost.base)} (parameters {format_bytes(params)}, gradients {format_bytes(grads)}, buffers and inputs "
-        f"{format_bytes(max(0, cost.base - params - grads))}), {format_bytes(prefix)} kept by earlier blocks for their backward, "
-        f"and {format_bytes(own)} in use within that window. Raise budget_bytes to at least {smallest}, or {hint}."
-    )
-
-
 def plan(
     model: nn.Module,
     step: Callable[[], torch.Tensor],
@@ -454,13 +288,35 @@ def plan(
         OffloadError: no plan's predicted peak fits ``budget_bytes`` (the
             message names the smallest reachable peak and what holds it).
     """
-    from ..engine import OffloadActivations
-
     dev = _check_args(model, step, budget_bytes, device, warmup=warmup, timed=timed,
                       min_offload_size=min_offload_size, use_streams=use_streams, bandwidth_gb_s=bandwidth_gb_s,
                       solver=solver, engine_kwargs=engine_kwargs, verify=verify)
     if isinstance(budget_bytes, str):
         budget_bytes = share_of_device("offload.plan: budget_bytes", budget_bytes, dev)
+    ekw = _engine_settings(engine_kwargs, host_budget_bytes, min_offload_size, use_streams, dev)
+    return _plan_checked(model, step, find_blocks(model, blocks), budget_bytes, dev, ekw, warmup=warmup, timed=timed,
+                         bandwidth_gb_s=bandwidth_gb_s, solver=solver, verify=verify)
+
+
+def _plan_checked(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[tuple[str, nn.Module]],
+                  budget_bytes: int, dev: torch.device, ekw: dict[str, Any], *, warmup: int, timed: int,
+                  bandwidth_gb_s: tuple[float, float] | float | None, solver: str, verify: bool) -> Plan:
+    """:func:`plan` once its arguments are checked: measure the step without a plan, profile the
+    candidates, solve (and verify), all of it with the model's state put back afterwards."""
+    with _Preserved(model, dev) as kept:
+        unplanned = measure_step(lambda: run_step(step), device=dev, model=model, warmup=warmup, timed=timed,
+                                 before_each=lambda: zero_grads_(model))
+        cost = _cost_model(model, step, cand, dev, ekw, kept.mutated(cand), unplanned, warmup=warmup, timed=timed,
+                           bandwidth_gb_s=bandwidth_gb_s)
+        return plan_from_cost(cost, budget_bytes, model=model, device=str(dev),
+                              unplanned_peak=unplanned.peak_bytes, unplanned_s=unplanned.step_seconds,
+                              solver=solver, step=step if verify else None, warmup=max(1, warmup))
+
+
+def _engine_settings(engine_kwargs: dict[str, Any] | None, host_budget_bytes: int | None, min_offload_size: int,
+                     use_streams: bool, dev: torch.device) -> dict[str, Any]:
+    """The settings of the plan's ``OffloadActivations``: ``engine_kwargs`` and the arguments of
+    :func:`plan` that are engine settings."""
     ekw = dict(engine_kwargs or {})
     if host_budget_bytes is not None:  # issue 25: the plan's copies must fit the host tiers
         _nonneg_int("host_budget_bytes", host_budget_bytes)
@@ -469,40 +325,47 @@ def plan(
         ekw["host_budget_bytes"] = host_budget_bytes
     ekw.setdefault("min_offload_size", min_offload_size)
     ekw.setdefault("use_streams", use_streams)
-    synchronous = dev.type == "cpu" or not ekw["use_streams"]
-    if synchronous:
+    if _synchronous(dev, ekw):
         # Synchronous copies gain nothing from loading ahead, and a prefetch reaches
         # across blocks (into the previous offloaded block), which no per-block cost has.
         ekw.setdefault("prefetch_bytes", 0)
-    cand = find_blocks(model, blocks)
+    return ekw
+
+
+def _synchronous(dev: torch.device, ekw: dict[str, Any]) -> bool:
+    """Whether the plan's engine copies synchronously (on CPU, or without side streams)."""
+    return dev.type == "cpu" or not ekw["use_streams"]
+
+
+def _cost_model(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[tuple[str, nn.Module]],
+                dev: torch.device, ekw: dict[str, Any], no_recompute: dict[str, str], unplanned: StepMeasurement,
+                *, warmup: int, timed: int, bandwidth_gb_s: tuple[float, float] | float | None) -> CostModel:
+    """Profile every decision of every candidate and build the cost model the solver reads;
+    ``no_recompute``: the candidates never recomputed, and why."""
+    from ..engine import OffloadActivations
+
     names = [n for n, _ in cand]
-    with _Preserved(model, dev) as kept:
-        unplanned = measure_step(lambda: run_step(step), device=dev, model=model, warmup=warmup, timed=timed,
-                                 before_each=lambda: zero_grads_(model))
-        no_recompute = kept.mutated(cand)
+    synchronous = _synchronous(dev, ekw)
 
-        def make_engine() -> OffloadActivations:
-            # Profiled without host bounds (they decide what stays, which the plan decides).
-            return OffloadActivations(device=_engine_device(str(dev)), model=model,
-                                      **{k: v for k, v in ekw.items() if k not in TIER_SETTINGS})
+    def make_engine() -> OffloadActivations:
+        # Profiled without host bounds (they decide what stays, which the plan decides).
+        return OffloadActivations(device=_engine_device(str(dev)), model=model,
+                                  **{k: v for k, v in ekw.items() if k not in TIER_SETTINGS})
 
-        inst = install(cand, {n: "keep" for n in names}, make_engine())
-        try:
-            by_dec = profile_step(inst, step, model, dev, make_engine=make_engine, warmup=warmup, timed=timed,
-                                  decisions=tuple(d for d in DECISIONS if not (no_recompute and d in RECOMPUTE
-                                                                              and len(no_recompute) == len(names))))
-        finally:
-            inst.remove()
-        prof = StepProfile(names=names, device=str(dev), by_decision=by_dec, unplanned_peak=unplanned.peak_bytes,
-                           unplanned_step_s=unplanned.step_seconds, synchronous_copies=synchronous)
-        hw = measure_hardware(dev, synchronous, bandwidth_gb_s)
-        cost = build_cost_model(prof, hw, ekw)
-        cost.no_recompute = no_recompute
-        for n, why in no_recompute.items():
-            log.info("offload.plan: %s is never recomputed: %s", n, why)
-        return plan_from_cost(cost, budget_bytes, model=model, device=str(dev),
-                              unplanned_peak=unplanned.peak_bytes, unplanned_s=unplanned.step_seconds,
-                              solver=solver, step=step if verify else None, warmup=max(1, warmup))
+    inst = install(cand, {n: "keep" for n in names}, make_engine())
+    try:
+        by_dec = profile_step(inst, step, model, dev, make_engine=make_engine, warmup=warmup, timed=timed,
+                              decisions=tuple(d for d in DECISIONS if not (no_recompute and d in RECOMPUTE
+                                                                          and len(no_recompute) == len(names))))
+    finally:
+        inst.remove()
+    prof = StepProfile(names=names, device=str(dev), by_decision=by_dec, unplanned_peak=unplanned.peak_bytes,
+                       unplanned_step_s=unplanned.step_seconds, synchronous_copies=synchronous)
+    cost = build_cost_model(prof, measure_hardware(dev, synchronous, bandwidth_gb_s), ekw)
+    cost.no_recompute = no_recompute
+    for n, why in no_recompute.items():
+        log.info("offload.plan: %s is never recomputed: %s", n, why)
+    return cost
 
 
 class _Preserved:
@@ -597,34 +460,10 @@ def plan_from_cost(cost: CostModel, budget_bytes: int, *, model: nn.Module | Non
 
 def _solve(cost: CostModel, budget_bytes: int, margin: int, *, model: nn.Module | None, device: str,
            unplanned_peak: int, unplanned_s: float, solver: str, tried: Sequence[str] = ()) -> Plan:
-    cap = budget_bytes - margin
-    variants = _variants(cost)
-    lowest = _lowest(cost, variants)
-    min_peak_bytes = cost.peak(lowest)
-    keep = {n: "keep" for n in cost.names}
-    if margin == 0 and budget_bytes >= max(unplanned_peak, cost.peak(keep)):
-        dec, method = keep, "none needed (budget >= peak without a plan)"
-    else:
-        if min_peak_bytes > cap:
-            raise _infeasible(budget_bytes, cost, lowest, model, margin, tried)
-        best = None
-        for ch in variants:
-            sol = solve(ch, cap - cost.base, method=solver)
-            if sol is not None and (best is None or (sol.seconds, sol.peak) < (best.seconds, best.peak)):
-                best = sol
-        if best is None:  # greedy found nothing: the minimum-peak plan fits
-            dec, method = lowest, "min_peak (the heuristic found nothing)"
-        else:
-            dec, method = _as_dict(cost, best.decisions), best.solver
-    dec = fit_host(cost, dec, cap)  # issue 25: never more offload than the host tiers hold
-    peak = cost.peak(dec)
-    if peak > cap:  # the solver saw every event: this is a bug, never a silent over-budget plan
-        raise OffloadError(
-            f"offload.plan: internal error, please report: the chosen plan's predicted peak {peak} B exceeds "
-            f"budget_bytes={budget_bytes} at the {cost.where(dec)}."
-        )
+    dec, method, min_peak_bytes = choose(cost, budget_bytes, margin, model=model, unplanned_peak=unplanned_peak,
+                                         solver=solver, tried=tried)
     return Plan(
-        decisions=dec, budget_bytes=budget_bytes, predicted_peak_bytes=peak,
+        decisions=dec, budget_bytes=budget_bytes, predicted_peak_bytes=cost.peak(dec),
         predicted_step_seconds=cost.seconds(dec), cost=cost, unplanned_peak_bytes=unplanned_peak,
         unplanned_step_seconds=unplanned_s, min_peak_bytes=min_peak_bytes,
         solver=method + (f", margin {margin} B after measuring" if margin else ""),

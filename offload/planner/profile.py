@@ -368,18 +368,25 @@ def profile_decision(inst: Installed, decision: str | dict[str, str], step: Call
     names = list(inst.decisions)
     for k in names:
         inst.decisions[k] = decision if isinstance(decision, str) else decision[k]
-    n = len(names)
     for _ in range(warmup):
         zero_grads_(model)
         run_step(step)
+    prof = _tracked_step(inst, step, model, device, names, decision if isinstance(decision, str) else "mixed")
+    _timed_steps(inst, step, model, device, names, prof, timed)
+    return prof
+
+
+def _tracked_step(inst: Installed, step: Callable, model: nn.Module, device: torch.device, names: list[str],
+                  decision: str) -> DecisionProfile:
+    """One step with memory tracked: the peaks of every window, and per call position the bytes
+    saved and copied, from the engine's own records (seconds come from :func:`_timed_steps`)."""
     engine = inst.engine
-    # Saved/copied bytes per call position, from the engine's own records.
     saved: dict[int, int] = defaultdict(int)
     copied: dict[int, int] = defaultdict(int)
     copies: dict[int, int] = defaultdict(int)
     biggest: dict[int, int] = defaultdict(int)
     meter = MemoryMeter(device, [engine.pool])
-    probe = Probe(n, _Clock(device), meter, names)
+    probe = Probe(len(names), _Clock(device), meter, names)
 
     def on_pack(ev: Any) -> None:
         p = probe.position  # which call is packing
@@ -408,12 +415,19 @@ def profile_decision(inst: Installed, decision: str | dict[str, str], step: Call
     finally:
         obs.remove()
     probe.check()
-    prof = DecisionProfile(decision=decision if isinstance(decision, str) else "mixed", blocks=probe.stats,
+    prof = DecisionProfile(decision=decision, blocks=probe.stats,
                            calls=list(probe.calls), base=probe.base, pre_peak=probe.windows.get("pre", 0),
                            head_peak=probe.windows.get("head", 0), post_peak=probe.windows.get("post", 0),
                            peak=meter.peak)
     for p, s in enumerate(prof.blocks):
         s.saved_bytes, s.copy_bytes, s.copies, s.max_copy = saved[p], copied[p], copies[p], biggest[p]
+    return prof
+
+
+def _timed_steps(inst: Installed, step: Callable, model: nn.Module, device: torch.device, names: list[str],
+                 prof: DecisionProfile, timed: int) -> None:
+    """Time ``timed`` steps (memory untracked) into ``prof``: per position the median forward and
+    backward seconds, with every sample kept (the spread is in Plan.to_json()), and the step's."""
     fwds, bwds, steps = [], [], []
     for _ in range(timed):
         t = _one(inst, step, model, device, None, names)
@@ -429,13 +443,11 @@ def profile_decision(inst: Installed, decision: str | dict[str, str], step: Call
         bwds.append(b)
         steps.append(st)
     for p, s in enumerate(prof.blocks):
-        # Medians over the timed steps, with every sample kept (the spread is in Plan.to_json()).
         s.fwd_s_all = [f[p] for f in fwds]
         s.bwd_s_all = [b[p] for b in bwds]
         s.fwd_s, s.bwd_s = _median(s.fwd_s_all), _median(s.bwd_s_all)
     prof.step_s_all = steps
     prof.step_s = _median(steps)
-    return prof
 
 
 def profile_step(inst: Installed, step: Callable, model: nn.Module, device: torch.device, *,
