@@ -67,6 +67,7 @@ class _Backward:
     _lock: "threading.RLock"
     _passes: "weakref.WeakValueDictionary[int, _Pass]"
     _last_pass: tuple[int, weakref.ref] | None
+    _close_pending: bool
     _max_copy_bytes: int
     prefetch_bytes: int | None
     tiers: Any
@@ -271,6 +272,16 @@ class _Backward:
             p.touched.clear()
             if self._passes:
                 return  # a nested or concurrent pass is still running (Rule 11)
+            if self._forward_open_elsewhere():
+                # Rule 12: another thread is between two saves of its forward; closing now would
+                # clear the dedupe and span maps under it. Its outermost exit closes the step.
+                self._close_pending = True
+                return
+        self._end_step()
+
+    def _end_step(self) -> None:
+        """Release every in-flight source, renumber the pack orders, close the ledger step."""
+        with self._lock:
             self._drain_stash()
             for ts in list(self._threads):
                 self._compact(ts.order)

@@ -360,6 +360,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         self._order_compact_at = 1024
         self._passes: "weakref.WeakValueDictionary[int, _Pass]" = weakref.WeakValueDictionary()
         self._last_pass: tuple[int, weakref.ref] | None = None
+        self._close_pending = False  # a backward ended while another thread's forward was open
         # The open step's _Step, weakly (Rule 10): handles hold it, so it dies with their graphs.
         self._step_ref: Callable[[], _Step | None] = _dead
         # Running module -> storages of the parameters and buffers of it and its
@@ -410,6 +411,21 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             with self._lock:
                 self._threads.add(st)
         return st
+
+    def _forward_open_elsewhere(self) -> bool:
+        """Whether a thread other than this one is inside the engine (a forward open: Rule 12)."""
+        mine = getattr(self._tls, "state", None)
+        with self._lock:
+            return any(ts.enter_depth > 0 for ts in list(self._threads) if ts is not mine)
+
+    def _close_deferred_step(self) -> None:
+        """At an outermost exit: close the step a backward on another thread left open for this
+        forward (Rule 12), once no pass runs and no other thread is inside the engine."""
+        with self._lock:
+            if not self._close_pending or self._passes or self._forward_open_elsewhere():
+                return
+            self._close_pending = False
+        self._end_step()
 
     @property
     def _excluded_depth(self) -> int:
@@ -491,6 +507,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 st.excluded_depth = depth
                 del st.region_stack[n:]
                 st.after_head = False
+                if self._close_pending:
+                    self._close_deferred_step()
             if exc and exc[0] is not None:
                 # The forward died: its graph (and our handles) will be freed
                 # with the traceback. Release sources now rather than at the
@@ -554,6 +572,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             device_peak_allocated_bytes=dev_peak,
         )
         with self._lock:
+            self._close_pending = False
             self._dedupe.clear()
             self._seen.clear()
             # The next pack starts a new _Step: a graph retained from this step

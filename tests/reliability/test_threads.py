@@ -147,3 +147,64 @@ def test_finished_threads_leave_no_state_in_the_engine():
     gc.collect()
     holders = [r for o in orders for r in gc.get_referrers(o) if r is not orders and not inspect.isframe(r)]
     assert holders == [], f"{len(holders)} references to finished threads' state"
+
+
+def test_a_backward_ending_on_another_thread_leaves_an_open_forward_whole():
+    """Issue 22 defect 5: thread B's backward ends while thread A is between two saves of one tensor. A's
+    forward is still open, so the step must not close under it: A's second save shares the first one's
+    host copy (duplicate_storage, one D2H) in the same ledger step, and A's gradients stay bitwise."""
+    ctx = engine()
+    a_saved, b_done = threading.Event(), threading.Event()
+    errors: list = []
+    w = torch.randn(32, 32, requires_grad=True)
+    grads = {}
+
+    def thread_a() -> None:
+        try:
+            with ctx:
+                xa = w * 2.0
+                y = xa.sin()  # saves xa: offloaded
+                a_saved.set()
+                assert b_done.wait(30)
+                y = y + xa.cos()  # saves xa again, after B's backward ended
+            y.sum().backward()
+            grads["a"] = w.grad.clone()
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+            a_saved.set()
+
+    def thread_b() -> None:
+        try:
+            assert a_saved.wait(30)
+            v = torch.randn(16, 16, requires_grad=True)
+            with ctx:
+                z = (v * 3.0).exp()
+            z.sum().backward()
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+        finally:
+            b_done.set()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    # The same forward alone on one thread: what A's records must look like.
+    alone = engine()
+    ref = w.detach().clone().requires_grad_()
+    with alone:
+        xr = ref * 2.0
+        yr = xr.sin() + xr.cos()
+    yr.sum().backward()
+
+    def facts(c):
+        return [(r.decision, r.reason, r.copy_bytes) for r in c.ledger.records if r.shape == (32, 32)]
+
+    assert facts(alone)[1][1] == "duplicate_storage"  # the property under test exists on one thread
+    assert facts(ctx) == facts(alone), "A's second save was copied again (the step closed under its forward)"
+    xa_recs = [r for r in ctx.ledger.records if r.shape == (32, 32)]
+    assert xa_recs[0].step == xa_recs[1].step, "A's forward was split over two ledger steps"
+    assert torch.equal(grads["a"], ref.grad)
+    assert ctx.ledger.summary()["offloaded_count"] > 0 and not ctx._close_pending
