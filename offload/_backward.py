@@ -5,7 +5,8 @@ the bytes from where they are (the still-alive source, a sibling's reloaded
 base, a prefetch, or a new host-to-device copy), rebuilds the tensor with its
 original layout (Rule 5) and loads the handles packed just before it (backward
 order) within the prefetch budget. The end of a graph task releases what it
-held and closes the ledger step after the last pass (Rules 1, 11, 12 of NOTE
+held and closes the ledger step after the last pass, or, while another thread's forward is
+open, at that forward's outermost exit (Rules 1, 11, 12 of NOTE
 [ Offload lifetime rules ] in ``offload/engine.py``). A mixin of
 ``OffloadActivations``.
 """
@@ -68,6 +69,8 @@ class _Backward:
     _passes: "weakref.WeakValueDictionary[int, _Pass]"
     _last_pass: tuple[int, weakref.ref] | None
     _close_pending: bool
+    _tls: Any
+    _threads: Any
     _max_copy_bytes: int
     prefetch_bytes: int | None
     tiers: Any
@@ -111,7 +114,11 @@ class _Backward:
             # Allocated on the producer stream: a consumer on another stream is recorded (Rule 4).
             self._backend.record_consumer(entry.src, entry.copy, "reused_source_record_stream")
             return entry.src
-        base, copy, held = self._device_bytes(h, hc)
+        if hc.held is None and hc.prefetched is None:  # a new load (a peek: _device_bytes locks)
+            base, copy = self._load(hc, h.rec)
+            held = None
+        else:
+            base, copy, held = self._device_bytes(h, hc)
         if copy.done is not None:  # (a synchronous copy is complete)
             self._wait(copy)
         if held is None and hc.checksum is not None:  # a new base: checked once (NOTE [ Verified offload ])
@@ -132,7 +139,8 @@ class _Backward:
                     hc.held = held if held is not None else (base, copy, base._version)
                 else:
                     hc.held = None
-            if self.prefetch_budget != 0:
+            pb = self.prefetch_bytes  # prefetch_budget != 0, without the property call
+            if pb if pb is not None else self._backend.name != "sync":
                 self._prefetch_after(h, p)
             if self.tiers.disk is not None:
                 self._disk_readahead(h)
@@ -202,7 +210,8 @@ class _Backward:
             out = out.conj()
         if neg:
             out = _torch_private.neg_view(out)
-        self._backend.record_consumer(out, copy, "record_stream")  # Rule 4: consumed on another stream than allocated
+        if copy.stream is not None:  # Rule 4: consumed on another stream than allocated
+            self._backend.record_consumer(out, copy, "record_stream")
         return out
 
     @property
@@ -277,6 +286,21 @@ class _Backward:
                 # clear the dedupe and span maps under it. Its outermost exit closes the step.
                 self._close_pending = True
                 return
+        self._end_step()
+
+    def _forward_open_elsewhere(self) -> bool:
+        """Whether a thread other than this one is inside the engine (a forward open: Rule 12)."""
+        mine = getattr(self._tls, "state", None)
+        with self._lock:
+            return any(ts.enter_depth > 0 for ts in list(self._threads) if ts is not mine)
+
+    def _close_deferred_step(self) -> None:
+        """At an outermost exit: close the step a backward on another thread left open for this
+        forward (Rule 12), once no pass runs and no other thread is inside the engine."""
+        with self._lock:
+            if not self._close_pending or self._passes or self._forward_open_elsewhere():
+                return
+            self._close_pending = False
         self._end_step()
 
     def _end_step(self) -> None:

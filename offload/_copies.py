@@ -4,7 +4,7 @@ Every copy goes through the engine's copy backend (``offload.streams``:
 a side stream with events, or synchronous copies), so this is where the
 stream ordering rules are kept (Rules 2 and 4 of NOTE [ Offload lifetime
 rules ] in ``offload/engine.py``). Host bytes come from the engine's
-``HostPlacement`` (``offload/_host.py``). A mixin of ``OffloadActivations``.
+``HostTiers`` (``offload/tiers.py``). A mixin of ``OffloadActivations``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,36 @@ def _span(name: str) -> Any:
     return _NO_SPAN
 
 
+def _host_span(t: torch.Tensor, rec: PackRecord, offset: int, es: int, lazy_bits: bool) -> tuple[int, int, bool]:
+    """The bytes ``[lo, hi)`` of ``t``'s storage its host copy holds, and whether ``t`` is exactly
+    its storage (then it is copied into a typed view of the buffer, no byte view of ``t``)."""
+    whole = rec.storage_nbytes
+    contiguous = t.is_contiguous()
+    if contiguous:
+        lo_b = offset * es
+        hi_b = lo_b + rec.nbytes
+    else:
+        lo, hi = policy.span_elems(t)
+        lo_b, hi_b = lo * es, hi * es
+    whole_t = contiguous and offset == 0 and hi_b == whole and not lazy_bits
+    if 2 * (hi_b - lo_b) >= whole:
+        # Most of the storage: copy all of it so sibling views (q, k, v of one qkv
+        # projection) share this copy instead of re-copying (Rule 7).
+        return 0, whole, whole_t
+    return lo_b, hi_b, whole_t
+
+
+def _typed_view(buf: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``buf`` as a ``dtype`` tensor of ``shape``, kept as ``buf.cache`` (the pool hands it back with the
+    range when it replays the step); None where a dtype view refuses."""
+    try:
+        dst = buf.tensor.view(dtype).view(shape)
+    except RuntimeError:
+        dst = None
+    buf.cache = dst
+    return dst
+
+
 class _Copies:
     """Copy-side state and methods of ``OffloadActivations`` (its ``__init__`` sets these)."""
 
@@ -62,53 +92,32 @@ class _Copies:
         """Copy the bytes of ``t``'s storage it can touch into a new host copy; None when no host
         buffer is granted (Rule 9). Fills the record's copy fields. The source stays alive in the
         stash until an asynchronous copy is done (Rule 2)."""
-        es = dtype.itemsize
-        whole = rec.storage_nbytes
-        contiguous = t.is_contiguous()
-        if contiguous:
-            lo_b = offset * es
-            hi_b = lo_b + rec.nbytes
-        else:
-            lo, hi = policy.span_elems(t)
-            lo_b, hi_b = lo * es, hi * es
-        # t is exactly its storage: copy it into a typed view of the buffer, no byte view of t.
-        whole_t = contiguous and offset == 0 and hi_b == whole and not lazy_bits
-        if 2 * (hi_b - lo_b) >= whole:
-            # Most of the storage: copy all of it so sibling views (q, k, v
-            # of one qkv projection) share this copy instead of re-copying.
-            lo_b, hi_b = 0, whole
+        lo_b, hi_b, whole_t = _host_span(t, rec, offset, dtype.itemsize, lazy_bits)
         nbytes = hi_b - lo_b
-        buf, tier, note = self.tiers.take(nbytes, rec.module)  # where the bytes go (Rule 9)
+        tiers = self.tiers
+        buf, tier, note = tiers.take(nbytes, rec.module)  # where the bytes go (Rule 9)
         if buf is None:
             rec.note = note
             return None
         if nbytes > self._max_copy_bytes:
             self._max_copy_bytes = nbytes
-        hc = _HostCopy(buf, self.tiers, lo_b, nbytes)
-        hc.tier = tier
-        if self._verify:  # on the compute stream, after the producer (NOTE [ Verified offload ])
-            hc.checksum = _verify.span_checksum(t.untyped_storage(), lo_b, nbytes, device)
         backend = self._backend
         synchronous = backend.name == "sync"
-        if not synchronous:  # (a synchronous copy is never in flight when its handle dies)
-            hc.release = backend.release_after
-        hc.synchronous = synchronous
-        hc.version = version
         try:  # policy._weak, inlined: once per offloaded tensor
-            hc.base_ref = weakref.ref(base)
+            base_ref = weakref.ref(base)
         except TypeError:  # a subclass that refuses weak references
-            hc.base_ref = policy._weak(base)
+            base_ref = policy._weak(base)
+        # (A synchronous copy is never in flight when its handle dies: nothing to release after.)
+        hc = _HostCopy(buf, tiers.pool.give if tier == "pool" else tiers.give, lo_b, nbytes, tier, version,
+                       base_ref, synchronous, None if synchronous else backend.release_after)
+        if self._verify:  # on the compute stream, after the producer (NOTE [ Verified offload ])
+            hc.checksum = _verify.span_checksum(t.untyped_storage(), lo_b, nbytes, device)
+        # t is exactly its storage: copy it into a typed view of the buffer, no byte view of t.
         dst = None
         if whole_t:
-            # The typed view made for this range last step comes back with it when the pool
-            # replays the step (HostBuffer.cache): no view of either side to make.
-            dst = buf.cache
+            dst = buf.cache  # the view made for this range last step (a replayed pool step), else a new one
             if dst is None or dst.dtype is not dtype or dst.shape != rec.shape:
-                try:
-                    dst = buf.tensor.view(dtype).view(rec.shape)
-                except RuntimeError:  # a dtype view refuses
-                    dst = None
-                buf.cache = dst
+                dst = _typed_view(buf, dtype, rec.shape)
         if dst is not None:
             src = t
         else:
@@ -117,19 +126,17 @@ class _Copies:
         if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::d2h"):
                 copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
-        elif synchronous:
-            copy = backend.d2h_seconds(src, dst)  # its duration: no Copy object to build
-        else:
-            copy = backend.d2h(src, dst)
+        else:  # a synchronous copy's duration: no Copy object to build
+            copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
         rec.decision = OFFLOADED
         rec.reason = ""
         rec.copy_bytes = nbytes
         rec.pinned = buf.pinned
         rec.note = note
         rec.tier = tier
-        self.ledger.log_tier(tier, nbytes)
+        self.ledger.tier_log[tier].append(nbytes)  # Ledger.log_tier, inlined
         if tier == "disk":
-            self.tiers.disk.submit(buf, None if synchronous else copy)
+            tiers.disk.submit(buf, None if synchronous else copy)
         if synchronous:
             self.ledger.add_sync_copy(rec, "d2h", copy, nbytes)
             return hc, None

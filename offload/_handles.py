@@ -88,13 +88,15 @@ class _HostCopy:
     back to the pool when the last handle is dropped.
     """
 
-    __slots__ = ("buf", "pool", "lo", "nbytes", "prefetched", "held", "users", "used",
+    __slots__ = ("buf", "give", "lo", "nbytes", "prefetched", "held", "users", "used",
                  "version", "base_ref", "release", "synchronous", "checksum", "tier", "__weakref__")
 
-    def __init__(self, buf: "HostBuffer | DiskRecord", pool: "HostTiers", lo: int, nbytes: int) -> None:
+    def __init__(self, buf: "HostBuffer | DiskRecord", give: Callable[[Any], None], lo: int, nbytes: int,
+                 tier: str, version: int, base_ref: Callable[[], torch.Tensor | None], synchronous: bool,
+                 release: Callable[[Copy, Any], None] | None) -> None:
         self.buf = buf
-        self.pool = pool
-        self.tier = "pool"
+        self.give = give  # takes the buffer back: the pool's give for a pool buffer, else HostTiers.give
+        self.tier = tier
         self.lo = lo
         self.nbytes = nbytes
         self.prefetched: tuple[torch.Tensor, Copy] | None = None
@@ -106,10 +108,10 @@ class _HostCopy:
         self.used = 0
         # backend.release_after, to order a never-consumed prefetch's
         # allocation stream after its copy when this dies (Rule 4).
-        self.release: Callable[[Copy, Any, str], None] | None = None
-        self.version = 0
-        self.base_ref: Callable[[], torch.Tensor | None] | None = None
-        self.synchronous = False
+        self.release = release  # (copy, stream, fault site); None for a synchronous copy (never in flight when this dies)
+        self.version = version  # of the first saver's base at the copy (Rule 7)
+        self.base_ref = base_ref  # that base, weakly
+        self.synchronous = synchronous
         self.checksum: torch.Tensor | None = None  # verify=True: the span's checksum at pack (device)
 
     def __del__(self) -> None:
@@ -117,7 +119,7 @@ class _HostCopy:
             if self.prefetched is not None and self.release is not None:
                 copy = self.prefetched[1]
                 self.release(copy, copy.stream, "dropped_prefetch_release_waits_copy")
-            self.pool.give(self.buf)
+            self.give(self.buf)
         except Exception:  # interpreter shutdown: nothing left to return to
             pass
 

@@ -70,11 +70,11 @@ class _Packing:
     _order_compact_at: int
     tiers: Any
 
+    # _pack runs for every saved tensor on the kernel-launching thread: its CPU time is step
+    # time (``python -m bench.hook_cost``). A plain tensor with a storage takes this path, each
+    # fact about it read once; everything else (subclasses, sparse, nested, quantized, zero
+    # tensors, pass-through) goes through _pack_other. It reads classify -> act -> record.
     def _pack(self, t: torch.Tensor) -> Any:
-        # Runs for every saved tensor on the kernel-launching thread: its CPU time is
-        # step time (``python -m bench.hook_cost``). A plain tensor with a storage takes
-        # this path, each fact about it read once; everything else (subclasses, sparse,
-        # nested, quantized, zero tensors, pass-through) goes through _pack_other.
         cls = type(t)
         if (cls is not _Tensor and cls is not _Parameter) or not self.enabled:
             return self._pack_other(t)
@@ -98,18 +98,15 @@ class _Packing:
         # -- act
         device = t.device
         dev = self._device_name if device == self.device else (_DEVICE_NAMES.get(device) or _device_name(device))
-        step = self._step_ref()  # _open_step, inlined
-        if step is None:
-            step = self._open_step()
+        step = self._step_ref() or self._open_step()  # (a _Step is always true)
         stack = ts.module_stack  # _module_of, inlined: its named case is one dict read
         module = (_module_names.get(id(stack[-1])) or _module_of(ts)) if stack else ""
         ledger = self.ledger
         if reason:
-            # Kept: a tuple handle (no object, no __del__) holding the tensor, detached when
-            # it has autograd history (Rule 10), and the version to check at unpack (Rule 6).
-            handle: Any = (_saved_alias(t), t._version, step)
-            # The record as a tuple (NOTE [ Ledger logs ]): tuple(shape), not the torch.Size,
-            # so the cycle collector untracks it and the record ring never grows the old generation.
+            # Kept: a tuple handle (no __del__): the tensor, detached when it has autograd history
+            # (Rule 10; _saved_alias inlined), and the version to check at unpack (Rule 6).
+            handle: Any = (t if t.is_leaf else t.detach(), t._version, step)
+            # The record as a tuple, tuple(shape) not the torch.Size (NOTE [ Ledger logs ]).
             rec: Any = (next(self._seq), ledger.current_step, nbytes, tuple(shape), dtype, dev, module,
                         KEPT, reason, ptr, len(st))  # len: st.nbytes() without the argument parsing
             ledger.kept_log[reason].append(nbytes)  # every reason has its list (Ledger.reset)
@@ -133,13 +130,17 @@ class _Packing:
             if unique:
                 ledger.unique_log.append(unique)
         if _observer_count[0] and (self._observers or _tls.__dict__.get("observers")):
-            if type(rec) is tuple:
-                rec = record_from_log(rec)  # the observers and the ring share one record
-            ledger.records_log.append(rec)
-            _notify(self, t, rec)
+            self._record_observed(t, rec)
         else:
             ledger.records_log.append(rec)
         return handle
+
+    def _record_observed(self, t: torch.Tensor, rec: Any) -> None:
+        """Log ``rec`` and tell the pack observers; they and the records ring share one record."""
+        if type(rec) is tuple:
+            rec = record_from_log(rec)
+        self.ledger.records_log.append(rec)
+        _notify(self, t, rec)
 
     def _pack_other(self, t: torch.Tensor) -> Any:
         """``_pack`` for everything but a plain tensor with a storage (and for pass-through)."""
@@ -209,7 +210,10 @@ class _Packing:
         hi_b = lo_b + nbytes if t.is_contiguous() else byte_span(t)[1]
         ident: Any = (dev, ptr)
         seen = self._seen.entries
-        if ident not in seen and hi_b > lo_b:
+        entry = seen.get(ident)
+        # A storage not seen this step (most saves), or seen through a saver now dead (its
+        # address reused): SpanSet.add_span's own first case, inlined.
+        if (entry is None or (type(entry) is tuple and entry[0]() is None)) and hi_b > lo_b:
             # A storage not seen this step (most saves): SpanSet.add_span, inlined.
             base = t._base
             seen[ident] = (weakref.ref(t if base is None else base), lo_b, hi_b)
@@ -265,7 +269,11 @@ class _Packing:
         version = t._version
         offset = t.storage_offset()
         conj, neg = t.is_conj(), t.is_neg()
-        hc = self._shared_copy(t, key) if (self.dedupe and key in self._dedupe) else None
+        ref = self._dedupe.get(key) if self.dedupe else None
+        hc = ref() if ref is not None else None
+        if hc is not None:  # (a dead first saver is a reused address, not a shared storage: no call)
+            base_ref = hc.base_ref
+            hc = self._shared_copy(t, key, hc) if base_ref is not None and base_ref() is not None else None
         entry = None
         if hc is not None:
             rec.reason = policy.DUPLICATE_STORAGE
@@ -294,15 +302,15 @@ class _Packing:
         h.tracker = tracker if tracker is not None else policy._weak(t)
         h.rec = rec
         h.stash = entry
-        self._add_to_order(h, ts)
+        if self.prefetch_bytes or self._backend.name != "sync" or self.tiers.disk is not None:
+            self._add_to_order(h, ts)
+        else:  # nothing loads ahead of a synchronous copy (prefetch_budget): no order to keep
+            h.index = -1
+            h.order = None
         return h
 
-    def _shared_copy(self, t: torch.Tensor, key: tuple[str, int]) -> _HostCopy | None:
-        """The host copy already holding ``t``'s current bytes this step, if any (Rule 7)."""
-        ref = self._dedupe.get(key)
-        hc = ref() if ref is not None else None
-        if hc is None:
-            return None
+    def _shared_copy(self, t: torch.Tensor, key: tuple[str, int], hc: _HostCopy) -> _HostCopy | None:
+        """``hc`` (this step's host copy of storage ``key``) if it holds ``t``'s current bytes (Rule 7)."""
         # Same storage only while the first saver's base is alive on it and
         # unmodified since its copy.
         b = policy.live_base(hc.base_ref, key)
@@ -328,11 +336,6 @@ class _Packing:
 
     def _add_to_order(self, h: _Offloaded, ts: "_ThreadState") -> None:
         """Append ``h`` to its thread's pack order (what prefetch walks backwards)."""
-        if not self.prefetch_bytes and self._backend.name == "sync" and self.tiers.disk is None:
-            # Nothing loads ahead of a synchronous copy (prefetch_budget): no order to keep.
-            h.index = -1
-            h.order = None
-            return
         order = ts.order
         with self._lock:
             if len(order) >= self._order_compact_at:

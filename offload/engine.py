@@ -73,7 +73,9 @@ Rule 12. One engine may be used from several threads. Forward-side state (the
         graph task, whose end is observed even when the pass fails (the
         end-of-backward callback is released with the graph task). Shared
         state (stash, pool, ledger) is locked. Ledger steps of passes that run
-        concurrently on different threads are merged.
+        concurrently on different threads are merged, and a step never closes
+        while another thread's forward is open (closing clears the maps its
+        next save reads): that forward's outermost exit closes it.
 """
 
 from __future__ import annotations
@@ -158,6 +160,19 @@ def _load_native() -> Any:
             "Install a C++ compiler and ninja (pip install ninja), or pass native_hooks=False: the "
             "Python hook makes the same decisions, at more CPU time per saved tensor."
         ) from e
+
+
+def _positional_error(args: tuple) -> TypeError:
+    """More than two positional arguments: ambiguous between the peers (NOTE [ Positional peers ]
+    in offload/compat/__init__.py)."""
+    return TypeError(
+        f"OffloadActivations: got {len(args)} positional arguments {args!r}; only use_pin_memory and "
+        "use_streams may be positional. torchtune's OffloadActivations takes (..., max_fwd_stash_size, "
+        "min_offload_size) in that order and TRL's takes (..., min_offload_size, "
+        "max_fwd_stash_size), so a positional third or fourth value would be ambiguous. Pass "
+        "them by name (OffloadActivations(max_fwd_stash_size=5, min_offload_size=1024)), or "
+        "import the peer's positional order from offload.compat.torchtune or offload.compat.trl."
+    )
 
 
 def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
@@ -262,16 +277,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         config: OffloadConfig | None = None,
     ) -> None:
         if positional:
-            # See NOTE [ Positional peers ] in offload/compat/__init__.py.
-            raise TypeError(
-                f"OffloadActivations: got {len(positional) + 2} positional arguments "
-                f"{(use_pin_memory, use_streams, *positional)!r}; only use_pin_memory and use_streams "
-                "may be positional. torchtune's OffloadActivations takes (..., max_fwd_stash_size, "
-                "min_offload_size) in that order and TRL's takes (..., min_offload_size, "
-                "max_fwd_stash_size), so a positional third or fourth value would be ambiguous. Pass "
-                "them by name (OffloadActivations(max_fwd_stash_size=5, min_offload_size=1024)), or "
-                "import the peer's positional order from offload.compat.torchtune or offload.compat.trl."
-            )
+            raise _positional_error((use_pin_memory, use_streams, *positional))
         settings = dict(
             use_pin_memory=use_pin_memory, use_streams=use_streams,
             max_fwd_stash_size=max_fwd_stash_size, min_offload_size=min_offload_size, device=device,
@@ -411,21 +417,6 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             with self._lock:
                 self._threads.add(st)
         return st
-
-    def _forward_open_elsewhere(self) -> bool:
-        """Whether a thread other than this one is inside the engine (a forward open: Rule 12)."""
-        mine = getattr(self._tls, "state", None)
-        with self._lock:
-            return any(ts.enter_depth > 0 for ts in list(self._threads) if ts is not mine)
-
-    def _close_deferred_step(self) -> None:
-        """At an outermost exit: close the step a backward on another thread left open for this
-        forward (Rule 12), once no pass runs and no other thread is inside the engine."""
-        with self._lock:
-            if not self._close_pending or self._passes or self._forward_open_elsewhere():
-                return
-            self._close_pending = False
-        self._end_step()
 
     @property
     def _excluded_depth(self) -> int:

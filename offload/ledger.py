@@ -236,8 +236,9 @@ class Ledger:
             got = items(log)
             if got:
                 tier = tier_of(into, name)
-                tier["seconds"] += sum(g[0] for g in got)
-                tier["wait_seconds"] += sum(g[1] for g in got)
+                seconds, waits = zip(*got)  # same order and sums as a loop, without one
+                tier["seconds"] += sum(seconds)
+                tier["wait_seconds"] += sum(waits)
         into.unique_bytes += take(self.unique_log)[1]
         # Take each pair's seconds first: a copy racing this is then counted whole next step
         # (its bytes may land here, its seconds next time: totals over steps stay exact).

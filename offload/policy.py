@@ -346,7 +346,7 @@ def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excl
         # No storage: efficient zero tensors, functional / functorch wrappers.
         if ptr is None or t.layout != _STRIDED or t.is_nested or t.is_quantized:
             return UNSUPPORTED_TYPE
-    elif is_static_tensor(t):
+    elif type(t) is _Parameter or is_static_tensor(t):
         return PARAMETER
     else:
         return UNSUPPORTED_TYPE  # a subclass
@@ -357,16 +357,16 @@ def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excl
     if nbytes is None:
         nbytes = t.numel() * t.element_size()
     if nbytes == 0 or nbytes < min_offload_size:
-        return _where_saved(TOO_SMALL, after_head)
-    if ptr in static_ptrs:
+        reason = TOO_SMALL
+    elif ptr in static_ptrs:
         return static_ptrs[ptr] if type(static_ptrs) is dict else PARAMETER
-    # Autograd history: computed in this forward, so not a parameter or buffer (a
-    # parameter's view was caught through its _base above). Only leaves can be.
-    return (leaf and owner(ptr)) or _where_saved("", after_head)
-
-
-def _where_saved(reason: str, after_head: bool) -> str:
-    """Where it was saved decides for a tensor the policy would move or found too small."""
+    else:
+        # Autograd history: computed in this forward, so not a parameter or buffer (a
+        # parameter's view was caught through its _base above). Only leaves can be.
+        reason = (leaf and owner(ptr)) or ""
+        if reason:
+            return reason
+    # Where it was saved decides for a tensor the policy would move or found too small.
     if _graph_task_id() >= 0:
         return IN_BACKWARD  # Rule 11
     if after_head:

@@ -80,7 +80,8 @@ class HostTiers:
         raises ``OffloadError`` under "raise". ``note`` is "pin_failed" when pinning failed."""
         pool = self.pool
         note = ""
-        if self.ram_allows(nbytes):
+        pct = self.virtual_memory_safe_pct  # ram_allows, inlined: once per offloaded tensor
+        if pct is None or pct >= 100 or self._ram_gauge.allows(nbytes, pct):
             failures = pool._pin_failures
             buf = pool.take(nbytes)
             if buf is not None:
