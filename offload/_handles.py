@@ -93,7 +93,7 @@ class _HostCopy:
 
     def __init__(self, buf: "HostBuffer | DiskRecord", give: Callable[[Any], None], lo: int, nbytes: int,
                  tier: str, version: int, base_ref: Callable[[], torch.Tensor | None], synchronous: bool,
-                 release: Callable[[Copy, Any], None] | None) -> None:
+                 release: Callable[[Copy, Any, str], None] | None) -> None:
         self.buf = buf
         self.give = give  # takes the buffer back: the pool's give for a pool buffer, else HostTiers.give
         self.tier = tier
@@ -106,9 +106,9 @@ class _HostCopy:
         self.held: tuple[torch.Tensor, Copy, int] | None = None
         self.users = 0
         self.used = 0
-        # backend.release_after, to order a never-consumed prefetch's
-        # allocation stream after its copy when this dies (Rule 4).
-        self.release = release  # (copy, stream, fault site); None for a synchronous copy (never in flight when this dies)
+        # backend.release_after(copy, stream, fault site), to order a never-consumed prefetch's
+        # allocation stream after its copy when this dies (Rule 4); None for a synchronous copy.
+        self.release = release
         self.version = version  # of the first saver's base at the copy (Rule 7)
         self.base_ref = base_ref  # that base, weakly
         self.synchronous = synchronous
