@@ -14,6 +14,7 @@ open, at that forward's outermost exit (Rules 1, 11, 12 of NOTE
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +60,19 @@ class _Pass:
                 self.engine._end_pass(self)
             except Exception:  # interpreter shutdown
                 pass
+
+
+def _live_before(h: _Offloaded, order: list[weakref.ref], lookahead: int = 64) -> Iterator[_Offloaded]:
+    """The live handles packed just before ``h`` on its thread, nearest first (backward order: what
+    prefetch and disk read-ahead load next), at most ``lookahead`` of them. Lock held: compaction
+    renumbers ``h.index``."""
+    i = min(h.index, len(order)) - 1
+    while i >= 0 and lookahead > 0:
+        x = order[i]()
+        i -= 1
+        if x is not None:
+            lookahead -= 1
+            yield x
 
 
 class _Backward:
@@ -154,14 +168,7 @@ class _Backward:
             return
         disk = self.tiers.disk
         with self._lock:
-            i = min(h.index, len(order)) - 1
-            seen = 0
-            while i >= 0 and seen < 64:
-                x = order[i]()
-                i -= 1
-                if x is None:
-                    continue
-                seen += 1
+            for x in _live_before(h, order):
                 hc = x.hc
                 if hc.tier != "disk" or hc.used >= hc.users or hc.prefetched is not None:
                     continue
@@ -234,15 +241,10 @@ class _Backward:
         if order is None:
             return  # packed when nothing loaded ahead (a synchronous backend's default)
         with _span("offload::prefetch"), self._lock:
-            i = min(h.index, len(order)) - 1  # read under the lock: compaction renumbers
             budget = self.prefetch_budget
-            lookahead = 0
-            while i >= 0 and lookahead < 64 and p.prefetched_bytes < budget:
-                x = order[i]()
-                i -= 1
-                if x is None:
-                    continue
-                lookahead += 1
+            for x in _live_before(h, order):
+                if p.prefetched_bytes >= budget:
+                    break
                 hc = x.hc
                 if hc.prefetched is not None or (x.stash is not None and x.stash.src is not None):
                     continue

@@ -160,14 +160,13 @@ def _unpack_handle(handle: Any) -> torch.Tensor:
     if _profiler_enabled():
         with torch.autograd.profiler.record_function("offload::unpack"):
             return _unpack_any(handle)
-    cls = type(handle)
-    if cls is tuple:  # _unpack_kept, inlined: once per kept tensor
+    if type(handle) is tuple:  # _unpack_kept, inlined: once per kept tensor
         t, version, step = handle
         step.engine._begin_backward_pass()
         if t._version != version:
             raise _inplace_error(t.shape, t.dtype, t._version, version)
         return t
-    if cls is _Offloaded:  # _Offloaded.unpack, inlined: once per offloaded tensor
+    if type(handle) is _Offloaded:  # _Offloaded.unpack, inlined: once per offloaded tensor
         return handle.engine._reload(handle)
     return _unpack_any(handle)
 
