@@ -9,7 +9,6 @@ rules ] in ``offload/engine.py``). Host bytes come from the engine's
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -38,23 +37,11 @@ def _span(name: str) -> Any:
     return _NO_SPAN
 
 
-def _host_span(t: torch.Tensor, rec: PackRecord, offset: int, es: int, lazy_bits: bool) -> tuple[int, int, bool]:
-    """The bytes ``[lo, hi)`` of ``t``'s storage its host copy holds, and whether ``t`` is exactly
-    its storage (then it is copied into a typed view of the buffer, no byte view of ``t``)."""
-    whole = rec.storage_nbytes
-    contiguous = t.is_contiguous()
-    if contiguous:
-        lo_b = offset * es
-        hi_b = lo_b + rec.nbytes
-    else:
-        lo, hi = policy.span_elems(t)
-        lo_b, hi_b = lo * es, hi * es
-    whole_t = contiguous and offset == 0 and hi_b == whole and not lazy_bits
-    if 2 * (hi_b - lo_b) >= whole:
-        # Most of the storage: copy all of it so sibling views (q, k, v of one qkv
-        # projection) share this copy instead of re-copying (Rule 7).
-        return 0, whole, whole_t
-    return lo_b, hi_b, whole_t
+def _byte_view(t: torch.Tensor, buf: Any, lo: int, nbytes: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) of a copy of bytes ``[lo, lo + nbytes)`` of ``t``'s storage into ``buf``."""
+    src = torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage(), lo, (nbytes,), (1,))
+    return src, buf.tensor
 
 
 def _typed_view(buf: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -92,7 +79,18 @@ class _Copies:
         """Copy the bytes of ``t``'s storage it can touch into a new host copy; None when no host
         buffer is granted (Rule 9). Fills the record's copy fields. The source stays alive in the
         stash until an asynchronous copy is done (Rule 2)."""
-        lo_b, hi_b, whole_t = _host_span(t, rec, offset, dtype.itemsize, lazy_bits)
+        es = dtype.itemsize
+        whole = rec.storage_nbytes
+        contiguous = t.is_contiguous()
+        if contiguous:
+            lo_b = offset * es
+            hi_b = lo_b + rec.nbytes
+        else:
+            lo, hi = policy.span_elems(t)
+            lo_b, hi_b = lo * es, hi * es
+        whole_t = contiguous and offset == 0 and hi_b == whole and not lazy_bits  # t is its storage
+        if 2 * (hi_b - lo_b) >= whole:  # most of it: copy all, so sibling views (q, k, v) share it (Rule 7)
+            lo_b, hi_b = 0, whole
         nbytes = hi_b - lo_b
         tiers = self.tiers
         buf, tier, note = tiers.take(nbytes, rec.module)  # where the bytes go (Rule 9)
@@ -102,38 +100,24 @@ class _Copies:
         if nbytes > self._max_copy_bytes:
             self._max_copy_bytes = nbytes
         backend = self._backend
-        synchronous = backend.name == "sync"
-        try:  # policy._weak, inlined: once per offloaded tensor
-            base_ref = weakref.ref(base)
-        except TypeError:  # a subclass that refuses weak references
-            base_ref = policy._weak(base)
-        # (A synchronous copy is never in flight when its handle dies: nothing to release after.)
+        synchronous = backend.name == "sync"  # (never in flight when its handle dies: no release)
         hc = _HostCopy(buf, tiers.pool.give if tier == "pool" else tiers.give, lo_b, nbytes, tier, version,
-                       base_ref, synchronous, None if synchronous else backend.release_after)
+                       base, synchronous, None if synchronous else backend.release_after)
         if self._verify:  # on the compute stream, after the producer (NOTE [ Verified offload ])
             hc.checksum = _verify.span_checksum(t.untyped_storage(), lo_b, nbytes, device)
-        # t is exactly its storage: copy it into a typed view of the buffer, no byte view of t.
-        dst = None
-        if whole_t:
-            dst = buf.cache  # the view made for this range last step (a replayed pool step), else a new one
-            if dst is None or dst.dtype is not dtype or dst.shape != rec.shape:
-                dst = _typed_view(buf, dtype, rec.shape)
-        if dst is not None:
-            src = t
-        else:
-            dst = buf.tensor
-            src = torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage(), lo_b, (nbytes,), (1,))
+        # A whole tensor goes into a typed view of the buffer (the one made for this range last
+        # step comes back with it when the pool replays the step); anything else as bytes.
+        dst = buf.cache if whole_t else None
+        if whole_t and (dst is None or dst.dtype is not dtype or dst.shape != rec.shape):
+            dst = _typed_view(buf, dtype, rec.shape)
+        src, dst = (t, dst) if dst is not None else _byte_view(t, buf, lo_b, nbytes, device)
         if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::d2h"):
                 copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
         else:  # a synchronous copy's duration: no Copy object to build
             copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
-        rec.decision = OFFLOADED
-        rec.reason = ""
-        rec.copy_bytes = nbytes
-        rec.pinned = buf.pinned
-        rec.note = note
-        rec.tier = tier
+        rec.decision, rec.reason, rec.copy_bytes = OFFLOADED, "", nbytes
+        rec.pinned, rec.note, rec.tier = buf.pinned, note, tier
         self.ledger.tier_log[tier].append(nbytes)  # Ledger.log_tier, inlined
         if tier == "disk":
             tiers.disk.submit(buf, None if synchronous else copy)

@@ -9,12 +9,13 @@ in ``offload/engine.py``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _torch_private
+from . import _torch_private, policy
 from .errors import _internal_assert
 from .pool import HostBuffer, HostPool
 from .streams import Copy
@@ -92,7 +93,7 @@ class _HostCopy:
                  "version", "base_ref", "release", "synchronous", "checksum", "tier", "__weakref__")
 
     def __init__(self, buf: "HostBuffer | DiskRecord", give: Callable[[Any], None], lo: int, nbytes: int,
-                 tier: str, version: int, base_ref: Callable[[], torch.Tensor | None], synchronous: bool,
+                 tier: str, version: int, base: torch.Tensor, synchronous: bool,
                  release: Callable[[Copy, Any, str], None] | None) -> None:
         self.buf = buf
         self.give = give  # takes the buffer back: the pool's give for a pool buffer, else HostTiers.give
@@ -110,7 +111,10 @@ class _HostCopy:
         # allocation stream after its copy when this dies (Rule 4); None for a synchronous copy.
         self.release = release
         self.version = version  # of the first saver's base at the copy (Rule 7)
-        self.base_ref = base_ref  # that base, weakly
+        try:  # that base, weakly (policy._weak, inlined: once per offloaded tensor)
+            self.base_ref: Callable[[], torch.Tensor | None] = weakref.ref(base)
+        except TypeError:  # a subclass that refuses weak references
+            self.base_ref = policy._weak(base)
         self.synchronous = synchronous
         self.checksum: torch.Tensor | None = None  # verify=True: the span's checksum at pack (device)
 
