@@ -120,10 +120,12 @@ class Ledger:
             """Bytes copied to the host by each offloaded decision of the open step."""
             self.unique_log: list[int] = []
             """Bytes each save of the open step added to its distinct saved bytes (non-zero only)."""
-            # Synchronous copies of the open step (add_sync_copy): seconds and bytes of each.
-            self.sync_d2h_s: list[float] = []
+            # Synchronous copies of the open step (add_sync_copy): seconds per host tier ("" for a
+            # copy without one) and bytes of each. A synchronous copy's seconds are its tier's time
+            # too, all of it exposed: one append serves both totals.
+            self.sync_d2h_s: dict[str, list[float]] = {t: [] for t in (*TIERS, "")}
             self.sync_d2h_b: list[int] = []
-            self.sync_h2d_s: list[float] = []
+            self.sync_h2d_s: dict[str, list[float]] = {t: [] for t in (*TIERS, "")}
             self.sync_h2d_b: list[int] = []
             self.tier_log: dict[str, list[int]] = {t: [] for t in TIERS}
             """Tier -> bytes of each copy made into it in the open step (``log_tier``)."""
@@ -242,8 +244,18 @@ class Ledger:
         into.unique_bytes += take(self.unique_log)[1]
         # Take each pair's seconds first: a copy racing this is then counted whole next step
         # (its bytes may land here, its seconds next time: totals over steps stay exact).
-        d2h_s, d2h_b = sum(items(self.sync_d2h_s)), items(self.sync_d2h_b)
-        h2d_s, h2d_b = sum(items(self.sync_h2d_s)), sum(items(self.sync_h2d_b))
+        d2h_s = h2d_s = 0.0
+        for name, log in self.sync_d2h_s.items():
+            got_d2h, got_h2d = items(log), items(self.sync_h2d_s[name])
+            if got_d2h or got_h2d:
+                s_d2h, s_h2d = sum(got_d2h), sum(got_h2d)
+                d2h_s += s_d2h
+                h2d_s += s_h2d
+                if name:
+                    tier = tier_of(into, name)
+                    tier["seconds"] += s_d2h + s_h2d
+                    tier["wait_seconds"] += s_d2h + s_h2d
+        d2h_b, h2d_b = items(self.sync_d2h_b), sum(items(self.sync_h2d_b))
         into.d2h_seconds += d2h_s
         into.h2d_seconds += h2d_s
         into.stall_seconds += d2h_s + h2d_s
@@ -279,21 +291,22 @@ class Ledger:
         [ Ledger logs ]) unless copies of unknown duration are pending, whose
         issue order it then keeps.
         """
-        if rec is not None and rec.tier:
-            self.tier_time_log[rec.tier].append((seconds, seconds))  # a synchronous copy: all exposed
+        tier = rec.tier if rec is not None else ""
         if not self._pending:
             if kind == "d2h":
-                self.sync_d2h_s.append(seconds)
+                self.sync_d2h_s[tier].append(seconds)  # its tier's time too (_sum_logs)
                 self.sync_d2h_b.append(nbytes)
                 if rec is not None:
                     rec.d2h_s = seconds
             else:
-                self.sync_h2d_s.append(seconds)
+                self.sync_h2d_s[tier].append(seconds)
                 self.sync_h2d_b.append(nbytes)
                 self._open_used = True
                 if rec is not None:
                     rec.h2d_s = seconds
             return
+        if tier:
+            self.tier_time_log[tier].append((seconds, seconds))  # a synchronous copy: all exposed
         with self._lock:
             o = self._open
             if kind == "h2d":
