@@ -242,6 +242,11 @@ class Ledger:
                 tier["seconds"] += sum(seconds)
                 tier["wait_seconds"] += sum(waits)
         into.unique_bytes += take(self.unique_log)[1]
+        self._sum_sync_logs(into, items)
+
+    def _sum_sync_logs(self, into: StepTotals, items: Callable[[list], list]) -> None:
+        """``_sum_logs`` for the synchronous copies: their seconds (each tier's time too, all of it
+        exposed) and bytes; ``items`` takes a log's entries (lock held)."""
         # Take each pair's seconds first: a copy racing this is then counted whole next step
         # (its bytes may land here, its seconds next time: totals over steps stay exact).
         d2h_s = h2d_s = 0.0
