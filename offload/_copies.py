@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     import threading
 
     from .tiers import HostTiers
-    from .pool import HostPool
 
 _profiler_enabled = _torch_private.profiler_enabled_c
 _NO_SPAN = nullcontext()  # stateless: one instance serves every caller
@@ -65,7 +64,6 @@ class _Copies:
     _stash_bytes: int
     _max_copy_bytes: int
     ledger: Ledger
-    pool: "HostPool"
     max_fwd_stash_size: int
     max_inflight_bytes: int
     timing: bool

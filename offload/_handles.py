@@ -17,12 +17,11 @@ import torch
 
 from . import _torch_private, policy
 from .errors import _internal_assert
-from .pool import HostBuffer, HostPool
+from .pool import HostBuffer
 from .streams import Copy
 
 if TYPE_CHECKING:
     from .disk import DiskRecord
-    from .tiers import HostTiers
     from .engine import OffloadActivations
 
 _profiler_enabled = _torch_private.profiler_enabled_c

@@ -214,7 +214,6 @@ class _Packing:
         # A storage not seen this step (most saves), or seen through a saver now dead (its
         # address reused): SpanSet.add_span's own first case, inlined.
         if (entry is None or (type(entry) is tuple and entry[0]() is None)) and hi_b > lo_b:
-            # A storage not seen this step (most saves): SpanSet.add_span, inlined.
             base = t._base
             seen[ident] = (weakref.ref(t if base is None else base), lo_b, hi_b)
             return hi_b - lo_b

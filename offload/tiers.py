@@ -60,11 +60,6 @@ class HostTiers:
         self._pin_failures_seen = 0
         self._pin_warned = False
 
-    def ram_allows(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more stay under ``virtual_memory_safe_pct``."""
-        pct = self.virtual_memory_safe_pct
-        return pct is None or pct >= 100 or self._ram_gauge.allows(nbytes, pct)
-
     @property
     def names(self) -> tuple[str, ...]:
         """The tiers this engine has, in order."""
@@ -80,7 +75,7 @@ class HostTiers:
         raises ``OffloadError`` under "raise". ``note`` is "pin_failed" when pinning failed."""
         pool = self.pool
         note = ""
-        pct = self.virtual_memory_safe_pct  # ram_allows, inlined: once per offloaded tensor
+        pct = self.virtual_memory_safe_pct  # the RAM ceiling: nbytes more stay under it
         if pct is None or pct >= 100 or self._ram_gauge.allows(nbytes, pct):
             failures = pool._pin_failures
             buf = pool.take(nbytes)
