@@ -58,8 +58,13 @@ Two measures, in one run:
     callgrind, after the same ``--warmup`` steps per variant (the engine's
     pool replays a step from the third on), collection toggled on around
     each measured forward/backward by a two-function C helper compiled at
-    run time. Deterministic, so it is the measure to compare across machines
-    and commits (files before ``warmup_steps`` was recorded used one warm-up step).
+    run time, with ``PYTHONHASHSEED=0`` and the engine's RAM gauge re-reading
+    system RAM by bytes granted only (``_freeze_ram_gauge``: its timed re-reads
+    follow wall time, which callgrind stretches ~50x). Deterministic (identical
+    runs agree within ~0.1 %), so it is the measure to compare across machines
+    and commits (files before ``warmup_steps`` was recorded used one warm-up
+    step; files before ``gauge_frozen`` was recorded let the gauge re-read by
+    time, which made identical runs differ by up to 5 %).
 
 Plus the cycle collector's share (``--gc-steps``): each keep variant runs that many
 steps in a row with no forced collection (the CPU-time rounds collect before each
@@ -492,6 +497,24 @@ def _build_helper(tmp: Path) -> Path:
     return lib
 
 
+def _freeze_ram_gauge(ctx: Any) -> None:
+    """Make an engine's RAM gauge (``policy.RamCeiling``) re-read /proc only by bytes granted, not by time.
+
+    The gauge re-reads system RAM at most every ``max_age_s`` (50 ms) of wall time; a read
+    costs ~0.1 M instructions. Under callgrind a step runs ~50x slower, so the timed reads
+    come ~50x as often as in a real run and their number follows the machine's load: they
+    made identical runs differ by up to 5 %. After the warm-up (which took the first
+    reading) the gauge keeps its reading until ``slack_bytes`` are granted, as it does in a
+    real run of steps this short. Finds the gauge on ``ctx.tiers`` or, for an engine from
+    before the host tiers (a ``--baseline`` run of an older tree), on ``ctx``.
+    """
+    for owner in (getattr(ctx, "tiers", None), ctx):
+        gauge = getattr(owner, "_ram_gauge", None)
+        if gauge is not None:
+            gauge.max_age_s = float("inf")
+            return
+
+
 def _callgrind_child(lib: Path, layers: int, width: int, steps: int, variants: tuple[str, ...],
                      warmup: int = 3) -> None:
     """Run under callgrind: collect only inside each measured forward / backward, dump per phase."""
@@ -506,6 +529,7 @@ def _callgrind_child(lib: Path, layers: int, width: int, steps: int, variants: t
         _prepare(name)
         for _ in range(warmup):  # as many as the CPU-time rounds: the pool's steady state (replay)
             _step(model, x, ctx(), lambda phase: None)  # starts at the third step
+        _freeze_ram_gauge(ctx())
         gc.collect()
         state = {"fwd": False, "bwd": False}
 
@@ -534,7 +558,7 @@ def measure_instructions(layers: int, width: int, steps: int,
                sys.executable, "-m", "bench.hook_cost", "--_callgrind-child", str(lib),
                "--layers", str(layers), "--width", str(width), "--cg-steps", str(steps),
                "--warmup", str(warmup), "--variants", ",".join(variants)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")  # str hashes (dict probes) fixed
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
         if proc.returncode != 0:
             return {"skipped": f"callgrind child failed: {proc.stderr[-2000:]}"}
@@ -549,7 +573,7 @@ def measure_instructions(layers: int, width: int, steps: int,
             if what and "|" in what and ir is not None:
                 v, phase = what.split("|")
                 totals.setdefault(v, {"fwd": 0, "bwd": 0})[phase] += ir
-    out: dict[str, Any] = {"steps": steps, "warmup_steps": warmup, "saves_per_step": saves,
+    out: dict[str, Any] = {"steps": steps, "warmup_steps": warmup, "gauge_frozen": True, "saves_per_step": saves,
                            "module_calls_per_step": layers + 1, "variants": {}}
     base = totals.get("none")
     for name, t in totals.items():
