@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _torch_private, _verify, policy
+from . import _torch_private, _verify
 from ._handles import _HostCopy, _saved_alias, _StashEntry
 from .ledger import OFFLOADED, Ledger, PackRecord
 from .streams import Copy
@@ -72,21 +72,14 @@ class _Copies:
     # -- device to host (pack) ------------------------------------------------------
 
     def _copy_out(self, t: torch.Tensor, rec: PackRecord, dtype: torch.dtype, device: torch.device,
-                  offset: int, version: int, base: torch.Tensor,
+                  contiguous: bool, lo_b: int, hi_b: int, version: int, base: torch.Tensor,
                   lazy_bits: bool) -> tuple[_HostCopy, _StashEntry | None] | None:
-        """Copy the bytes of ``t``'s storage it can touch into a new host copy; None when no host
-        buffer is granted (Rule 9). Fills the record's copy fields. The source stays alive in the
-        stash until an asynchronous copy is done (Rule 2)."""
-        es = dtype.itemsize
+        """Copy the bytes ``[lo_b, hi_b)`` of ``t``'s storage (all it can touch; ``contiguous`` as
+        the caller read it) into a new host copy; None when no host buffer is granted (Rule 9).
+        Fills the record's copy fields. The source stays alive in the stash until an asynchronous
+        copy is done (Rule 2)."""
         whole = rec.storage_nbytes
-        contiguous = t.is_contiguous()
-        if contiguous:
-            lo_b = offset * es
-            hi_b = lo_b + rec.nbytes
-        else:
-            lo, hi = policy.span_elems(t)
-            lo_b, hi_b = lo * es, hi * es
-        whole_t = contiguous and offset == 0 and hi_b == whole and not lazy_bits  # t is its storage
+        whole_t = contiguous and lo_b == 0 and hi_b == whole and not lazy_bits  # t is its storage
         if 2 * (hi_b - lo_b) >= whole:  # most of it: copy all, so sibling views (q, k, v) share it (Rule 7)
             lo_b, hi_b = 0, whole
         nbytes = hi_b - lo_b
@@ -99,7 +92,7 @@ class _Copies:
             self._max_copy_bytes = nbytes
         backend = self._backend
         synchronous = backend.name == "sync"  # (never in flight when its handle dies: no release)
-        hc = _HostCopy(buf, tiers.pool.give if tier == "pool" else tiers.give, lo_b, nbytes, tier, version,
+        hc = _HostCopy(buf, tiers.give_pool if tier == "pool" else tiers.give, lo_b, nbytes, tier, version,
                        base, synchronous, None if synchronous else backend.release_after)
         if self._verify:  # on the compute stream, after the producer (NOTE [ Verified offload ])
             hc.checksum = _verify.span_checksum(t.untyped_storage(), lo_b, nbytes, device)
@@ -114,9 +107,8 @@ class _Copies:
                 copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
         else:  # a synchronous copy's duration: no Copy object to build
             copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
-        rec.decision, rec.reason, rec.copy_bytes = OFFLOADED, "", nbytes
+        rec.decision, rec.copy_bytes = OFFLOADED, nbytes  # (its reason is "": an offload candidate's)
         rec.pinned, rec.note, rec.tier = buf.pinned, note, tier
-        self.ledger.tier_log[tier].append(nbytes)  # Ledger.log_tier, inlined
         if tier == "disk":
             tiers.disk.submit(buf, None if synchronous else copy)
         if synchronous:

@@ -13,6 +13,7 @@ compares the two record by record. A mixin of ``OffloadActivations``.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +39,52 @@ _DTYPE_NAMES = policy._DTYPE_NAMES
 _Tensor = torch.Tensor
 _Parameter = nn.Parameter
 # The reasons, as module globals: the pack hook compares them by identity.
-_PARAMETER, _BUFFER, _UNSUPPORTED_TYPE = policy.PARAMETER, policy.BUFFER, policy.UNSUPPORTED_TYPE
+_PARAMETER, _BUFFER = policy.PARAMETER, policy.BUFFER
+_PLAIN_TYPES = frozenset((_Tensor, _Parameter))
+"""The types ``_pack`` takes (a subclass goes to ``_pack_other``)."""
+_PLAIN_ITEMSIZE: dict[torch.dtype, int] = {}
+"""dtype -> item size, for each dtype seen whose tensors hold their values in their bytes (not quantized)."""
+
+
+def _plain_itemsize(t: torch.Tensor) -> int:
+    """``t.dtype``'s item size, remembered in ``_PLAIN_ITEMSIZE``; 0 for a quantized tensor (its
+    scale and zero point are not in its bytes: ``_pack_other`` keeps it)."""
+    if t.is_quantized:
+        return 0
+    dtype = t.dtype
+    size = _PLAIN_ITEMSIZE[dtype] = dtype.itemsize
+    return size
+
+
+def _owner_lookup(memo: dict[tuple[int, int, int], tuple[frozenset[int], frozenset[int]]]) -> Callable[[int], str]:
+    """The engine's ``owner(ptr)`` for ``policy._classify``: PARAMETER / BUFFER when a parameter or
+    buffer of a running module lives on ``ptr``, else "".
+
+    Catches buffers (RoPE tables) and parameters saved through storage aliases
+    without knowing the model in advance. The storages of the running modules'
+    parameters and buffers are collected once per step for each (innermost,
+    outermost, depth) of the module stack, so an offload candidate costs one set
+    lookup; the engine clears ``memo`` at every outermost enter (FSDP2 re-gathers
+    parameters into new storages). A closure over the memo, made once per engine:
+    a bound method would be made again for every pack, and one kept on the engine
+    would hold the engine in a cycle.
+    """
+
+    def owner(ptr: int) -> str:
+        stack = current_modules_view()
+        if not stack:
+            return ""
+        key = (id(stack[-1]), id(stack[0]), len(stack))
+        owned = memo.get(key)
+        if owned is None:
+            owned = memo[key] = policy.owned_storages(stack)
+        if ptr in owned[0]:
+            return _PARAMETER
+        if ptr in owned[1]:
+            return _BUFFER
+        return ""
+
+    return owner
 
 
 def _module_of(ts: "_ThreadState") -> str:
@@ -66,69 +112,68 @@ class _Packing:
     _dedupe: dict[tuple[str, int], weakref.ref]
     _seen: SpanSet
     _observers: Any
-    _owner_memo: dict[tuple[int, int, int], tuple[frozenset[int], frozenset[int]]]
+    _running_owner: Callable[[int], str]
     _order_compact_at: int
     tiers: Any
 
     # _pack runs for every saved tensor on the kernel-launching thread: its CPU time is step
     # time (``python -m bench.hook_cost``). A plain tensor with a storage takes this path, each
-    # fact about it read once; everything else (subclasses, sparse, nested, quantized, zero
-    # tensors, pass-through) goes through _pack_other. It reads classify -> act -> record.
+    # fact about it read once and passed on; everything else (subclasses, sparse, nested,
+    # quantized, zero tensors, pass-through) goes through _pack_other. classify -> act -> record.
     def _pack(self, t: torch.Tensor) -> Any:
-        cls = type(t)
-        if (cls is not _Tensor and cls is not _Parameter) or not self.enabled:
+        if type(t) not in _PLAIN_TYPES or not self.enabled:
             return self._pack_other(t)
         try:
-            st = t.untyped_storage()
+            st = t.untyped_storage()  # sparse, mkldnn and efficient zeros have none: they raise
             ptr = st.data_ptr()
             shape = t.shape  # a strided nested tensor has no single shape: it raises
         except (RuntimeError, NotImplementedError):
-            return self._pack_other(t)  # no plain storage: sparse, mkldnn, efficient zeros
+            return self._pack_other(t)
+        dtype = t.dtype
+        itemsize = _PLAIN_ITEMSIZE.get(dtype) or _plain_itemsize(t)
+        if not itemsize:  # quantized: its scale is not in its bytes
+            return self._pack_other(t)
         try:
             ts = self._tls.state
         except AttributeError:
             ts = self._thread()
-        dtype = t.dtype
-        nbytes = shape.numel() * dtype.itemsize  # t.nbytes, without a tensor getter
-        # -- classify
+        device, base = t.device, t._base
+        on_device = device == self.device
+        nbytes = shape.numel() * itemsize  # t.nbytes, without a tensor getter
+        # -- classify (t is plain: its type, storage, layout and dtype are checked above)
         reason = _classify(t, self.device, self.min_offload_size, ts.excluded_depth > 0, self._static_ptrs,
-                           self._running_owner, nbytes, ptr, ts.after_head)
-        if reason is _UNSUPPORTED_TYPE:
-            return self._pack_other(t)  # nothing done yet: quantized, nested
+                           self._running_owner, nbytes, ptr, ts.after_head, base, on_device)
         # -- act
-        device = t.device
-        dev = self._device_name if device == self.device else (_DEVICE_NAMES.get(device) or _device_name(device))
+        dev = self._device_name if on_device else (_DEVICE_NAMES.get(device) or _device_name(device))
         step = self._step_ref() or self._open_step()  # (a _Step is always true)
         stack = ts.module_stack  # _module_of, inlined: its named case is one dict read
         module = (_module_names.get(id(stack[-1])) or _module_of(ts)) if stack else ""
         ledger = self.ledger
+        spanned = reason is not _PARAMETER and reason is not _BUFFER
+        if spanned:  # the bytes of its storage t can touch: recorded, and what an offload copies
+            offset, contiguous = t.storage_offset(), t.is_contiguous()
+            lo_b, key = offset * itemsize, (dev, ptr)
+            hi_b = lo_b + nbytes if contiguous else byte_span(t)[1]
         if reason:
-            # Kept: a tuple handle (no __del__): the tensor, detached when it has autograd history
-            # (Rule 10; _saved_alias inlined), and the version to check at unpack (Rule 6).
+            # Kept: (the tensor, detached if it has history: Rule 10; its version: Rule 6); NOTE [ Ledger logs ]
             handle: Any = (t if t.is_leaf else t.detach(), t._version, step)
-            # The record as a tuple, tuple(shape) not the torch.Size (NOTE [ Ledger logs ]).
             rec: Any = (next(self._seq), ledger.current_step, nbytes, tuple(shape), dtype, dev, module,
                         KEPT, reason, ptr, len(st))  # len: st.nbytes() without the argument parsing
             ledger.kept_log[reason].append(nbytes)  # every reason has its list (Ledger.reset)
         else:
             rec = PackRecord(next(self._seq), ledger.current_step, nbytes, tuple(shape),
                              _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype), dev, module,
-                             KEPT, reason, ptr, st.nbytes())
-            handle = self._offload(t, rec, (dev, ptr), ts, step, dtype, device)
-            if handle is None:  # no room on the host (Rule 9)
-                handle = (_saved_alias(t), t._version, step)
-            reason = rec.reason
-            if rec.decision == OFFLOADED:
+                             KEPT, reason, ptr, len(st))
+            handle = self._offload(t, rec, key, ts, step, dtype, device, base, itemsize, contiguous, lo_b, hi_b)
+            if rec.decision == OFFLOADED:  # (Ledger.add's logs, inlined)
                 ledger.offloaded_log.append(nbytes)
-                ledger.d2h_log.append(rec.copy_bytes)
-            else:
-                ledger.log_kept(reason, nbytes)
+                ledger.tier_log[rec.tier].append(rec.copy_bytes)
+            else:  # a shared copy (Rule 7), or no room on the host (Rule 9)
+                ledger.log_kept(rec.reason, nbytes)
         # -- record
         ledger._open_used = True
-        if reason is not _PARAMETER and reason is not _BUFFER:
-            unique = self._unique_bytes(t, dev, ptr, dtype.itemsize, nbytes)
-            if unique:
-                ledger.unique_log.append(unique)
+        if spanned:
+            self._record_span(t, base, key, lo_b, hi_b)
         if _observer_count[0] and (self._observers or _tls.__dict__.get("observers")):
             self._record_observed(t, rec)
         else:
@@ -143,7 +188,11 @@ class _Packing:
         _notify(self, t, rec)
 
     def _pack_other(self, t: torch.Tensor) -> Any:
-        """``_pack`` for everything but a plain tensor with a storage (and for pass-through)."""
+        """``_pack`` for everything but a plain tensor with a storage (and for pass-through).
+
+        Also the general path ``_pack`` (and the C++ hook) are tested against, record by record
+        (``tests/offload/offload_testkit.assert_pack_matches_general``): it reads every fact
+        through ``policy.classify``'s own checks, so it can decide and offload any tensor."""
         seq = next(self._seq)
         es = t.element_size()
         nbytes = t.numel() * es
@@ -180,44 +229,42 @@ class _Packing:
         step = self._open_step()
         if reason:
             handle: Any = (_saved_alias(t), t._version, step)
-        else:
-            handle = self._offload_or_keep(t, rec, key, ts, step, dtype, device)
+        else:  # (the reference _pack is tested against: what _pack hands over is never offloaded)
+            lo_b, hi_b = byte_span(t)
+            handle = self._offload(t, rec, key, ts, step, dtype, device, t._base, es, t.is_contiguous(), lo_b, hi_b)
         # -- record
         unique = 0
         r = rec.reason
         if r != policy.PARAMETER and r != policy.BUFFER and r != policy.UNSUPPORTED_TYPE:
             # The bytes this save's span adds to the step's union of saved spans
             # (offload._spans: what the profilers count too).
-            if ident[0] == "id":
-                lo_b, hi_b = 0, nbytes
-            elif reason == policy.DISABLED:
-                lo_b, hi_b = byte_span(t)
-            else:
-                lo_b = t.storage_offset() * es
-                hi_b = lo_b + nbytes if t.is_contiguous() else byte_span(t)[1]
+            lo_b, hi_b = (0, nbytes) if ident[0] == "id" else byte_span(t)
             unique = self._seen.add_span(t, ident, lo_b, hi_b)
         self.ledger.add(rec, unique)
         if self._observers or _tls.__dict__.get("observers"):
             _notify(self, t, rec)
         return handle
 
-    def _unique_bytes(self, t: torch.Tensor, dev: str, ptr: int, itemsize: int, nbytes: int) -> int:
-        """The bytes this save's span adds to the step's union of saved spans (offload._spans:
-        what the profilers count too)."""
-        if not ptr:  # an empty storage (all at address 0): keyed by the tensor itself
-            return self._seen.add_span(t, ("id", id(t)), 0, nbytes)
-        lo_b = t.storage_offset() * itemsize
-        hi_b = lo_b + nbytes if t.is_contiguous() else byte_span(t)[1]
-        ident: Any = (dev, ptr)
-        seen = self._seen.entries
-        entry = seen.get(ident)
-        # A storage not seen this step (most saves), or seen through a saver now dead (its
-        # address reused): SpanSet.add_span's own first case, inlined.
-        if (entry is None or (type(entry) is tuple and entry[0]() is None)) and hi_b > lo_b:
-            base = t._base
-            seen[ident] = (weakref.ref(t if base is None else base), lo_b, hi_b)
-            return hi_b - lo_b
-        return self._seen.add_span(t, ident, lo_b, hi_b)
+    def _record_span(self, t: torch.Tensor, base: torch.Tensor | None, key: tuple[str, int], lo_b: int,
+                     hi_b: int) -> None:
+        """Log the bytes this save's span ``[lo_b, hi_b)`` of its storage ``key`` (device, address)
+        adds to the step's union of saved spans (offload._spans: what the profilers count too);
+        ``base`` is ``t._base``."""
+        if not key[1]:  # an empty storage (all at address 0): keyed by the tensor itself
+            unique = self._seen.add_span(t, ("id", id(t)), 0, t.numel() * t.element_size())
+        else:
+            ident: Any = key
+            seen = self._seen.entries
+            entry = seen.get(ident)
+            # A storage not seen this step (most saves), or seen through a saver now dead (its
+            # address reused): SpanSet.add_span's own first case, inlined.
+            if (entry is None or (type(entry) is tuple and entry[0]() is None)) and hi_b > lo_b:
+                seen[ident] = (weakref.ref(t if base is None else base), lo_b, hi_b)
+                unique = hi_b - lo_b
+            else:
+                unique = self._seen.add_span(t, ident, lo_b, hi_b)
+        if unique:
+            self.ledger.unique_log.append(unique)
 
     def _open_step(self) -> _Step:
         """The open ledger step's ``_Step`` (new after every close), which each handle holds."""
@@ -227,61 +274,34 @@ class _Packing:
             self._step_ref = weakref.ref(step)
         return step
 
-    def _running_owner(self, ptr: int) -> str:
-        """PARAMETER / BUFFER when a parameter or buffer of a running module lives on ``ptr``.
-
-        Catches buffers (RoPE tables) and parameters saved through storage
-        aliases without knowing the model in advance. The storages of the
-        running modules' parameters and buffers are collected once per step
-        for each (innermost, outermost, depth) of the module stack, so an
-        offload candidate costs one set lookup (the memo is dropped at every
-        outermost enter: FSDP2 re-gathers parameters into new storages).
-        """
-        stack = current_modules_view()
-        if not stack:
-            return ""
-        key = (id(stack[-1]), id(stack[0]), len(stack))
-        owned = self._owner_memo.get(key)
-        if owned is None:
-            owned = self._owner_memo[key] = policy.owned_storages(stack)
-        if ptr in owned[0]:
-            return _PARAMETER
-        if ptr in owned[1]:
-            return _BUFFER
-        return ""
-
     # -- offloading ---------------------------------------------------------------
 
-    def _offload_or_keep(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int], ts: "_ThreadState",
-                         step: _Step, dtype: torch.dtype, device: torch.device) -> Any:
-        """The handle of an offload candidate: offloaded, or kept where the host has no room (Rule 9)."""
-        handle = self._offload(t, rec, key, ts, step, dtype, device)
-        return handle if handle is not None else (_saved_alias(t), t._version, step)
-
     def _offload(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int], ts: "_ThreadState",
-                 step: _Step, dtype: torch.dtype, device: torch.device) -> _Offloaded | None:
-        """An offloaded handle for ``t``: its storage's host copy of this step (Rule 7) or a new one;
-        None (reason ``host_budget``) when the host has no room."""
-        base = t._base
+                 step: _Step, dtype: torch.dtype, device: torch.device, base: torch.Tensor | None, es: int,
+                 contiguous: bool, lo_b: int, hi_b: int) -> Any:
+        """The handle of an offload candidate: its storage's host copy of this step (Rule 7) or a
+        new one; kept (reason ``host_budget``) when the host has no room (Rule 9). The caller's
+        facts come as arguments: ``base`` (``t._base``), ``es`` (its item size), ``contiguous``
+        and the bytes ``[lo_b, hi_b)`` of its storage ``t`` can touch."""
         if base is None:
             base = t
         version = t._version
-        offset = t.storage_offset()
         conj, neg = t.is_conj(), t.is_neg()
         ref = self._dedupe.get(key) if self.dedupe else None
         hc = ref() if ref is not None else None
         if hc is not None:  # (a dead first saver is a reused address, not a shared storage: no call)
             base_ref = hc.base_ref
-            hc = self._shared_copy(t, key, hc) if base_ref is not None and base_ref() is not None else None
+            live = base_ref is not None and base_ref() is not None
+            hc = self._shared_copy(t, key, hc, lo_b, hi_b) if live else None
         entry = None
-        if hc is not None:
+        if hc is not None:  # recorded as kept: no copy of its own (Rule 7)
             rec.reason = policy.DUPLICATE_STORAGE
             rec.tier = hc.tier
         else:
-            made = self._copy_out(t, rec, dtype, device, offset, version, base, conj or neg)
+            made = self._copy_out(t, rec, dtype, device, contiguous, lo_b, hi_b, version, base, conj or neg)
             if made is None:
                 rec.reason = policy.HOST_BUDGET
-                return None
+                return (_saved_alias(t), version, step)
             hc, entry = made
             if self.dedupe:
                 self._dedupe[key] = weakref.ref(hc)
@@ -292,8 +312,7 @@ class _Packing:
         hc.users += 1
         # Lazy conj/neg bits live on the view, not in the bytes (Rule 5). layout: (shape, stride,
         # offset in elements of the host copy, dtype, device, conj, neg), one tuple, not seven slots.
-        es = dtype.itemsize
-        h.layout = (rec.shape, t.stride(), (offset * es - hc.lo) // es, dtype, device, conj, neg)
+        h.layout = (rec.shape, t.stride(), (lo_b - hc.lo) // es, dtype, device, conj, neg)
         # Rule 6: an empty alias sharing t's version counter, not its storage
         # (a weak reference where the tensor refuses one).
         h.version = version
@@ -308,16 +327,16 @@ class _Packing:
             h.order = None
         return h
 
-    def _shared_copy(self, t: torch.Tensor, key: tuple[str, int], hc: _HostCopy) -> _HostCopy | None:
-        """``hc`` (this step's host copy of storage ``key``) if it holds ``t``'s current bytes (Rule 7)."""
+    def _shared_copy(self, t: torch.Tensor, key: tuple[str, int], hc: _HostCopy, lo_b: int,
+                     hi_b: int) -> _HostCopy | None:
+        """``hc`` (this step's host copy of storage ``key``) if it holds ``t``'s current bytes, its
+        span ``[lo_b, hi_b)`` (Rule 7)."""
         # Same storage only while the first saver's base is alive on it and
         # unmodified since its copy.
         b = policy.live_base(hc.base_ref, key)
         if b is None or b._version != hc.version:
             return None
         es = t.element_size()
-        lo, hi = policy.span_elems(t)
-        lo_b, hi_b = lo * es, hi * es
         if lo_b < hc.lo or hi_b > hc.lo + hc.nbytes or (lo_b - hc.lo) % es:
             return None
         if hc.synchronous and t.device.type == "cpu" and hi_b > lo_b:

@@ -101,7 +101,7 @@ from ._copies import _Copies
 from ._exclusion import RegionHandle, exclude_module, warn_unused_regions
 from ._handles import _dead, _StashEntry, _Step, _unpack_handle
 from ._observers import PackEvent, _engines, _observe, _pop_engine, active_engine, add_pack_observer
-from ._packing import _Packing
+from ._packing import _owner_lookup, _Packing
 from ._spans import SpanSet
 from ._warn import user_stacklevel
 from .attach import AttachHandle, attach
@@ -372,6 +372,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         # Running module -> storages of the parameters and buffers of it and its
         # running ancestors (buffer detection for offload candidates), per step.
         self._owner_memo: dict[tuple[int, int, int], tuple[frozenset[int], frozenset[int]]] = {}
+        self._running_owner = _owner_lookup(self._owner_memo)  # policy._classify's owner(ptr)
         self._process = psutil.Process()
         self._native = _load_native() if config.native_hooks else None
 
@@ -438,7 +439,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 # may have left half-done is restored when the outermost exit runs.
                 st.saved = (st.excluded_depth, len(st.region_stack))
                 st.after_head = False
-                self._owner_memo = {}  # parameters may live on new storages (FSDP2 gathers)
+                self._owner_memo.clear()  # parameters may live on new storages (FSDP2 gathers)
                 self._close_finished_step()
                 warn_if_inside_foreign_hooks(self)
             model = self._model_ref() if self._model_ref is not None else None

@@ -16,8 +16,9 @@ NOTE [ Ledger logs ]
 The pack hook runs once per saved tensor on the thread that launches kernels,
 so recording a decision must cost next to nothing and take no lock. A decision
 is therefore appended, not summed: its logical bytes go to one list per kept
-reason (or to the offloaded list), the bytes it adds to the step's distinct
-saved bytes to another, and its record to the records ring, as the tuple of
+reason (or to the offloaded list, and its copy's bytes to its host tier's list,
+which is all the step's D2H bytes are summed from), the bytes it adds to the
+step's distinct saved bytes to another, and its record to the records ring, as the tuple of
 ``PackRecord``'s first eleven fields when nothing will change it later (a kept
 decision, its shape logged as a tuple and its dtype as the tensor's
 ``torch.dtype``; ``record_from_log`` builds the ``PackRecord``, dtype named, when
@@ -117,7 +118,9 @@ class Ledger:
             self.offloaded_log: list[int] = []
             """Logical bytes of each decision offloaded in the open step."""
             self.d2h_log: list[int] = []
-            """Bytes copied to the host by each offloaded decision of the open step."""
+            """Bytes copied to the host by each offloaded decision of the open step that names no host
+            tier (a record added by hand); a copy into a tier is counted in ``tier_log`` only, and
+            ``d2h_bytes`` is the sum of both."""
             self.unique_log: list[int] = []
             """Bytes each save of the open step added to its distinct saved bytes (non-zero only)."""
             # Synchronous copies of the open step (add_sync_copy): seconds per host tier ("" for a
@@ -170,9 +173,10 @@ class Ledger:
             unique_bytes = rec.storage_nbytes
         if rec.decision == OFFLOADED:
             self.offloaded_log.append(rec.nbytes)
-            self.d2h_log.append(rec.copy_bytes)
-            if rec.copy_bytes and rec.tier:
+            if rec.tier:
                 self.log_tier(rec.tier, rec.copy_bytes)
+            elif rec.copy_bytes:
+                self.d2h_log.append(rec.copy_bytes)
         else:
             self.log_kept(rec.reason, rec.nbytes)
         if unique_bytes:
@@ -231,6 +235,7 @@ class Ledger:
         for name, log in self.tier_log.items():
             n, b = take(log)
             if n:
+                into.d2h_bytes += b  # every copy into a tier is a D2H copy (d2h_log: the others)
                 tier = tier_of(into, name)
                 tier["bytes"] += b
                 tier["count"] += n

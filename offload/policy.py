@@ -328,9 +328,16 @@ def classify(
 
 def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excluded: bool,
               static_ptrs: "dict[int, str] | set[int]", owner: Callable[[int], str], nbytes: int | None,
-              ptr: Any, after_head: bool) -> str:
+              ptr: Any, after_head: bool, base: Any = _UNREAD, on_device: bool | None = None) -> str:
     """``classify`` with positional arguments (a keyword call costs the pack hook ~0.2 us) and
-    ``owner(ptr)``: PARAMETER / BUFFER when a running module's parameter / buffer lives on ``ptr``."""
+    ``owner(ptr)``: PARAMETER / BUFFER when a running module's parameter / buffer lives on ``ptr``.
+
+    Facts the caller has read come as arguments, so the pack hook reads each once: ``base``
+    (``t._base``) and ``on_device`` (``t.device == device``). ``on_device`` is given only by a
+    caller that has also found ``t`` plain (exactly ``torch.Tensor`` or ``nn.Parameter``, with a
+    storage at ``ptr``, strided, not nested, not quantized), as ``_pack`` does before it calls;
+    None: all of that is checked here.
+    """
     # is_static_tensor and is_unsupported, inlined for the plain-tensor case.
     leaf = t.is_leaf
     if type(t) is _Tensor:
@@ -338,19 +345,21 @@ def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excl
             # nn.Parameter's flag for a tensor it cannot subclass; a tensor with autograd
             # history is never a parameter itself (a view of one is caught through _base).
             return PARAMETER
-        base = t._base
+        if base is _UNREAD:
+            base = t._base
         if base is not None and _is_param(base):
             return PARAMETER
-        if ptr is _UNREAD:
-            ptr = storage_ptr(t)
-        # No storage: efficient zero tensors, functional / functorch wrappers.
-        if ptr is None or t.layout != _STRIDED or t.is_nested or t.is_quantized:
-            return UNSUPPORTED_TYPE
+        if on_device is None:
+            if ptr is _UNREAD:
+                ptr = storage_ptr(t)
+            # No storage: efficient zero tensors, functional / functorch wrappers.
+            if ptr is None or t.layout != _STRIDED or t.is_nested or t.is_quantized:
+                return UNSUPPORTED_TYPE
     elif type(t) is _Parameter or is_static_tensor(t):
         return PARAMETER
     else:
         return UNSUPPORTED_TYPE  # a subclass
-    if t.device != device:
+    if not (t.device == device if on_device is None else on_device):
         return OTHER_DEVICE
     if excluded:
         return EXCLUDED_REGION

@@ -45,6 +45,8 @@ class HostTiers:
     def __init__(self, pool: HostPool, *, pageable_budget_bytes: int | None, disk: DiskStore | None,
                  on_host_budget: str, virtual_memory_safe_pct: float | None = None) -> None:
         self.pool = pool
+        self.give_pool = pool.give
+        """``pool.give``, bound once: what a pool copy's handle calls to give its buffer back."""
         self.pageable_budget_bytes = pageable_budget_bytes
         """Cap on live pageable bytes: 0 = no pageable tier, None = only the RAM ceiling."""
         self.disk = disk

@@ -243,11 +243,10 @@ def test_activations_with_history_skip_the_module_walk(monkeypatch):
     running modules' storages, while a buffer saved in the same forward is still found and kept."""
 
     asked = []
-    real = OffloadActivations._running_owner
-    monkeypatch.setattr(OffloadActivations, "_running_owner",
-                        lambda self, ptr: asked.append(ptr) or real(self, ptr))
     m = _WithTable(tanh=True)
     ctx = OffloadActivations(device="cpu", min_offload_size=0)
+    real = ctx._running_owner  # the engine's owner(ptr), made once (_packing._owner_lookup)
+    monkeypatch.setattr(ctx, "_running_owner", lambda ptr: asked.append(ptr) or real(ptr))
     x = torch.randn(8, 64)  # a leaf input: asked about, like the table
     with ctx:
         y = m(x)

@@ -74,6 +74,22 @@ def test_records_match_totals():
         assert r.device == "cpu"
     assert [r.seq for r in recs] == sorted(r.seq for r in recs)
     assert {r.step for r in recs} == {0, 1}
+    # Each copy counted once: the records' copy bytes are the D2H bytes, and every one went to a tier.
+    assert sum(r.copy_bytes for r in recs) == s["d2h_bytes"] == sum(t["bytes"] for t in s["tiers"].values())
+
+
+def test_d2h_bytes_count_each_copy_once_with_or_without_a_tier():
+    """A copy is counted in D2H bytes once: through its tier's log, or (a record added by hand that
+    names no tier) on its own; never in both."""
+    from offload.ledger import Ledger
+
+    led = Ledger()
+    led.add(PackRecord(0, 0, 100, (25,), "torch.float32", "cpu", "m", "offloaded", "", copy_bytes=128, tier="pool"))
+    led.add(PackRecord(1, 0, 100, (25,), "torch.float32", "cpu", "m", "offloaded", "", copy_bytes=64))
+    led.close_step()
+    s = led.summary()
+    assert s["d2h_bytes"] == 192 and s["offloaded_bytes"] == 200
+    assert s["tiers"]["pool"]["bytes"] == 128 and sum(t["bytes"] for t in s["tiers"].values()) == 128
 
 
 def test_step_totals_one_per_backward():
