@@ -218,6 +218,8 @@ class Ledger:
             return len(got), sum(got)
 
         for reason, log in self.kept_log.items():
+            if not log:  # (most reasons' lists, every step: no call; an append racing this lands next step)
+                continue
             n, b = take(log)
             if n:
                 into.kept_count += n
@@ -233,6 +235,8 @@ class Ledger:
         into.packed_bytes += b
         into.d2h_bytes += take(self.d2h_log)[1]
         for name, log in self.tier_log.items():
+            if not log:
+                continue
             n, b = take(log)
             if n:
                 into.d2h_bytes += b  # every copy into a tier is a D2H copy (d2h_log: the others)
@@ -240,7 +244,7 @@ class Ledger:
                 tier["bytes"] += b
                 tier["count"] += n
         for name, log in self.tier_time_log.items():
-            got = items(log)
+            got = items(log) if log else None
             if got:
                 tier = tier_of(into, name)
                 seconds, waits = zip(*got)  # same order and sums as a loop, without one
@@ -256,7 +260,10 @@ class Ledger:
         # (its bytes may land here, its seconds next time: totals over steps stay exact).
         d2h_s = h2d_s = 0.0
         for name, log in self.sync_d2h_s.items():
-            got_d2h, got_h2d = items(log), items(self.sync_h2d_s[name])
+            h2d_log = self.sync_h2d_s[name]
+            if not log and not h2d_log:
+                continue
+            got_d2h, got_h2d = items(log), items(h2d_log)
             if got_d2h or got_h2d:
                 s_d2h, s_h2d = sum(got_d2h), sum(got_h2d)
                 d2h_s += s_d2h
