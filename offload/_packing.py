@@ -292,7 +292,7 @@ class _Packing:
         if hc is not None:  # (a dead first saver is a reused address, not a shared storage: no call)
             base_ref = hc.base_ref
             live = base_ref is not None and base_ref() is not None
-            hc = self._shared_copy(t, key, hc, lo_b, hi_b) if live else None
+            hc = self._shared_copy(t, key, hc, device, es, lo_b, hi_b) if live else None
         entry = None
         if hc is not None:  # recorded as kept: no copy of its own (Rule 7)
             rec.reason = policy.DUPLICATE_STORAGE
@@ -327,19 +327,18 @@ class _Packing:
             h.order = None
         return h
 
-    def _shared_copy(self, t: torch.Tensor, key: tuple[str, int], hc: _HostCopy, lo_b: int,
-                     hi_b: int) -> _HostCopy | None:
+    def _shared_copy(self, t: torch.Tensor, key: tuple[str, int], hc: _HostCopy, device: torch.device, es: int,
+                     lo_b: int, hi_b: int) -> _HostCopy | None:
         """``hc`` (this step's host copy of storage ``key``) if it holds ``t``'s current bytes, its
-        span ``[lo_b, hi_b)`` (Rule 7)."""
+        span ``[lo_b, hi_b)`` (Rule 7); ``device`` and ``es`` (item size) as ``_offload`` has them."""
         # Same storage only while the first saver's base is alive on it and
         # unmodified since its copy.
         b = policy.live_base(hc.base_ref, key)
         if b is None or b._version != hc.version:
             return None
-        es = t.element_size()
         if lo_b < hc.lo or hi_b > hc.lo + hc.nbytes or (lo_b - hc.lo) % es:
             return None
-        if hc.synchronous and t.device.type == "cpu" and hi_b > lo_b:
+        if hc.synchronous and device.type == "cpu" and hi_b > lo_b:
             if hc.tier == "disk":
                 return None  # its bytes are in a file: copy again rather than read it back to compare
             # Writes through an alias with its own version counter (.data,
