@@ -1,0 +1,13 @@
+"""offload.predict: what a training step would need on a GPU this machine does not have.
+
+The user's real step runs through the real engine on fake tensors (shapes only), and the
+result is replayed against a named GPU spec. Everything here is a prediction, labelled as one,
+with the spec it assumed (DESIGN.md, "Prediction").
+"""
+
+from .gpus import GPUS, GPUSpec, resolve_gpu
+
+__all__ = [
+    # GPU specs
+    "GPUS", "GPUSpec", "resolve_gpu",
+]
