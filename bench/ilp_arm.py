@@ -9,7 +9,7 @@ of the planner's step:
    bytes and times) and fits it with ``pwlf``; ``ilp_module_info(sac=...)``
    turns both into torch's ``ModuleInfo`` (``profiling/module_stats.py``).
    On CPU the operators are timed with a CPU clock (torch's two estimators
-   need CUDA; see ``profiling._torch_private.CpuOpTimer``); on CUDA torch's
+   need CUDA; see ``offload.profiling._torch_private.CpuOpTimer``); on CUDA torch's
    "operator-level-benchmark" times them.
 2. For each budget, ``sac_ilp.sac_milp(parse_module_info(info), budget_gib)``
    (``pulp``/CBC) chooses AC units and, per unit, the fraction of its
@@ -121,8 +121,8 @@ def profile_for_ilp(model: nn.Module, forward: Callable[[], Any], train_step: Ca
     """Profile ``train_step()`` (memory, module times) and ``forward()`` (SAC statistics) for torch's ILP."""
     from torch.distributed._tools.ilp_utils import get_peak_memory_runtime_baseline, parse_module_info
 
-    from profiling import ModuleMemoryStats, collect_sac_stats
-    from profiling._torch_private import CpuOpTimer, sac_estimator_timer
+    from offload.profiling import ModuleMemoryStats, collect_sac_stats
+    from offload.profiling._torch_private import CpuOpTimer, sac_estimator_timer
 
     t0 = time.perf_counter()
     train_step()  # warm-up: gradients exist, as in every measured step

@@ -45,7 +45,7 @@ from bench.model import ToyLlama, ToyLlamaConfig, make_batch
 from bench.progress import bar
 from bench.results import median_ci
 from offload import OffloadActivations
-from profiling import (
+from offload.profiling import (
     MemProfiler,
     MemProfilerCfg,
     MemProfilerSchedule,

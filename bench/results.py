@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import binom
 
-from profiling._util import to_plain as to_jsonable  # the one JSON conversion (NaN -> None)
+from offload.profiling._util import to_plain as to_jsonable  # the one JSON conversion (NaN -> None)
 
 __all__ = [
     "median_ci",

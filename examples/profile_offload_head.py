@@ -1,4 +1,4 @@
-"""(c) Profile the output-head exclusion with the engine's ledger and every profiler in ``profiling``.
+"""(c) Profile the output-head exclusion with the engine's ledger and every profiler in ``offload.profiling``.
 
 The output head's activations are the first thing backward needs, so offloading
 them buys a copy out and straight back for no saving at the peak; torchtune's
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is a repo tool: run from a checkout
 from bench.model import ToyLlama, ToyLlamaConfig, make_batch
 from offload import OffloadActivations, find_output_head, get_act_offloading_ctx_manager
-from profiling import (
+from offload.profiling import (
     MemProfiler,
     MemProfilerCfg,
     MemProfilerFuncs,

@@ -3,7 +3,8 @@
 Public API, grouped. Everything else (modules and names starting with ``_``,
 the copy backends in ``offload.streams``) is internal and may change.
 Framework integrations live in ``offload.integrations`` (``hf``, ``lightning``)
-and the peers' exact signatures in ``offload.compat`` (``torchtune``, ``trl``).
+and the peers' exact signatures in ``offload.compat`` (``torchtune``, ``trl``);
+the profilers in ``offload.profiling`` (the repository's ``profiling/`` folder).
 """
 
 from importlib import metadata as _metadata
@@ -13,6 +14,10 @@ try:
     """The installed distribution's version (``pyproject.toml``)."""
 except _metadata.PackageNotFoundError:  # run from a checkout without ``pip install``
     __version__ = "0.1.0"
+
+from . import _source_tree
+
+_source_tree.install()  # from a checkout, the repo's profiling/ folder is offload.profiling (as in the wheel)
 
 import logging as _logging
 

@@ -19,7 +19,8 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SKIP = (
     _HERE + os.sep,
-    os.path.join(os.path.dirname(_HERE), "profiling") + os.sep,  # the sibling package, same distribution
+    # offload.profiling: inside this folder when installed, the repo's sibling profiling/ in a checkout
+    os.path.join(os.path.dirname(_HERE), "profiling") + os.sep,
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
 )
 _FRAMEWORKS = ("transformers", "trl", "accelerate", "peft", "lightning", "pytorch_lightning")
@@ -27,7 +28,7 @@ _FRAMEWORKS = ("transformers", "trl", "accelerate", "peft", "lightning", "pytorc
 ``trainer.train()`` / ``trainer.fit()`` line (only those already imported are looked up)."""
 
 
-_PACKAGES = frozenset({"offload", "profiling", "torch", *_FRAMEWORKS})
+_PACKAGES = frozenset({"offload", "torch", *_FRAMEWORKS})
 """Top-level modules skipped by name too: code they generate (a dataclass's ``__init__``, file
 ``<string>``) runs with their module's globals."""
 

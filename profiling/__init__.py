@@ -6,6 +6,12 @@ Public API, by concern. Everything else (modules starting with ``_``, the
 
 from __future__ import annotations
 
+if __name__ != "offload.profiling":
+    # A checkout's root on sys.path also exposes this folder as a top-level `profiling`: a second copy of
+    # every class, and the name of another distribution on the package index.
+    raise ImportError(f"The repository's profiling/ folder is the package offload.profiling, not {__name__!r}: "
+                      "import it as `offload.profiling` (e.g. `from offload.profiling import MemProfiler`).")
+
 # Saved-for-backward bytes and host memory, per module and per step.
 from .packed import PackedBytesTracker
 from .rss import RSSTracker

@@ -68,7 +68,7 @@ def sac_estimator_use_timer(estimator: object, timer: object) -> None:
     """
     if not hasattr(estimator, "_estimate_runtime"):
         raise AttributeError("SACEstimator has no _estimate_runtime: this torch moved it; update "
-                             "profiling._torch_private.sac_estimator_use_timer")
+                             "offload.profiling._torch_private.sac_estimator_use_timer")
     estimator._estimate_runtime = timer  # type: ignore[attr-defined]
 
 

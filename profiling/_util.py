@@ -70,9 +70,9 @@ IDENTITY_NAMES = ("identity", "identity_lambda")
 
 _FTS_HOOKS = "fts_examples.profiling.npp_hooks."
 FTS_ALIASES: dict[str, str] = {
-    _FTS_HOOKS + "_hook_npp_pre_forward": "profiling.hooks.npp_rss_pre_forward",
-    _FTS_HOOKS + "_hook_npp_post_forward": "profiling.hooks.npp_rss_post_forward",
-    _FTS_HOOKS + "_reset_memory_hooks_state": "profiling.hooks.reset_memory_hooks_state",
+    _FTS_HOOKS + "_hook_npp_pre_forward": "offload.profiling.hooks.npp_rss_pre_forward",
+    _FTS_HOOKS + "_hook_npp_post_forward": "offload.profiling.hooks.npp_rss_post_forward",
+    _FTS_HOOKS + "_reset_memory_hooks_state": "offload.profiling.hooks.reset_memory_hooks_state",
     _FTS_HOOKS + "_npp_hook": "identity",
 }
 """finetuning-scheduler's default hook paths -> this package's equivalents, so FTS YAML configs load

@@ -58,18 +58,18 @@ def _as_names(value: Any, where: str) -> frozenset[str]:
 
 @dataclass(frozen=True, kw_only=True)
 class MemProfilerHooks:
-    """Module-forward hooks that feed ``save_hook_attrs`` (see ``profiling.hooks``).
+    """Module-forward hooks that feed ``save_hook_attrs`` (see ``offload.profiling.hooks``).
 
     Each entry is a callable or a ``"package.module.function"`` path. Forward
-    hooks are called as ``hook(ctx)`` with a ``profiling.hooks.HookContext``;
+    hooks are called as ``hook(ctx)`` with an ``offload.profiling.hooks.HookContext``;
     reset hooks as ``hook(ctx, save_hook_attrs)``.
     """
 
-    pre_forward_hooks: tuple[HookSpec, ...] = ("profiling.hooks.npp_rss_pre_forward",)
+    pre_forward_hooks: tuple[HookSpec, ...] = ("offload.profiling.hooks.npp_rss_pre_forward",)
     """Run before every hooked module's forward."""
-    post_forward_hooks: tuple[HookSpec, ...] = ("profiling.hooks.npp_rss_post_forward",)
+    post_forward_hooks: tuple[HookSpec, ...] = ("offload.profiling.hooks.npp_rss_post_forward",)
     """Run after every hooked module's forward (also when it raises)."""
-    reset_state_hooks: tuple[HookSpec, ...] = ("profiling.hooks.reset_memory_hooks_state",)
+    reset_state_hooks: tuple[HookSpec, ...] = ("offload.profiling.hooks.reset_memory_hooks_state",)
     """Run at hook installation and at the start of every collected call."""
 
     def __post_init__(self) -> None:

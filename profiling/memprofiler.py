@@ -107,7 +107,7 @@ class MemProfiler:
         engine: an ``OffloadActivations`` whose ledger totals go into each snapshot; when omitted,
             the engine whose packs the profiler observed (or the active one) is used.
         rank: overrides the detected rank (process group, else ``$RANK``, ``$SLURM_PROCID`` and the
-            like, else ``$LOCAL_RANK``, else 0; see ``profiling._util.get_rank``).
+            like, else ``$LOCAL_RANK``, else 0; see ``offload.profiling._util.get_rank``).
     """
 
     def __init__(

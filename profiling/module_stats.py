@@ -385,7 +385,7 @@ def collect_sac_stats(
 
     ``mode``: ``"cpu-benchmark"`` (default on a CPU model) times every
     operator on real CPU tensors of the same shapes with this thread's clock
-    (``profiling._torch_private.CpuOpTimer``; torch's benchmark mode with a
+    (``offload.profiling._torch_private.CpuOpTimer``; torch's benchmark mode with a
     CPU clock); ``"operator-level-benchmark"`` (default on CUDA) and
     ``"operator-level-cost-model"`` are torch's, CUDA only. The
     piecewise-linear fit (``pwlf``, differential evolution) draws from numpy's

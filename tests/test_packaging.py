@@ -17,6 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("offload", "profiling")
+"""The repository's library folders; profiling/ installs as offload.profiling (a distribution named
+`profiling` exists on the package index: the wheel must not own that top-level name)."""
+INSTALLED_AS = {"offload": "offload", "profiling": "offload/profiling"}
 REPO_TOOLS = ("bench", "examples", "scripts", "tests")
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
@@ -42,6 +45,34 @@ def test_libraries_never_import_the_repo_tools():
                  for lib in LIBRARIES for p in sorted((ROOT / lib).rglob("*.py"))
                  if _imported_top_levels(p) & set(REPO_TOOLS)]
     assert not offenders, offenders
+
+
+def test_nothing_imports_a_top_level_profiling():
+    """Every module of the repo imports the profilers as offload.profiling: a top-level `profiling` is
+    another distribution's name, and from a checkout it would be a second copy of every class."""
+    offenders = [f for f in subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
+                                           text=True, check=False).stdout.split()
+                 if "profiling" in _imported_top_levels(ROOT / f)]
+    assert not offenders, offenders
+
+
+def test_a_checkout_maps_its_profiling_folder_to_offload_profiling(tmp_path):
+    """From a checkout that is only on sys.path (no install, no .pth files processed), offload.profiling is
+    the profiling/ folder beside offload/, its modules included; a top-level `import profiling` there is
+    refused with the name to use."""
+    import site
+
+    code = (f"import sys; sys.path[:0] = {[str(ROOT), *site.getsitepackages()]!r}\n"
+            "import offload.profiling, offload.profiling.packed\n"
+            "print(offload.profiling.__file__); print(offload.profiling.packed.__file__)\n"
+            "try:\n    import profiling\nexcept ImportError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    init, packed, refusal = proc.stdout.strip().splitlines()[-3:]
+    assert (Path(init), Path(packed)) == (ROOT / "profiling" / "__init__.py", ROOT / "profiling" / "packed.py")
+    assert "offload.profiling" in refusal and "'profiling'" in refusal, refusal
 
 
 def _dist_name(project: dict, spec: str) -> str:
@@ -94,13 +125,23 @@ def dists(tmp_path_factory) -> dict[str, Path]:
     return {"wheel": wheel, "sdist": sdist}
 
 
+def _tracked(folder: str) -> list[str]:
+    files = subprocess.run(["git", "ls-files", "-z", folder], cwd=ROOT, capture_output=True, text=True,
+                           check=False).stdout.split("\0")
+    return [f for f in files if f]
+
+
 def test_wheel_holds_only_the_libraries(dists):
-    """The wheel's top-level entries are offload/, profiling/ and its .dist-info, with the typed markers and
-    the C++ source native_hooks builds; none of the repo tools."""
+    """The wheel's only top-level package is offload (profiling/ inside it, as offload/profiling/; no
+    top-level `profiling`), with the typed markers, the C++ source native_hooks builds and every tracked
+    module of both folders (the package list in pyproject.toml is explicit); none of the repo tools."""
     names = zipfile.ZipFile(dists["wheel"]).namelist()
     tops = {n.split("/")[0] for n in names}
-    assert {t for t in tops if not t.endswith(".dist-info")} == set(LIBRARIES), sorted(tops)
-    assert {"offload/py.typed", "profiling/py.typed", "offload/_native/pack.cpp"} <= set(names)
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"offload"}, sorted(tops)
+    assert {"offload/py.typed", "offload/profiling/py.typed", "offload/_native/pack.cpp"} <= set(names)
+    modules = {f.replace(lib, INSTALLED_AS[lib], 1) for lib in LIBRARIES for f in _tracked(lib) if f.endswith(".py")}
+    assert modules, "git ls-files found no modules"
+    assert modules <= set(names), sorted(modules - set(names))
     metadata = zipfile.ZipFile(dists["wheel"]).read(next(n for n in names if n.endswith("/METADATA"))).decode()
     assert "Provides-Extra: hf" in metadata and "License-Expression: BSD-3-Clause" in metadata
 
@@ -125,9 +166,9 @@ def test_dist_installs_and_imports_in_a_fresh_venv(dists, kind, tmp_path):
     pip = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation",
                           str(dists[kind])], capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stdout[-2000:] + pip.stderr[-3000:]
-    code = ("import offload, profiling, torch, pathlib, sys\n"
+    code = ("import offload, offload.profiling as profiling, torch, pathlib, sys\n"
             "site = pathlib.Path(sys.prefix).resolve()\n"
-            "for m in (offload, profiling):\n"
+            "for m in (offload, profiling, profiling.packed):\n"
             "    assert site in pathlib.Path(m.__file__).resolve().parents, m.__file__\n"
             "net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))\n"
             "with offload.OffloadActivations(device='cpu', min_offload_size=0) as ctx:\n"

@@ -122,7 +122,7 @@ def test_torchrun_example_launches_itself_without_torchrun(tmp_path):
 
 def test_importing_offload_does_not_import_torchao():
     """torchao is optional (offload[qlora]): importing the packages must not load it (nor its extensions)."""
-    code = ("import sys, offload, profiling, bench.cli; "
+    code = ("import sys, offload, offload.profiling, bench.cli; "
             "assert 'torchao' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torchao'))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(ROOT), capture_output=True, text=True,
                           timeout=120)
@@ -143,8 +143,8 @@ def test_version_and_type_markers():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert offload.__version__ == data["project"]["version"]
     assert "__version__" in offload.__all__
-    for pkg in ("offload", "profiling"):
-        assert (ROOT / pkg / "py.typed").is_file()
+    for folder, pkg in (("offload", "offload"), ("profiling", "offload.profiling")):
+        assert (ROOT / folder / "py.typed").is_file()
         assert "py.typed" in data["tool"]["setuptools"]["package-data"][pkg]
 
 

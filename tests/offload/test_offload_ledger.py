@@ -216,7 +216,7 @@ def test_step_totals_carry_pool_and_rss():
 @pytest.mark.parametrize("min_offload_size", [0, 1 << 40], ids=["offloaded", "kept"])
 def test_unique_bytes_count_the_saved_span_as_the_tracker_does(min_offload_size):
     """A saved batch slice adds only the bytes it spans to unique_bytes, as PackedBytesTracker counts."""
-    from profiling import PackedBytesTracker
+    from offload.profiling import PackedBytesTracker
 
     data = torch.randn(1000, 640)  # 2.5 MB storage
     w = torch.randn(640, 2, requires_grad=True)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from bench.model import ToyLlama, ToyLlamaConfig, make_batch
-from profiling import MemProfiler, MemProfilerCfg
+from offload.profiling import MemProfiler, MemProfilerCfg
 
 
 def main(out: Path, device: str) -> None:

@@ -13,7 +13,7 @@ import yaml
 
 from bench.model import ToyLlama, ToyLlamaConfig, make_batch
 from offload import OffloadActivations
-from profiling import (
+from offload.profiling import (
     MemProfiler,
     MemProfilerCfg,
     MemProfilerFuncs,

@@ -11,7 +11,7 @@ import yaml
 from torch import nn
 
 from offload import OffloadActivations
-from profiling import (
+from offload.profiling import (
     MemProfiler,
     MemProfilerCfg,
     MemProfilerFuncs,
@@ -229,7 +229,7 @@ def test_custom_hooks_and_attrs(tmp_path, mlp):
     cfg = MemProfilerCfg(
         enabled=True, save_dir=tmp_path,
         memory_hooks=MemProfilerHooks(pre_forward_hooks=[count_calls], post_forward_hooks=[],
-                                      reset_state_hooks=["profiling.hooks.reset_memory_hooks_state"]),
+                                      reset_state_hooks=["offload.profiling.hooks.reset_memory_hooks_state"]),
         save_hook_attrs=["calls"],
     )
     prof = MemProfiler(cfg, mlp)
@@ -277,8 +277,8 @@ def test_unknown_function_names():
     """Unresolvable hook/saved-tensor function paths and unknown retain names name the field."""
     with pytest.raises(ValueError, match=r"memory_hooks.pre_forward_hooks.*no_such_module"):
         MemProfilerCfg(enabled=True, memory_hooks=MemProfilerHooks(pre_forward_hooks=["no_such_module.fn"]))
-    with pytest.raises(ValueError, match=r"'profiling.hooks.nope' names no callable: .*has no attribute 'nope'"):
-        MemProfilerCfg(enabled=True, memory_hooks=MemProfilerHooks(post_forward_hooks=["profiling.hooks.nope"]))
+    with pytest.raises(ValueError, match=r"'offload.profiling.hooks.nope' names no callable: .*has no attribute 'nope'"):
+        MemProfilerCfg(enabled=True, memory_hooks=MemProfilerHooks(post_forward_hooks=["offload.profiling.hooks.nope"]))
     with pytest.raises(ValueError, match=r"saved_tensors_funcs\[0\]"):
         MemProfilerCfg(enabled=True, saved_tensors_funcs=("not_a_path", "identity"))
     with pytest.raises(ValueError, match=r"retain_hooks_for_funcs: unknown function names \['eval_step'\]"):
@@ -349,7 +349,7 @@ def test_written_at_interpreter_exit(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     script = (
         "import torch\n"
-        "from profiling import MemProfiler, MemProfilerCfg\n"
+        "from offload.profiling import MemProfiler, MemProfilerCfg\n"
         "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\n"
         f"p = MemProfiler(MemProfilerCfg(enabled=True, save_dir={str(tmp_path)!r}, dump_when_done=False,\n"
         "                 schedule={'warmup_iters': 0, 'max_iter': 3}), m)\n"

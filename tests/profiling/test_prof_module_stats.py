@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from profiling import ModuleMemoryStats, ProfilingError, estimate_module_runtimes, estimate_sac
+from offload.profiling import ModuleMemoryStats, ProfilingError, estimate_module_runtimes, estimate_sac
 
 F32 = 4
 
@@ -140,7 +140,7 @@ def test_torch_ilp_reads_our_profile(toy):
     """torch's own parse_module_info / get_peak_memory_runtime_baseline accept the emitted dict
     (feeding our stats used to raise KeyError 'param_per_module') and agree with peak_baseline()."""
     ilp = pytest.importorskip("torch.distributed._tools.ilp_utils")
-    from profiling import module_info_for_ilp
+    from offload.profiling import module_info_for_ilp
 
     model, tokens, _ = toy
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -173,7 +173,7 @@ def test_sac_stats_on_cpu_fill_the_ilp_fields(toy):
     model, and module_info_for_ilp(sac_forward=) makes the blocks AC candidates for torch's sac_milp."""
     pytest.importorskip("pwlf")
     ilp = pytest.importorskip("torch.distributed._tools.ilp_utils")
-    from profiling import collect_sac_stats, module_info_for_ilp
+    from offload.profiling import collect_sac_stats, module_info_for_ilp
 
     model, tokens, _ = toy
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -194,7 +194,7 @@ def test_sac_stats_on_cpu_fill_the_ilp_fields(toy):
 
 def test_sac_stats_modes_say_what_they_need(toy):
     """An unknown mode is a ValueError naming it; torch's CUDA-only timers refuse on CPU instead of aborting."""
-    from profiling import collect_sac_stats
+    from offload.profiling import collect_sac_stats
 
     model, tokens, _ = toy
     with pytest.raises(ValueError, match="mode='roofline'"):

@@ -7,7 +7,7 @@ from torch import nn
 
 from offload import OffloadActivations, current_module_name, track_modules
 from offload.modules import module_name, register_model
-from profiling import MemProfiler, MemProfilerCfg, PackedBytesTracker, RSSTracker
+from offload.profiling import MemProfiler, MemProfilerCfg, PackedBytesTracker, RSSTracker
 
 
 class EncDec(nn.Module):

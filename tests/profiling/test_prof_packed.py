@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from offload import OffloadActivations
-from profiling import PackedBytesTracker, ProfilingError
+from offload.profiling import PackedBytesTracker, ProfilingError
 
 from _prof_models import F32, MLP
 
@@ -243,7 +243,7 @@ def test_nested_trackers_both_count(mlp):
 
 def test_memprofiler_inside_a_user_tracker(tmp_path, mlp):
     """A MemProfiler window inside a user's tracker does not hide packs from the user's tracker."""
-    from profiling import MemProfiler, MemProfilerCfg
+    from offload.profiling import MemProfiler, MemProfilerCfg
 
     prof = MemProfiler(MemProfilerCfg(enabled=True, save_dir=tmp_path), mlp)
     x = MLP.batch()

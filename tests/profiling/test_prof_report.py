@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from profiling import ProfilingError, format_bytes, format_table, plot_series, write_json, write_yaml
+from offload.profiling import ProfilingError, format_bytes, format_table, plot_series, write_json, write_yaml
 
 
 def test_format_bytes_and_table():
@@ -48,7 +48,7 @@ def test_one_json_conversion_is_strict_and_keeps_derived_metrics():
     import torch
 
     from bench.results import to_jsonable
-    from profiling._util import to_plain
+    from offload.profiling._util import to_plain
 
     assert to_jsonable is to_plain
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from offload import OffloadActivations
-from profiling import RSSTracker
+from offload.profiling import RSSTracker
 
 from _prof_models import MLP
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from profiling import ProfilingError, TraceProfiler
+from offload.profiling import ProfilingError, TraceProfiler
 
 
 def _step(model: nn.Module) -> None:

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from profiling import MemProfilerCfg
+from offload.profiling import MemProfilerCfg
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is about CUDA being absent")

@@ -153,7 +153,7 @@ def _profiler(model: torch.nn.Module, ctx, path: Path, mode: str):
     """A MemProfiler collecting the 2nd training_step (1 warm-up) into ``path``; for FSDP2 also
     its FSDPMemTracker report. The ``_NoProfiler`` stand-in is used while profiling lacks it."""
     try:
-        from profiling import MemProfiler, MemProfilerCfg, MemProfilerFuncs
+        from offload.profiling import MemProfiler, MemProfilerCfg, MemProfilerFuncs
     except ImportError:
         return _NoProfiler()
     fsdp = mode == "fsdp2"
