@@ -3,8 +3,8 @@
 A gap before item ``i`` (its stream idle from the end of the item before it) has up to two parts:
 
 1. until ``i`` was issued (the host was behind): **late issue** (the host was issuing: launch and
-   hook costs), or **host block** (the host was blocked meanwhile: a synchronize, a pageable
-   copy);
+   hook costs), or **host block** (the host was blocked between issuing the item before and
+   ``i``: a synchronize, a pageable copy);
 2. from then until ``i`` could start: a ``WaitEvent`` on an event whose work ended in a copy is
    a copy wait, counted as exposed copy time and labelled
 
@@ -25,35 +25,61 @@ A gap before item ``i`` (its stream idle from the end of the item before it) has
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._trace import Copy, Kernel, RecordEvent, WaitEvent
 
 if TYPE_CHECKING:
-    from ._timeline import Stall, _Sim
+    from ._timeline import _Sim
 
-__all__ = ["label_stalls"]
+__all__ = ["label_stalls", "Stall"]
 
 
-def label_stalls(sim: "_Sim") -> list["Stall"]:
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """A gap on a stream that runs kernels: it sat idle from ``start_ns`` for ``ns`` nanoseconds."""
+
+    stream: int
+    start_ns: int
+    ns: int
+    cause: str
+    """'late issue', 'host block', 'early wait', 'copy-engine queueing', 'wait on a free',
+    'link bandwidth', 'stream dependency' or 'compute contention' (see docs/timeline.md)."""
+    item: int
+    """Index in the trace of the item that started late."""
+    copy: int = -1
+    """Index of the copy it waited for (-1: not a copy wait)."""
+
+    @property
+    def start_s(self) -> float:
+        return self.start_ns / 1e9
+
+    @property
+    def seconds(self) -> float:
+        return self.ns / 1e9
+
+
+def label_stalls(sim: "_Sim") -> list[Stall]:
     """Every gap on the streams that run kernels, in stream then time order."""
-    from ._timeline import Stall
     pos = {i: k for items in sim.on_stream.values() for k, i in enumerate(items)}
     kernel_streams = sorted({it.stream for it in sim.items if type(it) is Kernel})
     out: list[Stall] = []
     for s in kernel_streams:
-        prev_end = 0
+        prev_end = prev_issue = 0
         for i in sim.on_stream.get(s, ()):
             start = sim.start[i]
             if start > prev_end:
                 issued = max(sim.issue[i], prev_end)
                 if issued > prev_end:
-                    blocked = any(a < issued and b > prev_end for a, b, _ in sim.host_blocks)
+                    # The host was blocked between issuing the item before and this one: the block
+                    # held this item back (the issue that follows a synchronize counts with it).
+                    blocked = any(a < sim.issue[i] and b > prev_issue for a, b, _ in sim.host_blocks)
                     out.append(Stall(s, prev_end, issued - prev_end, "host block" if blocked else "late issue", i))
                 if start > issued:
                     cause, copy = _why_later(sim, pos, i, prev_end)
                     out.append(Stall(s, issued, start - issued, cause, i, copy))
-            prev_end = max(prev_end, sim.end[i])
+            prev_end, prev_issue = max(prev_end, sim.end[i]), sim.issue[i]
     return out
 
 

@@ -31,6 +31,7 @@ from functools import cached_property
 from typing import Any
 
 from ._cost import DeviceCost, HostCost, device_seconds
+from ._stalls import Stall, label_stalls
 from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, HostWork, Kernel, RecordEvent, RecordStream,
                      Trace, WaitEvent)
 from .gpus import GPUSpec, resolve_gpu
@@ -44,30 +45,6 @@ def _ns(seconds: float) -> int:
     if not seconds >= 0 or seconds == math.inf:
         raise ValueError(f"offload.predict: a duration must be finite and >= 0 seconds, got {seconds!r}")
     return round(seconds * 1e9)
-
-
-@dataclass(frozen=True, slots=True)
-class Stall:
-    """A gap on a stream that runs kernels: it sat idle from ``start_ns`` for ``ns`` nanoseconds."""
-
-    stream: int
-    start_ns: int
-    ns: int
-    cause: str
-    """'late issue', 'host block', 'early wait', 'copy-engine queueing', 'wait on a free',
-    'link bandwidth', 'stream dependency' or 'compute contention' (see docs/timeline.md)."""
-    item: int
-    """Index in the trace of the item that started late."""
-    copy: int = -1
-    """Index of the copy it waited for (-1: not a copy wait)."""
-
-    @property
-    def start_s(self) -> float:
-        return self.start_ns / 1e9
-
-    @property
-    def seconds(self) -> float:
-        return self.ns / 1e9
 
 
 class _Sim:
@@ -338,7 +315,6 @@ def simulate(trace: Trace, gpu: str | GPUSpec = "h100-sxm", *, host_cost: HostCo
 
 
 def _result(trace: Trace, gpu: GPUSpec, sim: _Sim, again: Callable) -> TimelineResult:
-    from ._stalls import label_stalls
     items = trace.items
     stalls = label_stalls(sim)
     causes_ns: dict[str, int] = {}
