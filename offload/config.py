@@ -20,15 +20,12 @@ from typing import Any, Mapping
 import torch
 
 from .pool import PIN_ALLOCATORS
+from .sizes import SIZE_LIMIT, Bytes, to_bytes
 
-__all__ = ["OffloadConfig", "SIZE_LIMIT", "resolve_device", "settled_config"]
+__all__ = ["OffloadConfig", "SIZE_FIELDS", "SIZE_LIMIT", "resolve_device", "settled_config", "size_setting"]
 
 ON_HOST_BUDGET = ("keep", "pageable", "raise")
 _MiB = 1 << 20
-SIZE_LIMIT = (1 << 63) - 1
-"""The largest value of every size and count setting: a signed 64-bit size, what torch's sizes,
-the C++ pack hook (int64) and a Python container's length (Py_ssize_t) hold. Any larger value
-means the same as this one to the engine (nothing is that big), so it is refused, not clamped."""
 
 
 def _fail(name: str, value: Any, expected: str, fix: str = "", exc: type[Exception] = ValueError) -> None:
@@ -44,7 +41,7 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def _check_int(name: str, value: Any, minimum: int, why: str, allow_none: bool = False) -> None:
-    """An int size or count setting in [minimum, SIZE_LIMIT] (or None where allowed)."""
+    """An int count setting in [minimum, SIZE_LIMIT] (or None where allowed); sizes go to ``to_bytes``."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -57,33 +54,6 @@ def _check_int(name: str, value: Any, minimum: int, why: str, allow_none: bool =
                            "as 64-bit integers)",
               "Pass a smaller value: any value that large already means 'no limit' in practice"
               + (", and None means no limit." if allow_none else "."))
-
-
-SIZE_FIELDS = ("min_offload_size", "max_inflight_bytes", "prefetch_bytes", "host_budget_bytes",
-               "pageable_budget_bytes", "disk_budget_bytes", "disk_queue_bytes", "disk_readahead_bytes")
-"""Settings in bytes: each also takes an integral float (``2e9``) or a string with a unit (``"2GiB"``)."""
-
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([KMGT]i?B|B)\s*", re.IGNORECASE)
-
-
-def parse_size(name: str, value: Any) -> Any:
-    """Bytes as an int from an int, an integral float (``2e9``) or a string with a unit (``"2GiB"`` =
-    2 * 2**30, ``"512MB"`` = 512 * 10**6); anything else is returned unchanged for the int check."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        m = _SIZE.fullmatch(value)
-        if m is None:
-            _fail(name, value, "a size: an int of bytes, an integral float (2e9) or a string with a unit "
-                  f"({', '.join(repr('2' + u) for u in ('GiB', 'GB', 'MiB', 'MB', 'KiB', 'B'))})",
-                  "A number without a unit must not be quoted.", TypeError)
-        nbytes = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        if not nbytes.is_integer():
-            _fail(name, value, "a whole number of bytes")
-        return int(nbytes)
-    return value
 
 
 def unknown_names_message(unknown: list[str], valid: tuple[str, ...] | list[str]) -> str:
@@ -174,25 +144,25 @@ class OffloadConfig:
     """Copy on a side stream so copies overlap compute (synchronous on CPU)."""
     max_fwd_stash_size: int = 5
     """Most tensors whose device-to-host copy may be in flight (their sources stay alive)."""
-    min_offload_size: int = 1024
+    min_offload_size: Bytes = 1024
     """Tensors with fewer bytes than this stay on the device."""
     device: str | None = None
     """Device whose saved tensors are offloaded: None = current accelerator, "cpu" = CPU tensors."""
-    max_inflight_bytes: int = 1024 * _MiB
+    max_inflight_bytes: Bytes = 1024 * _MiB
     """Bound on bytes of in-flight device-to-host copies (their sources stay alive)."""
-    prefetch_bytes: int | None = None
+    prefetch_bytes: Bytes | None = None
     """Bytes backward loads ahead of need; None = twice the largest copy (off with synchronous copies), 0 = off."""
-    host_budget_bytes: int | None = None
+    host_budget_bytes: Bytes | None = None
     """Cap on host pool bytes (pinned where possible; the first tier); None = no fixed cap."""
-    pageable_budget_bytes: int | None = 0
+    pageable_budget_bytes: Bytes | None = 0
     """Second tier, pageable host memory: 0 = none, a size = its cap in bytes, None = the RAM ceiling only."""
     disk_dir: str | None = None
     """Third tier: directory for the disk tier's run directory (created if missing); None = no disk tier."""
-    disk_budget_bytes: int | None = None
+    disk_budget_bytes: Bytes | None = None
     """Cap on the disk tier's file bytes (used only with disk_dir); None = the free space less min(1 GiB, 5% of it)."""
-    disk_queue_bytes: int = 256 * _MiB
+    disk_queue_bytes: Bytes = 256 * _MiB
     """Bound on host bytes staged for the disk tier's writer threads (a pack waits beyond it)."""
-    disk_readahead_bytes: int = 256 * _MiB
+    disk_readahead_bytes: Bytes = 256 * _MiB
     """Bytes of disk-tier files backward reads ahead of need (on a reader thread)."""
     on_host_budget: str = "keep"
     """What a tensor that fits no tier gets: "keep" (on device) or "raise"; "pageable" = pageable_budget_bytes=None, then keep."""
@@ -213,24 +183,12 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         for name in SIZE_FIELDS:
-            object.__setattr__(self, name, parse_size(name, getattr(self, name)))
+            object.__setattr__(self, name, size_setting(name, getattr(self, name)))
         for name in ("use_pin_memory", "use_streams", "dedupe", "timing", "native_hooks", "verify"):
             _check_bool(name, getattr(self, name))
         _check_int("max_fwd_stash_size", self.max_fwd_stash_size, 1,
                    "it bounds how many tensors may have a device-to-host copy in flight")
-        _check_int("min_offload_size", self.min_offload_size, 0, "a size in bytes")
-        _check_int("max_inflight_bytes", self.max_inflight_bytes, 1, "a size in bytes")
-        _check_int("prefetch_bytes", self.prefetch_bytes, 0,
-                   "a size in bytes; 0 turns prefetch off, None sizes it from the copies", allow_none=True)
-        _check_int("host_budget_bytes", self.host_budget_bytes, 0, "a size in bytes", allow_none=True)
         _check_int("max_records", self.max_records, 0, "a count of records")
-        _check_int("pageable_budget_bytes", self.pageable_budget_bytes, 0,
-                   "a size in bytes; 0 = no pageable tier, None = bounded by the RAM ceiling only",
-                   allow_none=True)
-        _check_int("disk_budget_bytes", self.disk_budget_bytes, 0,
-                   "a size in bytes; None = the free space less a margin", allow_none=True)
-        _check_int("disk_queue_bytes", self.disk_queue_bytes, 1, "a size in bytes")
-        _check_int("disk_readahead_bytes", self.disk_readahead_bytes, 0, "a size in bytes; 0 = no read-ahead")
         object.__setattr__(self, "disk_dir", _normalise_disk_dir(self.disk_dir))
         _check_choice("on_host_budget", self.on_host_budget, ON_HOST_BUDGET,
                       "keep the tensor on the device or raise OffloadError ('pageable' = "
@@ -291,6 +249,27 @@ class OffloadConfig:
 
 
 OffloadConfig.__init__ = keywords_checked(OffloadConfig.__init__)  # type: ignore[method-assign]
+
+SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(OffloadConfig) if str(f.type).startswith("Bytes"))
+"""Settings in bytes (annotated ``Bytes``): each takes every form of NOTE [ Sizes ] in offload/sizes.py."""
+_NONE_SIZES = frozenset(f.name for f in dataclasses.fields(OffloadConfig) if str(f.type) == "Bytes | None")
+_SIZE_RANGE = {
+    "max_inflight_bytes": (1, "it bounds the bytes of device-to-host copies in flight"),
+    "prefetch_bytes": (0, "a size in bytes; 0 turns prefetch off, None sizes it from the copies"),
+    "host_budget_bytes": (0, "a size in bytes; None = no fixed cap"),
+    "pageable_budget_bytes": (0, "a size in bytes; 0 = no pageable tier, None = bounded by the RAM ceiling only"),
+    "disk_budget_bytes": (0, "a size in bytes; None = the free space less a margin"),
+    "disk_queue_bytes": (1, "it bounds the bytes staged for the disk tier's writers"),
+    "disk_readahead_bytes": (0, "a size in bytes; 0 = no read-ahead"),
+}
+"""Each size setting's minimum and meaning, for its errors (default: >= 0, "a size in bytes")."""
+
+
+def size_setting(name: str, value: Any, *, owner: str = "OffloadConfig", label: str | None = None) -> int | None:
+    """The size setting ``name`` (one of ``SIZE_FIELDS``) in bytes, with its own minimum and None rule;
+    errors name ``owner`` and ``label`` (default ``name``)."""
+    minimum, why = _SIZE_RANGE.get(name, (0, "a size in bytes"))
+    return to_bytes(value, label or name, owner=owner, minimum=minimum, why=why, allow_none=name in _NONE_SIZES)
 
 
 def _yaml_load(text: str) -> Any:

@@ -107,6 +107,7 @@ from ._warn import user_stacklevel
 from .attach import AttachHandle, attach
 from .compat._peer_attributes import PeerAttributes
 from .config import OffloadConfig, keywords_checked, resolve_device, settled_config
+from .sizes import SizeLike
 from .errors import OffloadError, _internal_assert
 from .ledger import Ledger
 from .modules import _tls as _module_tls
@@ -255,16 +256,16 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         use_streams: bool = True,
         *positional: Any,
         max_fwd_stash_size: int = 5,
-        min_offload_size: int = 1024,
+        min_offload_size: SizeLike = 1024,
         device: torch.device | str | None = None,
-        max_inflight_bytes: int = 1024 * _MiB,
-        prefetch_bytes: int | None = None,
-        host_budget_bytes: int | None = None,
-        pageable_budget_bytes: int | None = 0,
+        max_inflight_bytes: SizeLike = 1024 * _MiB,
+        prefetch_bytes: SizeLike | None = None,
+        host_budget_bytes: SizeLike | None = None,
+        pageable_budget_bytes: SizeLike | None = 0,
         disk_dir: str | None = None,
-        disk_budget_bytes: int | None = None,
-        disk_queue_bytes: int = 256 * _MiB,
-        disk_readahead_bytes: int = 256 * _MiB,
+        disk_budget_bytes: SizeLike | None = None,
+        disk_queue_bytes: SizeLike = 256 * _MiB,
+        disk_readahead_bytes: SizeLike = 256 * _MiB,
         on_host_budget: str = "keep",
         virtual_memory_safe_pct: float | None = 90.0,
         model: nn.Module | None = None,

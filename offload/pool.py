@@ -85,6 +85,7 @@ import torch
 from . import _pinned
 from ._arena import _PAGE, _Arena, _Chunk, _page_ceil, _pow2_ceil, _pow2_floor, plan_chunks, trim_choice
 from ._pinned import PIN_ALLOCATORS
+from .sizes import SizeLike, to_bytes
 
 __all__ = ["HostPool", "HostBuffer", "PIN_ALLOCATORS"]
 
@@ -153,7 +154,7 @@ class HostPool:
         self,
         *,
         pin: bool,
-        capacity_bytes: int | None = None,
+        capacity_bytes: SizeLike | None = None,
         device_type: str | None = None,
         pin_allocator: str = "caching",
         trim_window: int = 32,
@@ -169,7 +170,7 @@ class HostPool:
         """Try to page-lock new chunks (only meaningful with an accelerator)."""
         self.pin_allocator = pin_allocator
         """"caching" or "exact" (see ``PIN_ALLOCATORS``)."""
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = to_bytes(capacity_bytes, "capacity_bytes", owner="HostPool", allow_none=True)
         """Cap on reserved (chunk) bytes; None means no cap."""
         self.trim_window = trim_window
         """Steps of peaks that :meth:`trim` remembers before releasing memory."""

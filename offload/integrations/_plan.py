@@ -20,30 +20,24 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import OffloadError
 from ..planner import Plan, plan
-from ..planner.planning import share_of_device
+from ..planner.planning import budget_on_device
 from ..planner.install import Installed
+from ..sizes import SizeLike
 
 __all__ = ["StepPlanner", "resolve_budget", "batch_shape"]
 
 log = logging.getLogger("offload.integrations")
 
 
-def resolve_budget(owner: str, budget_bytes: int | None, budget: str | float | None,
-                   device: torch.device) -> int:
-    """``budget_bytes`` as given, or ``budget`` ("80%" or 0.8) of the device's memory (host RAM on CPU)."""
+def resolve_budget(owner: str, budget_bytes: Any, budget: Any, device: torch.device | None) -> int:
+    """``budget_bytes`` (a size or a share, NOTE [ Sizes ]) or ``budget`` (a share: "80%" or 0.8) in
+    bytes on ``device`` (host RAM on CPU); ``device=None`` only checks them."""
     if (budget_bytes is None) == (budget is None):
-        raise ValueError(f"{owner}: pass exactly one of budget_bytes=<int> or budget='<percent>%' "
+        raise ValueError(f"{owner}: pass exactly one of budget_bytes=<size> or budget='<percent>%' "
                          f"(got budget_bytes={budget_bytes!r}, budget={budget!r}).")
     if budget_bytes is not None:
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-            raise ValueError(f"{owner}: budget_bytes={budget_bytes!r} must be a positive int (bytes of device "
-                             "memory).")
-        return budget_bytes
-    return share_of_device(f"{owner}: budget", budget, device)
-
-
-def _fraction(owner: str, budget: Any) -> None:
-    share_of_device(f"{owner}: budget", budget, None)
+        return budget_on_device(owner, "budget_bytes", budget_bytes, device)
+    return budget_on_device(owner, "budget", budget, device, shares_only=True)
 
 
 def batch_shape(batch: Any) -> tuple[int, int]:
@@ -58,13 +52,10 @@ def batch_shape(batch: Any) -> tuple[int, int]:
 class StepPlanner:
     """Plans on the first training step and again when a batch is larger than the planned one."""
 
-    def __init__(self, owner: str, budget_bytes: int | None, budget: str | float | None,
+    def __init__(self, owner: str, budget_bytes: SizeLike | None, budget: str | float | None,
                  plan_kwargs: dict[str, Any] | None) -> None:
         # Checked when the callback is built, not at the first step.
-        if budget is not None:
-            _fraction(owner, budget)
-        if budget_bytes is not None or budget is None:
-            resolve_budget(owner, budget_bytes, budget if budget_bytes is not None else None, torch.device("cpu"))
+        resolve_budget(owner, budget_bytes, budget, None)
         self.owner = owner
         self.budget_bytes, self.budget = budget_bytes, budget
         if plan_kwargs is not None and not isinstance(plan_kwargs, dict):

@@ -41,6 +41,7 @@ from torch import nn
 
 from ..attach import AttachHandle
 from ..config import OffloadConfig
+from ..sizes import SizeLike
 from ..engine import OffloadActivations
 from ..engine import active_engine
 from .._warn import user_stacklevel
@@ -63,14 +64,15 @@ class OffloadCallback(TrainerCallback):
             are needed first in backward, so their reload cannot be hidden).
         budget_bytes: plan under this peak device memory instead of offloading
             everything (``offload.plan`` on the first training step; the plan's
-            own engine is used and ``config`` is not).
+            own engine is used and ``config`` is not): as ``offload.plan``'s ``budget_bytes``,
+            bytes in any form (``2e9``, ``"16GiB"``) or a share (``"80%"``).
         budget: the same as a share of the device's memory, ``"80%"`` or 0.8.
         plan_kwargs: more ``offload.plan`` keywords (``blocks``, ``timed``...).
         **engine_kwargs: ``OffloadConfig`` fields.
     """
 
     def __init__(self, config: OffloadConfig | None = None, *, exclude_head: bool = True,
-                 budget_bytes: int | None = None, budget: str | float | None = None,
+                 budget_bytes: SizeLike | None = None, budget: str | float | None = None,
                  plan_kwargs: dict[str, Any] | None = None, **engine_kwargs: Any) -> None:
         self.planner = (StepPlanner("OffloadCallback", budget_bytes, budget, plan_kwargs)
                         if budget_bytes is not None or budget is not None or plan_kwargs is not None else None)

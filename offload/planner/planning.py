@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from .._format import format_bytes
+from ..config import SIZE_FIELDS, size_setting
 from ..errors import OffloadError
+from ..sizes import SizeLike, to_budget
 from .blocks import find_blocks
 from .choose import choose
 from .cost import CostModel, build_cost_model, measure_hardware
@@ -241,19 +243,19 @@ def _engine_device(device: str) -> str | None:
 def plan(
     model: nn.Module,
     step: Callable[[], torch.Tensor],
-    budget_bytes: int | str,
+    budget_bytes: SizeLike,
     device: torch.device | str | None = None,
     *,
     blocks: Sequence[str | nn.Module] | None = None,
     warmup: int = 1,
     timed: int = 3,
-    min_offload_size: int = 1024,
+    min_offload_size: SizeLike = 1024,
     use_streams: bool = True,
     bandwidth_gb_s: tuple[float, float] | float | None = None,
     solver: str = "auto",
     engine_kwargs: dict[str, Any] | None = None,
     verify: bool = True,
-    host_budget_bytes: int | None = None,
+    host_budget_bytes: SizeLike | None = None,
 ) -> Plan:
     """Profile ``step``, then choose per block the fastest decisions whose predicted peak fits ``budget_bytes``.
 
@@ -262,9 +264,9 @@ def plan(
         step: zero-argument callable: one forward, returns the scalar loss.
         budget_bytes: the peak device memory the step may reach (parameters,
             gradients and everything else: what ``torch.cuda.max_memory_allocated``
-            reports; on CPU what ``MemTracker`` counts, host buffers left out).
-            A string such as ``"80%"`` is that share of the device's total memory
-            (host RAM on CPU).
+            reports; on CPU what ``MemTracker`` counts, host buffers left out):
+            bytes in any form of NOTE [ Sizes ] (``2e9``, ``"16GiB"``, ``"4.1GB"``), or a share of the
+            device's total memory (host RAM on CPU): ``"80%"`` or a float in (0, 1] such as 0.8.
         device: where the model lives; None = the device of its parameters.
         blocks: candidate modules (names or modules); default the children of
             the model's largest ``nn.ModuleList``.
@@ -291,8 +293,7 @@ def plan(
     dev = _check_args(model, step, budget_bytes, device, warmup=warmup, timed=timed,
                       min_offload_size=min_offload_size, use_streams=use_streams, bandwidth_gb_s=bandwidth_gb_s,
                       solver=solver, engine_kwargs=engine_kwargs, verify=verify)
-    if isinstance(budget_bytes, str):
-        budget_bytes = share_of_device("offload.plan: budget_bytes", budget_bytes, dev)
+    budget_bytes = budget_on_device("offload.plan", "budget_bytes", budget_bytes, dev)
     ekw = _engine_settings(engine_kwargs, host_budget_bytes, min_offload_size, use_streams, dev)
     return _plan_checked(model, step, find_blocks(model, blocks), budget_bytes, dev, ekw, warmup=warmup, timed=timed,
                          bandwidth_gb_s=bandwidth_gb_s, solver=solver, verify=verify)
@@ -313,13 +314,15 @@ def _plan_checked(model: nn.Module, step: Callable[[], torch.Tensor], cand: list
                               solver=solver, step=step if verify else None, warmup=max(1, warmup))
 
 
-def _engine_settings(engine_kwargs: dict[str, Any] | None, host_budget_bytes: int | None, min_offload_size: int,
-                     use_streams: bool, dev: torch.device) -> dict[str, Any]:
+def _engine_settings(engine_kwargs: dict[str, Any] | None, host_budget_bytes: SizeLike | None,
+                     min_offload_size: SizeLike, use_streams: bool, dev: torch.device) -> dict[str, Any]:
     """The settings of the plan's ``OffloadActivations``: ``engine_kwargs`` and the arguments of
-    :func:`plan` that are engine settings."""
-    ekw = dict(engine_kwargs or {})
+    :func:`plan` that are engine settings, sizes in bytes (the host tiers' limits are read from them)."""
+    ekw = {k: size_setting(k, v, owner="offload.plan", label=f"engine_kwargs[{k!r}]") if k in SIZE_FIELDS
+           else v for k, v in (engine_kwargs or {}).items()}
+    min_offload_size = size_setting("min_offload_size", min_offload_size, owner="offload.plan")
     if host_budget_bytes is not None:  # issue 25: the plan's copies must fit the host tiers
-        _nonneg_int("host_budget_bytes", host_budget_bytes)
+        host_budget_bytes = size_setting("host_budget_bytes", host_budget_bytes, owner="offload.plan")
         if "host_budget_bytes" in ekw:
             raise ValueError("offload.plan: host_budget_bytes given both as an argument and in engine_kwargs.")
         ekw["host_budget_bytes"] = host_budget_bytes
@@ -419,7 +422,7 @@ class _Preserved:
             torch.get_device_module(self.device.type).set_rng_state(self.dev_rng, self.device)
 
 
-def plan_from_cost(cost: CostModel, budget_bytes: int, *, model: nn.Module | None, device: str,
+def plan_from_cost(cost: CostModel, budget_bytes: SizeLike, *, model: nn.Module | None, device: str,
                    unplanned_peak: int, unplanned_s: float, solver: str = "auto",
                    step: Callable[[], torch.Tensor] | None = None, warmup: int = 1, rounds: int = 3) -> Plan:
     """Solve an already built cost model for ``budget_bytes`` (the bench re-solves one profile per budget).
@@ -433,9 +436,11 @@ def plan_from_cost(cost: CostModel, budget_bytes: int, *, model: nn.Module | Non
     ``warmup``. A measured peak over the budget (the cost model's assumptions do not hold for these
     candidates, e.g. modules finer than residual blocks whose savings interact) lowers the solver's cap
     by the overshoot and solves again, up to ``rounds`` times; then :class:`OffloadError`. The returned
-    plan's ``measured_peak_bytes`` is then set and within the budget.
+    plan's ``measured_peak_bytes`` is then set and within the budget. ``budget_bytes`` takes what
+    :func:`plan`'s does.
     """
     _check_solver(solver)
+    budget_bytes = budget_on_device("offload.plan_from_cost", "budget_bytes", budget_bytes, torch.device(device))
     margin = 0
     tried: list[str] = []
     for _ in range(rounds + 1):
@@ -480,21 +485,13 @@ def _nonneg_int(name: str, v: Any) -> None:
         raise ValueError(f"offload.plan: {name}={v!r} must be an int >= 0.")
 
 
-def share_of_device(what: str, share: str | float, device: torch.device | None) -> int:
-    """``share`` ("80%" or 0.8) of the device's total memory (host RAM on CPU), in bytes; with
-    ``device=None`` only checks ``share``. ``what`` names the setting in the error."""
-    try:
-        if isinstance(share, str) and share.strip().endswith("%"):
-            frac = float(share.strip()[:-1]) / 100
-        elif isinstance(share, (int, float)) and not isinstance(share, bool):
-            frac = float(share)
-        else:
-            raise ValueError
-    except ValueError:
-        frac = float("nan")
-    if not 0 < frac <= 1:
-        raise ValueError(f"{what}={share!r} must be a share of the device's memory: '80%' or 0.8 "
-                         "(0 < share <= 1).")
+def budget_on_device(owner: str, name: str, budget: Any, device: torch.device | None, *,
+                     shares_only: bool = False) -> int:
+    """A budget (NOTE [ Sizes ], rule 4) in bytes: a size as given, a share of the device's total memory
+    (host RAM on CPU); with ``device=None`` only checks ``budget`` (returns 0 for a share)."""
+    value = to_budget(budget, name, owner=owner, shares_only=shares_only)
+    if isinstance(value, int):
+        return value
     if device is None:
         return 0
     if device.type == "cpu":
@@ -503,7 +500,7 @@ def share_of_device(what: str, share: str | float, device: torch.device | None) 
         total = psutil.virtual_memory().total
     else:
         total = torch.get_device_module(device.type).get_device_properties(device).total_memory
-    return max(1, int(frac * total))
+    return max(1, int(value * total))
 
 
 def _check_args(model: Any, step: Any, budget_bytes: Any, device: Any, *, warmup: Any, timed: Any,
@@ -515,14 +512,10 @@ def _check_args(model: Any, step: Any, budget_bytes: Any, device: Any, *, warmup
     if not callable(step):
         raise TypeError(f"offload.plan: step must be a zero-argument callable returning the loss, got "
                         f"step={step!r} ({type(step).__name__}).")
-    if isinstance(budget_bytes, str):
-        share_of_device("offload.plan: budget_bytes", budget_bytes, None)  # checked; resolved on the device
-    elif isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise ValueError(f"offload.plan: budget_bytes={budget_bytes!r} must be a positive int (bytes of device "
-                         "memory) or a share of the device's memory such as '80%'.")
+    budget_on_device("offload.plan", "budget_bytes", budget_bytes, None)  # checked; a share resolved later
     _nonneg_int("warmup", warmup)
     _nonneg_int("timed", timed)
-    _nonneg_int("min_offload_size", min_offload_size)
+    size_setting("min_offload_size", min_offload_size, owner="offload.plan")
     for name, v in (("use_streams", use_streams), ("verify", verify)):
         if not isinstance(v, bool):
             raise TypeError(f"offload.plan: {name}={v!r} must be True or False.")

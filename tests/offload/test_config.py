@@ -54,7 +54,7 @@ BAD = [
     ("timing", "False"),
     ("max_fwd_stash_size", True),
     ("max_fwd_stash_size", 2.0),
-    ("min_offload_size", "1024"),
+    ("min_offload_size", "1024 bytes"),
     ("max_inflight_bytes", 0),
     ("prefetch_bytes", 1.5),
     ("host_budget_bytes", False),
@@ -220,7 +220,7 @@ SIZE_SETTINGS = ("max_fwd_stash_size", "min_offload_size", "max_inflight_bytes",
 
 def test_size_settings_are_every_int_setting():
     """The bound below covers every int setting: a new size setting must be added to SIZE_SETTINGS."""
-    ints = {f.name for f in dataclasses.fields(OffloadConfig) if "int" in str(f.type)}
+    ints = {f.name for f in dataclasses.fields(OffloadConfig) if "int" in str(f.type) or "Bytes" in str(f.type)}
     assert ints == set(SIZE_SETTINGS)
 
 
