@@ -37,7 +37,20 @@ def _fail(name: str, value: Any, expected: str, fix: str = "", exc: type[Excepti
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        _fail(name, value, "True or False", "Pass a bool, not a string or a number.", TypeError)
+        fix = "Pass a bool, not a string or a number."
+        if name in ("use_pin_memory", "use_streams") and _is_device(value):  # OffloadActivations("cpu"): the first positional argument is use_pin_memory
+            fix = (f"{value!r} is a device: pass it by name, device={str(value)!r} (the positional arguments "
+                   "are use_pin_memory and use_streams, as in torchtune).")
+        _fail(name, value, "True or False", fix, TypeError)
+
+
+def _is_device(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return True
+    try:
+        return isinstance(value, str) and torch.device(value) is not None
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def _check_int(name: str, value: Any, minimum: int, why: str, allow_none: bool = False) -> None:

@@ -106,3 +106,15 @@ def test_torchtitan_section_needs_mode():
     mode, cfg = config_from_section({"mode": "full", "host_budget_bytes": "16GiB"})
     assert mode == "full" and cfg.host_budget_bytes == 16 << 30
     assert config_from_section({"mode": "none"})[0] == "none"
+
+
+@pytest.mark.parametrize("args", [("cpu",), (True, "cpu"), (torch.device("cpu"),)])
+def test_a_device_given_positionally_suggests_device_by_name(args):
+    """OffloadActivations("cpu") (a device where use_pin_memory or use_streams goes) says to pass
+    device="cpu" by name; a string that is no device gets the plain bool advice."""
+    with pytest.raises(TypeError) as ei:
+        OffloadActivations(*args)
+    assert "device='cpu'" in str(ei.value) and "use_pin_memory and use_streams" in str(ei.value), str(ei.value)
+    with pytest.raises(TypeError) as ei:
+        OffloadActivations("yes")
+    assert "device=" not in str(ei.value) and "Pass a bool" in str(ei.value)
