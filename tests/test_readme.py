@@ -1,8 +1,9 @@
 """README.md and docs/ stay true: every code block runs as written, and the lists they give match the code.
 
-Convention: every ```python block is executed on CPU in a fresh interpreter (cwd: a temporary
-folder, the repo on PYTHONPATH). A block that needs objects the reader already has (a model, a
-dataset, trainer arguments) is preceded by ``<!-- prelude: NAME -->``: the test runs
+Convention: every ```python block is executed on CPU in a fresh interpreter as a reader runs it after
+``pip install``: cwd a temporary folder, and on the path only the packages the wheel ships (linked from
+this checkout), so a block that imports the repo's ``bench`` or ``tests`` fails. A block that needs
+objects the reader already has (a model, a dataset, trainer arguments) is preceded by ``<!-- prelude: NAME -->``: the test runs
 ``PRELUDES[NAME]`` first (a tiny random model, CPU arguments, no download), then the block as
 written, then ``EPILOGUES[NAME]``, which checks the block did what it says. A block that cannot run
 on a CPU in a few seconds starts with ``# not run: <reason>`` and is only compiled. ```yaml blocks
@@ -39,6 +40,29 @@ model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediat
 ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
 """
 
+_TINY_LM = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+
+class TinyLM(nn.Module):  # the reader's model: embedding, residual blocks, output head
+    def __init__(self, vocab=128, dim=32, n_layers=2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+                                    for _ in range(n_layers))
+        self.output = nn.Linear(dim, vocab, bias=False)
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.output(h)
+
+def make_batch(n, seq, vocab=128):
+    t = torch.randint(0, vocab, (n, seq + 1), generator=torch.Generator().manual_seed(1))
+    return t[:, :-1], t[:, 1:]
+"""
+
 PRELUDES = {
     "hf": _TINY_LLAMA + """
 import tempfile
@@ -59,16 +83,14 @@ ds = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
 args = SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, use_cpu=True,
                  report_to="none", save_strategy="no", disable_tqdm=True, max_length=16)
 """,
-    "lightning": """
+    "lightning": _TINY_LM + """
 import lightning
-import torch
 import torch.nn.functional as F
-from bench.model import ToyLlama, ToyLlamaConfig, make_batch
 
 class Module(lightning.LightningModule):
     def __init__(self):
         super().__init__()
-        self.model = ToyLlama(ToyLlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=1, max_seq_len=16))
+        self.model = TinyLM()
     def training_step(self, batch, i):
         tokens, targets = batch
         return F.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten())
@@ -76,17 +98,16 @@ class Module(lightning.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 module = Module()
-loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*make_batch(module.model.cfg, 4, 16)), batch_size=2)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*make_batch(4, 16)), batch_size=2)
 """,
     "loop": """
 import torch
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
 x, y, loss_fn = torch.randn(8, 64), torch.randn(8, 1), torch.nn.functional.mse_loss
 """,
-    "torchtitan": """
-import torch, yaml
-from bench.model import ToyLlama, ToyLlamaConfig, make_batch
-model = ToyLlama(ToyLlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=1, max_seq_len=16))
+    "torchtitan": _TINY_LM + """
+import yaml
+model = TinyLM()
 job_config = yaml.safe_load(PREVIOUS_YAML)   # the yaml block just above this one on the page
 """,
 }
@@ -106,7 +127,7 @@ assert len(ctx.ledger.step_totals) == 1 and ctx.ledger.summary()["packed_count"]
 """,
     "torchtitan": """
 assert ctx.config.host_budget_bytes == 16 << 30
-tokens, targets = make_batch(model.cfg, 2, 16)
+tokens, targets = make_batch(2, 16)
 with ctx:
     logits = model(tokens)
 logits.sum().backward()
@@ -161,6 +182,41 @@ def test_pages_have_python_blocks():
     assert len(PYTHON) >= 15
 
 
+def _installed_packages(tmp: Path) -> Path:
+    """A folder holding only the top-level packages ``pip install`` puts on the path (pyproject.toml's
+    ``packages.find.include``), linked from this checkout: what a reader has, without bench/ or tests/."""
+    site = tmp / "site-packages"
+    site.mkdir()
+    for pkg in _shipped():
+        (site / pkg.name).symlink_to(pkg, target_is_directory=True)
+    return site
+
+
+def _imports(code: str) -> set[str]:
+    import ast
+
+    tree = ast.parse(code)
+    return ({a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            | {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module})
+
+
+@pytest.mark.parametrize("where,lang,code,prelude,prev_yaml", PYTHON, ids=[b[0] for b in PYTHON])
+def test_python_block_needs_only_the_installed_package(where, lang, code, prelude, prev_yaml):
+    """A block (and its prelude) imports nothing from the checkout that ``pip install`` does not ship:
+    no ``bench``, no ``tests`` (a reader outside the clone has neither)."""
+    checkout_only = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()} - {
+        p.name for p in _shipped()}
+    used = _imports(code) | (_imports(PRELUDES[prelude]) if prelude in PRELUDES else set())
+    assert not used & checkout_only, f"{where} imports {sorted(used & checkout_only)}, which pip install lacks"
+
+
+def _shipped() -> list[Path]:
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    return [ROOT / n for n in sorted({p.split(".")[0] for p in include["include"]})]
+
+
 @pytest.mark.parametrize("where,lang,code,prelude,prev_yaml", PYTHON, ids=[b[0] for b in PYTHON])
 def test_python_block_runs(where, lang, code, prelude, prev_yaml, tmp_path):
     """The block runs as written on CPU, after its prelude (or, marked ``# not run: <reason>``, compiles)."""
@@ -176,7 +232,8 @@ def test_python_block_runs(where, lang, code, prelude, prev_yaml, tmp_path):
             pytest.importorskip(module)
         script = (f"PREVIOUS_YAML = {prev_yaml!r}\n" + PRELUDES[prelude] + "\n" + code + "\n"
                   + EPILOGUES.get(prelude, ""))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="default")
+    env = dict(os.environ, PYTHONPATH=str(_installed_packages(tmp_path)), CUDA_VISIBLE_DEVICES="",
+               PYTHONWARNINGS="default")
     env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -245,3 +302,34 @@ def test_pages_cite_results_files_that_exist():
     assert any(page == "README.md" for page in cited.values()), "the README cites no results file"
     missing = sorted(f"{p} (cited in {page})" for p, page in cited.items() if not (ROOT / p).is_file())
     assert not missing, missing
+
+
+def _first_screen() -> str:
+    text = README.read_text()
+    return text[:text.index("\n## ")]
+
+
+def test_first_screen_says_what_the_snippets_do_without_a_gpu(monkeypatch):
+    """The README's first screen says its trainer snippets run pass-through without a GPU and names
+    device="cpu" for the real path, after the trainer snippets; and both claims hold on this machine."""
+    import warnings
+
+    import torch
+
+    screen = _first_screen()
+    said = screen.find("pass-through")
+    assert said > screen.find("OffloadCallback()") >= 0, "the first screen does not say what happens without a GPU"
+    assert 'device="cpu"' in screen[said:said + 400], screen[said:said + 400]
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # as on a machine without a GPU
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    for device, moved in ((None, False), ("cpu", True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ctx = offload.OffloadActivations(device=device)
+            with ctx:
+                loss = model(torch.randn(8, 64)).sum()
+            loss.backward()
+        s = ctx.ledger.summary()
+        assert (s["offloaded_bytes"] > 0) == moved and s["packed_count"] > 0, (device, s)
+        assert len([w for w in caught if "pass-through" in str(w.message)]) == (0 if moved else 1), (
+            device, [str(w.message) for w in caught])
