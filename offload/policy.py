@@ -93,6 +93,7 @@ REASONS: tuple[str, ...] = (
     IN_BACKWARD,
     AFTER_HEAD,
 )
+"""Why a saved tensor was kept on the device: every ``reason`` a kept ``PackRecord`` can carry, in order."""
 
 
 _Tensor = torch.Tensor

@@ -79,10 +79,12 @@ def _model_device(model: nn.Module) -> torch.device:
 class ModuleMemoryStats:
     """Collect per-module memory (MemTracker) and measured times over the steps run inside it.
 
-    >>> stats = ModuleMemoryStats(model, optimizer)
-    >>> with stats:
-    ...     loss = model(x).sum(); loss.backward(); optimizer.step()
-    >>> stats.modules()[0]["act_total_bytes"], stats.peak_baseline()
+    ```python
+    stats = ModuleMemoryStats(model, optimizer)
+    with stats:
+        loss = model(x).sum(); loss.backward(); optimizer.step()
+    stats.modules()[0]["act_total_bytes"], stats.peak_baseline()
+    ```
 
     Figures are from the latest call of each module; ``reset()`` between
     steps drops older ones (the first step also allocates optimizer state).

@@ -168,10 +168,11 @@ class PackedBytesTracker:
     >>> t.summary()["logical_bytes"], t.summary()["unique_bytes"]
 
     Args:
-        pack_hook / unpack_hook: optional user saved-tensor functions chained
-            behind the tracker's own hooks (the MemProfiler's
-            ``saved_tensors_funcs``). They run only when the tracker installs
-            hooks, i.e. when no engine is active (Rule 2).
+        pack_hook: optional user saved-tensor pack function chained behind
+            the tracker's own hook (the MemProfiler's ``saved_tensors_funcs``).
+            It runs only when the tracker installs hooks, i.e. when no engine
+            is active (Rule 2).
+        unpack_hook: the matching unpack function (the same rule).
         auto_step: start a new step after each backward pass (Rule 5).
         max_steps_kept: per-step breakdowns kept (oldest dropped); totals never lose counts.
         model: optional; registered for module names (NOTE [ Module names ] in

@@ -33,9 +33,11 @@ _FIELDS = ("calls", "delta_bytes", "max_delta_bytes", "rss_pre_forward", "rss_po
 class RSSTracker:
     """Per-module host-RSS deltas across forward calls.
 
-    >>> with RSSTracker(model) as r:
-    ...     model(x)
-    >>> r.summary()["ToyLlama.layers.0"]["delta_bytes"]
+    ```python
+    with RSSTracker(model) as r:
+        model(x)
+    r.summary()["ToyLlama.layers.0"]["delta_bytes"]
+    ```
 
     For each module (named as the offload engine's ledger names it, e.g.
     ``ToyLlama.layers.0.attn``, see NOTE [ Module names ] in ``offload.modules``):

@@ -86,10 +86,17 @@ class TraceProfiler:
             ``record_shapes`` and ``with_stack``.
         summary_filename: text file template for the summary tables, or None.
         run_name: value of ``{run_name}``; None (default) is unique per run (see module doc).
-        skip_first, wait, warmup, active, repeat: ``torch.profiler.schedule`` arguments (steps).
+        skip_first: ``torch.profiler.schedule`` argument (steps).
+        wait: ``torch.profiler.schedule`` argument (steps).
+        warmup: ``torch.profiler.schedule`` argument (steps).
+        active: ``torch.profiler.schedule`` argument (steps).
+        repeat: ``torch.profiler.schedule`` argument (cycles).
         overwrite: allow a non-empty folder (otherwise it must be empty or absent).
         use_gzip: gzip trace files.
-        record_shapes, profile_memory, with_stack, with_flops: passed to torch.profiler.
+        record_shapes: passed to torch.profiler.
+        profile_memory: passed to torch.profiler.
+        with_stack: passed to torch.profiler.
+        with_flops: passed to torch.profiler.
         num_traces_to_keep: newest saved traces kept on disk; -1 keeps all.
         row_limit: rows per summary table.
         activities: defaults to CPU, plus CUDA when available.

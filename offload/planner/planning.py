@@ -270,9 +270,11 @@ def plan(
         device: where the model lives; None = the device of its parameters.
         blocks: candidate modules (names or modules); default the children of
             the model's largest ``nn.ModuleList``.
-        warmup / timed: steps run before the tracked step / timed per decision.
-        min_offload_size, use_streams, engine_kwargs: passed to the plan's
-            ``OffloadActivations``.
+        warmup: steps run before the tracked step.
+        timed: steps timed per decision.
+        min_offload_size: passed to the plan's ``OffloadActivations`` (a size, NOTE [ Sizes ]).
+        use_streams: passed to the plan's ``OffloadActivations``.
+        engine_kwargs: more ``OffloadActivations`` settings for the plan's engine.
         bandwidth_gb_s: (D2H, H2D) GB/s, or one number; None = measured with
             a 64 MB copy once per process (pinned on a GPU).
         solver: "auto" (exact Pareto DP, greedy fallback), "exact", "greedy", "brute_force".
