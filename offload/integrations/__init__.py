@@ -9,8 +9,9 @@
   which ``offload.get_act_offloading_ctx_manager`` replaces).
 
 Both callbacks take the engine's settings as keywords or ``config=OffloadConfig``
-and report the ledger's per-step figures (``step_figures``, keys ``FIGURE_KEYS``)
-to the trainer's logs.
+and report the ledger's per-step figures to the trainer's logs: ``LOGGED_BY_DEFAULT``
+(four keys a console line can hold), or with ``all_figures=True`` every figure of
+``step_figures`` (keys ``FIGURE_KEYS``, then the kept bytes per reason).
 Submodules are imported on demand, so importing ``offload`` never imports a
 framework.
 """
@@ -24,7 +25,7 @@ from ..config import resolve_device
 from ..engine import OffloadActivations
 from ..ledger import TIERS, StepTotals
 
-__all__ = ["step_figures", "FIGURE_KEYS"]
+__all__ = ["step_figures", "FIGURE_KEYS", "LOGGED_BY_DEFAULT"]
 
 FIGURE_KEYS = (
     "offload/offloaded_bytes",
@@ -34,8 +35,18 @@ FIGURE_KEYS = (
     "offload/pool_in_use_bytes",
     *(f"offload/{tier}_{what}" for tier in TIERS for what in ("bytes", "s", "wait_s")),
 )
-"""The per-step figures the callbacks log, in this order (per host tier: the bytes copied into it,
-the seconds spent moving bytes into and out of it, the part of those compute waited for)."""
+"""The per-step figures the callbacks log with ``all_figures=True``, in this order (per host tier: the
+bytes copied into it, the seconds spent moving bytes into and out of it, the part of those compute
+waited for)."""
+
+LOGGED_BY_DEFAULT = (
+    "offload/offloaded_bytes",
+    "offload/kept_bytes",
+    "offload/exposed_copy_s",
+    "offload/pool_reserved_bytes",
+)
+"""The figures a callback logs each step by default: bytes offloaded, bytes kept, copy time compute
+waited for, host memory the pool holds (``all_figures=True`` logs every one of ``step_figures``)."""
 
 
 def step_figures(t: StepTotals) -> dict[str, Any]:
@@ -68,7 +79,7 @@ def _callback_config(owner: str, config: OffloadConfig | None, engine_kwargs: di
     if config is not None and not isinstance(config, OffloadConfig):
         raise TypeError(f"{owner}: config must be an OffloadConfig, got {type(config).__name__}.")
     if config is None:
-        check_keywords(owner, ("config", "exclude_head", "budget_bytes", "budget", "plan_kwargs",
+        check_keywords(owner, ("config", "exclude_head", "budget_bytes", "budget", "plan_kwargs", "all_figures",
                               *OffloadConfig.field_names()), engine_kwargs)
         config = OffloadConfig(**engine_kwargs)
     try:
@@ -79,9 +90,14 @@ def _callback_config(owner: str, config: OffloadConfig | None, engine_kwargs: di
 
 
 class _StepReporter:
-    """Hands out each closed ledger step's figures once (for a trainer's per-step log)."""
+    """Hands out each closed ledger step's figures once (for a trainer's per-step log): those of
+    ``LOGGED_BY_DEFAULT``, or all of them with ``all_figures``."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: str, all_figures: bool) -> None:
+        if not isinstance(all_figures, bool):
+            raise TypeError(f"{owner}: all_figures={all_figures!r} must be True (log every offload/* figure "
+                            f"each step) or False (only {list(LOGGED_BY_DEFAULT)}).")
+        self.all_figures = all_figures
         self._reported = -1
 
     def new_figures(self, engine: OffloadActivations | None) -> dict[str, Any]:
@@ -92,4 +108,5 @@ class _StepReporter:
         if last.step == self._reported:
             return {}
         self._reported = last.step
-        return step_figures(last)
+        figures = step_figures(last)
+        return figures if self.all_figures else {k: figures[k] for k in LOGGED_BY_DEFAULT}

@@ -5,7 +5,7 @@ activations on the device (see ``_exclude_tail``) and attaches the engine to
 the model (``ctx.attach``): every forward the Trainer runs is offloaded, backward runs
 outside. At train end it detaches. Each Trainer log gets the newest ledger
 step's figures (``offload/offloaded_bytes``, ``offload/kept_bytes``,
-``offload/exposed_copy_s``, ``offload/pool_*_bytes``), so whatever
+``offload/exposed_copy_s``, ``offload/pool_reserved_bytes``; every figure with ``all_figures=True``), so whatever
 ``report_to`` is set (TensorBoard, W&B...) records them.
 
 With a memory budget, ``OffloadCallback(budget_bytes=...)`` (or ``budget="80%"`` of the device)
@@ -68,12 +68,16 @@ class OffloadCallback(TrainerCallback):
             bytes in any form (``2e9``, ``"16GiB"``) or a share (``"80%"``).
         budget: the same as a share of the device's memory, ``"80%"`` or 0.8.
         plan_kwargs: more ``offload.plan`` keywords (``blocks``, ``timed``...).
+        all_figures: log every ``offload/*`` figure each step (``offload.integrations.FIGURE_KEYS``,
+            the kept bytes per reason); by default only ``LOGGED_BY_DEFAULT``: offloaded and kept
+            bytes, exposed copy time, the host pool's bytes (and the plan's peaks when planning).
         **engine_kwargs: ``OffloadConfig`` fields.
     """
 
     def __init__(self, config: OffloadConfig | None = None, *, exclude_head: bool = True,
                  budget_bytes: SizeLike | None = None, budget: str | float | None = None,
-                 plan_kwargs: dict[str, Any] | None = None, **engine_kwargs: Any) -> None:
+                 plan_kwargs: dict[str, Any] | None = None, all_figures: bool = False,
+                 **engine_kwargs: Any) -> None:
         self.planner = (StepPlanner("OffloadCallback", budget_bytes, budget, plan_kwargs)
                         if budget_bytes is not None or budget is not None or plan_kwargs is not None else None)
         """With a budget: plans on the first step (``planner.plan`` is the plan in use)."""
@@ -86,7 +90,7 @@ class OffloadCallback(TrainerCallback):
         budget, the applied plan's engine."""
         self._attached: AttachHandle | None = None
         self._head: Any = None
-        self._reporter = _StepReporter()
+        self._reporter = _StepReporter("OffloadCallback", all_figures)
 
     # -- lifecycle ---------------------------------------------------------------
 

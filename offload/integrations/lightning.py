@@ -6,7 +6,7 @@ backward (``on_before_backward``), so whatever ``training_step`` runs, whether
 engine. The output head is excluded as ``get_act_offloading_ctx_manager``
 does. After each batch the newest ledger step's figures go to
 ``pl_module.log_dict`` (``offload/offloaded_bytes``, ``offload/kept_bytes``,
-``offload/exposed_copy_s``, ``offload/pool_*_bytes``), so every Lightning
+``offload/exposed_copy_s``, ``offload/pool_reserved_bytes``; every figure with ``all_figures=True``), so every Lightning
 logger records them. With a memory budget, ``OffloadCallback(budget_bytes=...)`` (or
 ``budget="80%"``) plans instead: on the first training batch it runs ``offload.plan`` with the
 LightningModule's own ``training_step`` on that batch (``self.log`` calls are dropped while planning),
@@ -57,12 +57,16 @@ class OffloadCallback(pl.Callback):
             bytes in any form (``2e9``, ``"16GiB"``) or a share (``"80%"``).
         budget: the same as a share of the device's memory, ``"80%"`` or 0.8.
         plan_kwargs: more ``offload.plan`` keywords (``blocks``, ``timed``...).
+        all_figures: log every ``offload/*`` figure each step (``offload.integrations.FIGURE_KEYS``,
+            the kept bytes per reason); by default only ``LOGGED_BY_DEFAULT``: offloaded and kept
+            bytes, exposed copy time, the host pool's bytes (and the plan's peaks when planning).
         **engine_kwargs: ``OffloadConfig`` fields.
     """
 
     def __init__(self, config: OffloadConfig | None = None, *, exclude_head: bool = True,
                  budget_bytes: SizeLike | None = None, budget: str | float | None = None,
-                 plan_kwargs: dict[str, Any] | None = None, **engine_kwargs: Any) -> None:
+                 plan_kwargs: dict[str, Any] | None = None, all_figures: bool = False,
+                 **engine_kwargs: Any) -> None:
         self.planner = (StepPlanner("OffloadCallback", budget_bytes, budget, plan_kwargs)
                         if budget_bytes is not None or budget is not None or plan_kwargs is not None else None)
         """With a budget: plans on the first batch (``planner.plan`` is the plan in use)."""
@@ -73,7 +77,7 @@ class OffloadCallback(pl.Callback):
         """The engine, built at the first fit (its ``ledger`` holds every decision)."""
         self._head: list[RegionHandle] = []
         self._entered = False
-        self._reporter = _StepReporter()
+        self._reporter = _StepReporter("OffloadCallback", all_figures)
 
     # -- lifecycle ---------------------------------------------------------------
 

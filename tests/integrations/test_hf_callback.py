@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from offload import OffloadConfig  # noqa: E402
-from offload.integrations import FIGURE_KEYS  # noqa: E402
+from offload.integrations import FIGURE_KEYS, LOGGED_BY_DEFAULT  # noqa: E402
 from offload.integrations.hf import OffloadCallback  # noqa: E402
 from offload.regions import find_backbone  # noqa: E402
 
@@ -87,11 +87,13 @@ def _assert_same_grads(got: _GradCapture, want: _GradCapture) -> None:
 def _assert_figures_logged(rec: _LogRecorder, trainer, cb: OffloadCallback) -> None:
     train_logs = [d for d in rec.logs if "loss" in d]
     assert len(train_logs) == STEPS
+    want = set(FIGURE_KEYS) if cb._reporter.all_figures else set(LOGGED_BY_DEFAULT)
     for d in train_logs:
-        assert set(FIGURE_KEYS) <= d.keys(), d
+        assert want <= {k for k in d if k.startswith("offload/")} <= want | {
+            k for k in d if k.startswith("offload/kept_bytes/") and cb._reporter.all_figures}, d
         assert d["offload/offloaded_bytes"] > 0 and d["offload/pool_reserved_bytes"] > 0, d
     hist = [d for d in trainer.state.log_history if "loss" in d]
-    assert all(set(FIGURE_KEYS) <= d.keys() for d in hist), hist
+    assert all(want <= d.keys() for d in hist), hist
     s = cb.engine.ledger.summary()
     assert s["offloaded_bytes"] > 0
     assert s["kept_by_reason"].get("excluded_region", 0) > 0, "the output head / loss tail must be kept"
@@ -120,6 +122,17 @@ GC = {
     "checkpointing_non_reentrant": {_AC: True, f"{_AC}_kwargs": {"use_reentrant": False}},
     "grad_accumulation": {"gradient_accumulation_steps": 2},  # two forwards per optimizer step
 }
+
+
+def test_every_figure_on_request(tmp_path):
+    """OffloadCallback(all_figures=True) logs every figure (FIGURE_KEYS and the kept bytes per reason)
+    each step; the default (the other tests here) logs only LOGGED_BY_DEFAULT, a short console line."""
+    assert set(LOGGED_BY_DEFAULT) < set(FIGURE_KEYS) and len(LOGGED_BY_DEFAULT) <= 5
+    trainer, _, rec, cb = _train(tmp_path, "on", _model(), True, engine_kw={"all_figures": True})
+    _assert_figures_logged(rec, trainer, cb)
+    assert all(any(k.startswith("offload/kept_bytes/") for k in d) for d in rec.logs if "loss" in d)
+    with pytest.raises(TypeError, match="all_figures='yes'"):
+        OffloadCallback(all_figures="yes")
 
 
 @pytest.mark.parametrize("gc", list(GC))
@@ -314,7 +327,7 @@ def test_disk_tier_figures_logged_and_files_removed(tmp_path):
     tier's bytes and seconds, and train end deletes the run directory."""
     disk = tmp_path / "spill"
     trainer, cap, rec, cb = _train(tmp_path, "on", _model(), True,
-                                   engine_kw={"host_budget_bytes": 0, "disk_dir": str(disk)})
+                                   engine_kw={"host_budget_bytes": 0, "disk_dir": str(disk), "all_figures": True})
     _, cap_ref, _, _ = _train(tmp_path, "off", _model(), False)
     _assert_same_grads(cap, cap_ref)
     train_logs = [d for d in rec.logs if "loss" in d]

@@ -12,7 +12,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from offload import active_engine  # noqa: E402
-from offload.integrations import FIGURE_KEYS  # noqa: E402
+from offload.integrations import FIGURE_KEYS, LOGGED_BY_DEFAULT  # noqa: E402
 from offload.integrations.lightning import OffloadCallback  # noqa: E402
 from offload_testkit import TINY, ToyLlama, make_batch  # noqa: E402
 
@@ -97,7 +97,8 @@ def test_lightning_grads_bitwise_and_figures_logged(tmp_path):
             assert torch.equal(g[name], w[name]), f"step {step} {name}: grads differ"
     logged = [m for m in logger.metrics if "offload/offloaded_bytes" in m]
     assert len(logged) == STEPS, logger.metrics
-    assert all(set(FIGURE_KEYS) <= m.keys() and m["offload/offloaded_bytes"] > 0 for m in logged)
+    assert all({k for k in m if k.startswith("offload/")} == set(LOGGED_BY_DEFAULT) and m["offload/offloaded_bytes"] > 0
+               for m in logged), logged  # by default a short line; every figure with all_figures=True
     s = cb.engine.ledger.summary()
     assert s["offloaded_bytes"] > 0 and s["kept_by_reason"].get("excluded_region", 0) > 0
     assert len(cb.engine.ledger.step_totals) == STEPS
@@ -148,13 +149,14 @@ def test_lightning_disk_tier_figures_logged_and_files_removed(tmp_path):
     """OffloadCallback with the disk tier forced: grads bitwise, per-tier figures logged each step,
     run directory deleted at train end."""
     disk = tmp_path / "spill"
-    cb = OffloadCallback(device="cpu", min_offload_size=0, host_budget_bytes=0, disk_dir=str(disk))
+    cb = OffloadCallback(device="cpu", min_offload_size=0, host_budget_bytes=0, disk_dir=str(disk), all_figures=True)
     on, off = _LM(), _LM()
     logger = _fit(tmp_path, on, [cb])
     _fit(tmp_path, off, [])
     for g, w in zip(on.grads, off.grads):
         assert all(torch.equal(g[n], w[n]) for n in w)
     logged = [m for m in logger.metrics if "offload/disk_bytes" in m]
+    assert all(set(FIGURE_KEYS) <= m.keys() for m in logged), logged
     assert len(logged) == STEPS and all(m["offload/disk_bytes"] > 0 and m["offload/pool_bytes"] == 0
                                         for m in logged), logged
     assert not disk.exists() or not list(disk.iterdir())
