@@ -19,12 +19,14 @@ CUDA allocator stats on a GPU); rank_0_memory_summary.txt is a table; rank_0_mem
 memory per collected call and rank_0_module_bytes.png splits each module's saved bytes into offloaded and
 kept-by-reason. tracker_steps.png / tracker_modules.png are the same pictures for every step of the run,
 packed.json and rss.json the trackers' figures; <out>/trace/ holds the torch.profiler trace and summary, and
-<out>/ilp_module_info.json the module stats torch's auto-AC ILP reads.
+<out>/ilp_module_info.json the module stats torch's auto-AC ILP reads. Without --out these go to a temporary
+folder of the run's own, removed at exit (pass --out DIR to keep and read them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -127,9 +129,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--out", type=Path, default=None, help="artifact folder (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder to keep the artifacts in (default: a temporary folder, removed at exit)")
     args = p.parse_args(argv)
-    out = args.out or Path(tempfile.mkdtemp(prefix="memprof_"))
+    with contextlib.ExitStack() as stack:
+        out = args.out or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="memprof_")))
+        _report(args, out)
+        if args.out is None:
+            print(f"artifacts were in {out}, now removed: pass --out DIR to keep them")
+
+
+def _report(args: argparse.Namespace, out: Path) -> None:
+    """Both runs, the trace and the auto-AC module stats, with artifacts under ``out``."""
     print(f"{'run':<14}{'head moved':>11}{'head kept':>10}{'moved':>9}{'npp':>9}{'peak alloc':>11}  (MiB, step 2)")
     for name, exclude in (("head_offloaded", False), ("head_excluded", True)):
         r = run(name, exclude, args, out)

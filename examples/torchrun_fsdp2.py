@@ -8,8 +8,10 @@ file runs on CPU with gloo and on GPUs with nccl, the backend follows the hardwa
     torchrun --nproc_per_node=2 examples/torchrun_fsdp2.py --parallel ddp --steps 20 --out /tmp/offload_run
     torchrun --nproc_per_node=8 examples/torchrun_fsdp2.py --dim 1024 --layers 8 --seq 2048 --ac   # 8 GPUs
 
-Each rank writes ``<out>/ledger_rank<R>.json`` (default ``<temp dir>/offload_run``, never the
-checkout; every pack decision and per-step totals) and prints one line: offloaded vs kept bytes. On GPU, activations move to
+With ``--out DIR`` each rank writes ``DIR/ledger_rank<R>.json`` (every pack decision and per-step
+totals); without it each rank writes its ledger into a temporary folder of its own, removed at exit
+(concurrent runs never share a path, and nothing is left behind). Each rank prints one line:
+offloaded vs kept bytes. On GPU, activations move to
 pinned host memory; on CPU, ``device="cpu"`` copies them into the host pool so the
 whole path runs for real. Sharded (DTensor) parameters and the unsharded weight
 views FSDP2 gathers are never offloaded: they show up as kept, reason "parameter";
@@ -19,6 +21,7 @@ the output head's activations stay on the device as "excluded_region".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -70,6 +73,18 @@ def _check_world_fits(world: int, local_world: int) -> None:
             f"  torchrun --nproc_per_node=2 examples/torchrun_fsdp2.py      (or: python examples/torchrun_fsdp2.py)")
 
 
+def _write_ledger(ctx: object, out: Path | None, rank: int) -> None:
+    """``<out>/ledger_rank<R>.json``; without ``out`` into a temporary folder of this rank's, removed here."""
+    with contextlib.ExitStack() as stack:
+        folder = out or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"offload_ledger_rank{rank}_")))
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"ledger_rank{rank}.json"
+        ctx.ledger.to_json(str(path))
+        if rank == 0:
+            kept = f"in {folder}" if out else "in a temporary folder, removed (--out DIR keeps them)"
+            print(f"ledgers written {kept}; rank 0's: {path.stat().st_size} bytes", flush=True)
+
+
 def main() -> None:
     if "RANK" not in os.environ:
         raise SystemExit(_launch_locally())
@@ -81,8 +96,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--ac", action="store_true", help="checkpoint each block: offload only block inputs")
-    ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "offload_run",
-                    help="folder for ledger_rank<R>.json (default: <temp dir>/offload_run)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder to keep ledger_rank<R>.json in (default: a temporary folder per rank, removed at exit)")
     args = ap.parse_args()
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -121,10 +136,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    ctx.ledger.to_json(str(args.out / f"ledger_rank{rank}.json"))
-    if rank == 0:
-        print(f"ledgers in {args.out}", flush=True)
+    _write_ledger(ctx, args.out, rank)
     s = ctx.ledger.summary()
     print(
         f"rank {rank}/{world} {args.parallel} {backend}: loss {loss.item():.4f}, steps {s['steps']}, "

@@ -49,3 +49,28 @@ def test_example_leaves_the_checkout_untouched(clone, script):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert _status(clone) == before, f"{script} wrote into the checkout:\n{_status(clone)}"
+
+
+TORCH_OWN = ("torchinductor_", "torchelastic_")
+"""What torch itself leaves in the temporary folder (its compile cache, the launcher's logs), not the
+examples' files."""
+
+
+@pytest.mark.parametrize("script", ["torchrun_fsdp2.py", "profile_offload_head.py"])
+def test_example_leaves_no_temporary_files(tmp_path, script):
+    """Run with its defaults (no --out), an example writes its artifacts into a temporary folder of its own
+    and removes it: the temporary folder (TMPDIR) holds nothing of the example's afterwards, so no fixed
+    path is shared by concurrent runs and nothing piles up."""
+    tmp, cwd = tmp_path / "tmp", tmp_path / "cwd"
+    tmp.mkdir()
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT")}
+    env.update(TMPDIR=str(tmp), CUDA_VISIBLE_DEVICES="", PYTHONDONTWRITEBYTECODE="1")
+    env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *EXAMPLES[script]], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    left = sorted(p.name for p in tmp.iterdir() if not p.name.startswith(TORCH_OWN))
+    assert left == [], f"{script} left {left} in the temporary folder"
+    assert "--out DIR" in proc.stdout, proc.stdout[-2000:]  # it says how to keep them
