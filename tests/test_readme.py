@@ -182,13 +182,26 @@ def test_pages_have_python_blocks():
     assert len(PYTHON) >= 15
 
 
+def _wheel_packages() -> dict[str, Path]:
+    """Each package the wheel ships (pyproject.toml's ``[tool.setuptools] packages``) and its folder here
+    (``package-dir`` maps ``offload.profiling`` to the repo's ``profiling/``)."""
+    import tomllib
+
+    st = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = st.get("package-dir", {})
+    return {p: ROOT / dirs.get(p, p.replace(".", "/")) for p in st["packages"]}
+
+
 def _installed_packages(tmp: Path) -> Path:
-    """A folder holding only the top-level packages ``pip install`` puts on the path (pyproject.toml's
-    ``packages.find.include``), linked from this checkout: what a reader has, without bench/ or tests/."""
+    """A folder laid out as the wheel installs (its packages, each file linked from this checkout): what a
+    reader has on the path after ``pip install``, without bench/ or tests/."""
     site = tmp / "site-packages"
-    site.mkdir()
-    for pkg in _shipped():
-        (site / pkg.name).symlink_to(pkg, target_is_directory=True)
+    for pkg, src in sorted(_wheel_packages().items()):
+        dest = site.joinpath(*pkg.split("."))
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file():
+                (dest / f.name).symlink_to(f)
     return site
 
 
@@ -205,16 +218,9 @@ def test_python_block_needs_only_the_installed_package(where, lang, code, prelud
     """A block (and its prelude) imports nothing from the checkout that ``pip install`` does not ship:
     no ``bench``, no ``tests`` (a reader outside the clone has neither)."""
     checkout_only = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()} - {
-        p.name for p in _shipped()}
+        p.split(".")[0] for p in _wheel_packages()}
     used = _imports(code) | (_imports(PRELUDES[prelude]) if prelude in PRELUDES else set())
     assert not used & checkout_only, f"{where} imports {sorted(used & checkout_only)}, which pip install lacks"
-
-
-def _shipped() -> list[Path]:
-    import tomllib
-
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
-    return [ROOT / n for n in sorted({p.split(".")[0] for p in include["include"]})]
 
 
 @pytest.mark.parametrize("where,lang,code,prelude,prev_yaml", PYTHON, ids=[b[0] for b in PYTHON])
