@@ -53,10 +53,7 @@ def unregister_when_dropped(owner: object, region: torch.Tensor) -> None:
 
 def return_pinned_cache() -> None:
     """Hand the caching allocator's free pinned blocks back to CUDA (else PyTorch keeps them)."""
-    try:
-        torch.accelerator.empty_host_cache()
-    except Exception:  # no accelerator, or an older torch
-        pass
+    _torch_private.empty_host_cache()
 
 
 def host_allocator_bytes() -> int | None:

@@ -6,9 +6,15 @@ breaks one file, and the rest of the engine reads as public-API code.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+import os
 from collections.abc import Callable
 
 import torch
+
+logger = logging.getLogger("offload.pinned")
 
 __all__ = [
     "neg_view",
@@ -16,6 +22,8 @@ __all__ = [
     "queue_end_of_backward",
     "register_host_memory",
     "unregister_host_memory",
+    "clear_last_cuda_error",
+    "empty_host_cache",
     "version_tracker",
     "profiler_enabled",
     "top_saved_tensors_hooks",
@@ -47,23 +55,110 @@ def register_host_memory(t: torch.Tensor) -> bool:
     CachingHostAllocator, which rounds every block up to a power of two (up to
     ~2x host RAM for odd activation sizes). Registering an exact-size pageable
     allocation with cudaHostRegister keeps the host footprint at the bytes we
-    store. Returns False (and registers nothing) when it is unavailable or fails.
+    store. Returns False (and registers nothing) when it is unavailable or fails;
+    a failure's CUDA error is cleared before returning (:func:`clear_last_cuda_error`).
     """
     if not torch.cuda.is_available() or t.numel() == 0:
         return False
     try:
         rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
     except Exception:
+        clear_last_cuda_error()
         return False
-    return int(rc) == 0
+    if int(rc) != 0:
+        clear_last_cuda_error()
+        return False
+    return True
 
 
 def unregister_host_memory(t: torch.Tensor) -> None:
-    """Undo :func:`register_host_memory` before the tensor's memory is freed."""
+    """Undo :func:`register_host_memory` before the tensor's memory is freed (a failure's CUDA
+    error is cleared, as for registration)."""
     try:
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        rc = torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    except Exception:
+        rc = -1
+    if int(rc) != 0:
+        clear_last_cuda_error()
+
+
+# NOTE [ Sticky last error ]
+# torch.cuda.cudart()'s cudaHostRegister/cudaHostUnregister return the cudaError_t
+# but leave it in the CUDA runtime's per-thread "last error" (torch wraps the bare call,
+# C10_CUDA_ERROR_HANDLED). Every kernel launch afterwards checks cudaGetLastError()
+# (C10_CUDA_KERNEL_LAUNCH_CHECK), so the next unrelated launch on this thread would
+# raise our handled registration failure as its own error. torch binds no
+# cudaGetLastError, so it is called through ctypes on the libcudart that torch loaded
+# (the same runtime instance, found in /proc/self/maps); where that library cannot be
+# found, one tiny kernel launch consumes the error instead (its check raises it once,
+# and cudaGetLastError resets it).
+
+
+@functools.cache
+def _cuda_get_last_error() -> Callable[[], int] | None:
+    """cudaGetLastError of the libcudart this process loaded, or None (static or no cudart)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if os.path.isfile(path):
+            try:
+                fn = ctypes.CDLL(path).cudaGetLastError
+            except (OSError, AttributeError):
+                continue
+            fn.restype = ctypes.c_int
+            fn.argtypes = []
+            return fn
+    return None
+
+
+def clear_last_cuda_error() -> int | None:
+    """Reset this thread's CUDA last error after a runtime call whose failure was handled.
+
+    See NOTE [ Sticky last error ]. Returns the error code it cleared (0: none was set), or
+    None when it could only launch a kernel to consume it.
+    """
+    get_last_error = _cuda_get_last_error()
+    if get_last_error is not None:
+        return int(get_last_error())
+    try:
+        torch.zeros(1, device="cuda")  # its launch check reads (and so resets) the last error
+        torch.zeros(1, device="cuda")
     except Exception:
         pass
+    return None
+
+
+_NO_HOST_CACHE_LOGGED = False
+
+
+def empty_host_cache() -> bool:
+    """Hand the caching host allocator's free pinned blocks back to CUDA; False when this
+    torch offers no way to (then they stay cached until the process exits).
+
+    Why private: the public ``torch.accelerator.empty_host_cache()`` is new (torch 2.13; not
+    in 2.11, the GPU machine's torch); before it only ``torch._C._host_emptyCache()`` does
+    this (torch's own cuda/graphs.py uses it). Without either, every pinned chunk the pool
+    releases stays cached, and across engines that reaches tens of GiB of pinned memory.
+    """
+    global _NO_HOST_CACHE_LOGGED
+    public = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    fn = public if public is not None else getattr(torch._C, "_host_emptyCache", None)
+    if fn is None:
+        if not _NO_HOST_CACHE_LOGGED:
+            _NO_HOST_CACHE_LOGGED = True
+            logger.warning("torch %s has neither torch.accelerator.empty_host_cache nor "
+                           "torch._C._host_emptyCache: released pinned chunks stay in PyTorch's "
+                           "host cache until the process exits", torch.__version__)
+        return False
+    try:
+        fn()
+    except Exception as e:  # no accelerator initialised: nothing is cached
+        logger.debug("empty_host_cache: %s: %s", type(e).__name__, e)
+        return False
+    return True
 
 
 def neg_view(t: torch.Tensor) -> torch.Tensor:

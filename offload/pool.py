@@ -68,7 +68,8 @@ read once before CUDA starts, and change every other pinned allocation of the
 job; power-of-two chunks make the rounding cost nothing whatever they are set to. ``torch.cuda.host_memory_stats()`` is reported in
 ``stats()`` (``host_allocator_bytes``) to check the real pinned footprint, and
 released pinned chunks are handed back to CUDA with
-``torch.accelerator.empty_host_cache()`` (otherwise the caching allocator
+``torch.accelerator.empty_host_cache()`` (``torch._C._host_emptyCache()`` on a torch
+without it, such as 2.11: ``offload/_torch_private.py``; otherwise the caching allocator
 keeps them).
 """
 
