@@ -8,14 +8,23 @@
 Writes ``<run_id>.json``, ``<run_id>.md`` and ``<run_id>.png`` into a fresh run folder
 ``./bench_runs/<UTC time>_bench_<run_id>/`` under the current directory (gitignored; never
 into the package), or into ``--out`` (``--out bench/results/cpu`` refreshes the files the
-README cites), and prints the tables.
+README cites), and prints the tables. The JSON and markdown are rewritten after every strategy
+(strategies not yet finished are listed as ``pending``), so a run killed midway keeps what it
+measured; a strategy that fails is recorded with its error and the others run on.
+Exit status: 0 when every strategy has its result (errors included), 1 for stream-ordering
+hazards (``--emulate``), 2 for bad arguments, 3 when the run stopped early (a CUDA context left
+unusable by an error): ``meta.partial`` in the JSON lists what is missing and the command to rerun it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "bench/results/<device> refreshes the files the README cites)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-probe", action="store_true", help="skip the copy-ceiling measurement")
-    p.add_argument("--no-write", action="store_true", help="print only; write no files")
+    p.add_argument("--no-write", action="store_true",
+                   help="print only; write no files (else the JSON and markdown are rewritten after every strategy)")
     p.add_argument("--quiet", action="store_true", help="no progress indicator")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads; default 1 on CPU (a bench on a shared machine with 2+ threads "
@@ -166,8 +176,9 @@ def _run_emulated(cfg: BenchConfig, args: argparse.Namespace, meta: dict) -> Ben
     """The strategies on offload.testing's emulated accelerator (late data + checker); hazards in meta.emulator."""
     from offload.testing import EmulatedAccelerator
 
+    writer = _Writer(args)
     with EmulatedAccelerator(late=True) as acc:
-        result = run_bench(cfg, meta, None)
+        result = run_bench(cfg, meta, None, on_update=writer.partial)
     e = result.meta["emulator"] = acc.summary()
     e["note"] = ("offload.testing.EmulatedAccelerator(late=True): streams emulated on CPU tensors, every aten op "
                  "checked for stream ordering; step times include the checker and mean nothing here")
@@ -176,13 +187,28 @@ def _run_emulated(cfg: BenchConfig, args: argparse.Namespace, meta: dict) -> Ben
           f"{e['hazards']} hazard(s)")
     for text in e["hazard_reports"]:
         print(text, file=sys.stderr)
-    if not args.no_write:
-        out_dir = args.out if args.out is not None else default_run_dir("bench", str(result.workload["run_id"]))
-        for path in write_all(result, out_dir, plot=not args.no_plot):
-            print(f"wrote {path}")
+    writer.final(result)
     if e["hazards"]:
         raise _Hazards(e["hazards"])
     return result
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Any:
+    """SIGTERM (a time limit's kill) raises SystemExit, so the results file is rewritten once more
+    saying which strategies the kill left out (the default action would end the process at once)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 class _Hazards(Exception):
@@ -190,7 +216,7 @@ class _Hazards(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the bench; returns the process exit code (0 unless arguments are wrong)."""
+    """Run the bench; returns the process exit code (see the module docstring)."""
     args = parse_args(argv)
     if args.list:
         print(_list())
@@ -216,13 +242,45 @@ def main(argv: list[str] | None = None) -> int:
             from bench.plan import main_max_seq, main_plan
 
             return (main_plan if args.plan else main_max_seq)(cfg.workload, cfg.device, args, argv)
-        _run(cfg, args, argv)
+        with _sigterm_as_exit():
+            result = _run(cfg, args, argv)
+        if "partial" in result.meta:
+            print(f"python -m bench: stopped before every strategy ran; missing: "
+                  f"{', '.join(result.meta['partial']['missing'])} (rerun: {result.meta['partial']['rerun']})",
+                  file=sys.stderr)
+            return 3
     except _Hazards as e:
         print(f"python -m bench --emulate: {e} stream-ordering hazard(s) (reports above)", file=sys.stderr)
         return 1
     finally:
         torch.set_num_threads(before)  # main() is also called in-process (tests)
     return 0
+
+
+class _Writer:
+    """Writes the results files: after every strategy (JSON and markdown, so a run killed midway
+    leaves what it finished, the rest listed as pending), and once more at the end (with the PNG).
+    The folder is chosen at the first write, from the workload the run really measures."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out_dir: Path | None = None
+
+    def _dir(self, result: BenchResult) -> Path:
+        if self.out_dir is None:
+            self.out_dir = (self.args.out if self.args.out is not None
+                            else default_run_dir("bench", str(result.workload["run_id"])))
+        return self.out_dir
+
+    def partial(self, result: BenchResult) -> None:
+        if not self.args.no_write:
+            result.targets = to_jsonable(evaluate_targets(result))
+            write_all(result, self._dir(result), plot=False)
+
+    def final(self, result: BenchResult) -> None:
+        if not self.args.no_write:
+            for path in write_all(result, self._dir(result), plot=not self.args.no_plot):
+                print(f"wrote {path}")
 
 
 def _run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None) -> BenchResult:
@@ -232,11 +290,9 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None) -> 
     if not args.no_probe and cfg.progress:
         print("[bench] measuring the copy ceiling (bench.probe)", file=sys.stderr)
     ceiling = None if args.no_probe else measure_ceiling(cfg.device, progress=cfg.progress)
-    result = run_bench(cfg, meta, ceiling)
+    writer = _Writer(args)
+    result = run_bench(cfg, meta, ceiling, on_update=writer.partial)
     result.targets = to_jsonable(evaluate_targets(result))
     print(format_tables(result))
-    if not args.no_write:
-        out_dir = args.out if args.out is not None else default_run_dir("bench", str(result.workload["run_id"]))
-        for path in write_all(result, out_dir, plot=not args.no_plot):
-            print(f"wrote {path}")
+    writer.final(result)
     return result

@@ -385,6 +385,8 @@ class _Runner:
     losses: list[float] = field(default_factory=list)
     planned: int = 0
     """Steps this strategy still owes the progress bar (dropped from its total if it stops)."""
+    done: bool = False
+    """Its result is final (ran, skipped or failed): the results file written after it shows it as is."""
 
     @property
     def active(self) -> bool:
@@ -408,6 +410,9 @@ class _Bench:
         self.references: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.reference_names = {spec.reference for spec in STRATEGIES.values()}
         self.process = psutil.Process()
+        self.stopped: str | None = None
+        """Why the strategies not yet run will not run in this process (a CUDA context left unusable by
+        an error, or an interrupt); None while the run goes on."""
 
     # -- lifecycle
 
@@ -439,7 +444,25 @@ class _Bench:
         self.progress.note(f"{r.spec.name}: {status}: {reason}")
         self.progress.drop(r.planned)
         r.planned = 0
-        self.release(r)
+        try:
+            self.release(r)
+        except Exception:  # releasing a broken strategy must not take the others down
+            traceback.print_exc(file=sys.stderr)
+        if status == "error" and self.stopped is None:
+            broken = device_unusable(self.device)
+            if broken is not None:
+                self.stopped = (f"not run: the {self.device.type.upper()} context was unusable after "
+                                f"{r.spec.name}'s error ({broken}); run this strategy in a fresh process")
+                self.progress.note(self.stopped)
+
+    @contextlib.contextmanager
+    def guard(self, r: _Runner, what: str) -> Any:
+        """Record an exception raised by ``what`` as this strategy's error (its peers run on)."""
+        try:
+            yield
+        except Exception as e:
+            if r.result.status == "ok":
+                self._fail(r, "error", f"{what} failed: {type(e).__name__}: {e}", tb=True)
 
     def release(self, r: _Runner) -> None:
         self.progress.phase(f"releasing {r.spec.name}")
@@ -462,7 +485,7 @@ class _Bench:
     # -- steps
 
     def step(self, r: _Runner, measure: bool) -> None:
-        if not r.active:
+        if not r.active or self.stopped is not None:
             return
         assert r.prepared is not None
         _zero_grads(self.model)
@@ -505,7 +528,8 @@ class _Bench:
             # step of `none` is the reference for every other strategy's last step.
             self.references[r.spec.name] = self._snapshot(loss)
         if r.steps_done == self.cfg.steps:
-            self.after_last_step(r, loss)
+            with self.guard(r, "the correctness check"):
+                self.after_last_step(r, loss)
 
     def begin_measuring(self, r: _Runner) -> None:
         if r.active:
@@ -611,6 +635,25 @@ class _Bench:
         self.release(r)
 
 
+def device_unusable(device: torch.device) -> str | None:
+    """Why ``device`` cannot run kernels any more (a sticky CUDA error), or None if it can.
+
+    A non-sticky error left pending is consumed by the first launch's check (which raises it
+    once), so the launch is tried twice: only an error that repeats means the context is lost.
+    """
+    if device.type != "cuda":
+        return None
+    error = None
+    for _ in range(2):
+        try:
+            torch.cuda.synchronize(device)
+            torch.ones(1, device=device).add_(1).item()
+            return None
+        except Exception as e:
+            error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+    return error
+
+
 def _compare(reference: tuple[torch.Tensor, list[torch.Tensor]], loss: torch.Tensor,
              grads: list[torch.Tensor | None], against: str = "none") -> Correctness:
     ref_loss, ref_grads = reference
@@ -631,8 +674,21 @@ def _compare(reference: tuple[torch.Tensor, list[torch.Tensor]], loss: torch.Ten
 # ------------------------------------------------------------------ the run
 
 
-def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None) -> BenchResult:
-    """Run every strategy of ``cfg`` on its workload and return the measurements."""
+PENDING_REASON = ("not run yet: the results file is rewritten after every strategy, and this one had not "
+                  "finished when it was written (the run was still going, or was killed)")
+
+
+def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None,
+              on_update: Callable[[BenchResult], None] | None = None) -> BenchResult:
+    """Run every strategy of ``cfg`` on its workload and return the measurements.
+
+    ``on_update(partial)`` is called once before the first strategy and again after each one
+    reaches its final status (ran, skipped or failed), with every strategy not yet finished
+    listed as ``pending``: a caller that writes it each time loses at most the strategy in
+    flight when the process is killed. An error in one strategy is recorded as its result and
+    the others run on; one that leaves the CUDA context unusable stops the run, and the
+    strategies left are recorded as ``not_run`` with the reason (``meta["partial"]``).
+    """
     device = torch.device(cfg.device)
     workload = cfg.workload
     names = list(dict.fromkeys(cfg.strategies))
@@ -658,45 +714,83 @@ def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None) -> Be
     for r in runners:
         r.planned = per_strategy
         if r.spec.name in not_here:
-            r.result.status, r.result.reason, r.planned = "skipped", not_here[r.spec.name], 0
+            r.result.status, r.result.reason, r.planned, r.done = "skipped", not_here[r.spec.name], 0, True
+
+    def publish(*finished: _Runner) -> None:
+        for r in finished:
+            r.done = True
+        if on_update is not None:
+            on_update(_result(cfg, workload, meta, ceiling, runners, bench.stopped))
+
+    publish()
+    try:
+        _run_all(bench, runners, publish)
+    except BaseException as e:  # KeyboardInterrupt, SystemExit (SIGTERM): say so in the file, then go
+        bench.stopped = f"not run: the bench was interrupted ({type(e).__name__}) before this strategy finished"
+        publish()
+        raise
+    finally:
+        progress.phase("done")
+        progress.close()
+    return _result(cfg, workload, meta, ceiling, runners, bench.stopped)
+
+
+def _run_all(bench: _Bench, runners: list[_Runner], publish: Callable[..., None]) -> None:
+    """Every runner in the configured order; ``publish`` after each one's result is final."""
+    cfg = bench.cfg
 
     def run_alone(r: _Runner) -> None:
-        if r.prepared is None and r.result.status == "ok":
-            bench.prepare(r)
-        for _ in range(cfg.warmup):
-            bench.step(r, measure=False)
-        bench.begin_measuring(r)
-        for _ in range(cfg.steps):
-            bench.step(r, measure=True)
-        bench.finish(r)
+        if bench.stopped is not None:
+            return
+        with bench.guard(r, "the strategy"):
+            if r.prepared is None and r.result.status == "ok":
+                bench.prepare(r)
+            for _ in range(cfg.warmup):
+                bench.step(r, measure=False)
+            bench.begin_measuring(r)
+            for _ in range(cfg.steps):
+                bench.step(r, measure=True)
+            bench.finish(r)
+        publish(r)
 
     if cfg.order == "sequential":
         for r in runners:
             run_alone(r)
-    else:
-        for r in runners:
-            if r.result.status == "ok":
-                bench.prepare(r)
-        together = [r for r in runners if r.active and not r.prepared.isolated]
-        alone = [r for r in runners if r.active and r.prepared.isolated]
-        for _ in range(cfg.warmup):
-            for r in together:
-                bench.step(r, measure=False)
+        return
+    for r in runners:
+        if r.result.status == "ok":
+            bench.prepare(r)
+            if not r.active:
+                publish(r)  # skipped or failed in prepare
+    together = [r for r in runners if r.active and not r.prepared.isolated]
+    alone = [r for r in runners if r.active and r.prepared.isolated]
+    for _ in range(cfg.warmup):
         for r in together:
+            bench.step(r, measure=False)
+    for r in together:
+        with bench.guard(r, "reading the ledger"):
             bench.begin_measuring(r)
-        for i in range(cfg.steps):
-            # Rotate who goes first each round, so no strategy always follows the same neighbour.
-            # The last round keeps the given order: references (`none` first) finish before the rest.
-            k = i % len(together) if together and i < cfg.steps - 1 else 0
-            for r in together[k:] + together[:k]:
-                bench.step(r, measure=True)
-        for r in together:
+    for i in range(cfg.steps):
+        # Rotate who goes first each round, so no strategy always follows the same neighbour.
+        # The last round keeps the given order: references (`none` first) finish before the rest.
+        k = i % len(together) if together and i < cfg.steps - 1 else 0
+        for r in together[k:] + together[:k]:
+            bench.step(r, measure=True)
+    for r in together:
+        if bench.stopped is not None:  # unfinished: released, and listed as not run
+            bench.release(r)
+            continue
+        with bench.guard(r, "the memory measurement"):
             bench.finish(r)
-        for r in alone:
-            run_alone(r)
-    progress.phase("done")
-    progress.close()
+        publish(r)
+    for r in alone:
+        run_alone(r)
 
+
+def _result(cfg: BenchConfig, workload: Workload, meta: dict[str, Any], ceiling: Any,
+            runners: list[_Runner], stopped: str | None) -> BenchResult:
+    """The results so far: finished strategies as they are, the others ``pending`` (or ``not_run``
+    with the reason, once the run stopped), listed in ``meta["partial"]`` when any is missing."""
     meta = dict(meta)
     try:
         meta["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
@@ -708,4 +802,18 @@ def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None) -> Be
     wl = {f: getattr(workload, f) for f in workload.__dataclass_fields__}
     wl.update(tokens_per_step=workload.tokens_per_step, param_count=workload.param_count(),
               flops_per_step=workload.flops_per_step(), run_id=workload.run_id)
-    return BenchResult(meta=meta, workload=wl, ceiling=ceiling, strategies=[r.result for r in runners])
+    results = []
+    for r in runners:
+        if r.done:
+            results.append(r.result)
+        else:
+            status = "pending" if stopped is None else "not_run"
+            results.append(StrategyResult(name=r.spec.name, description=r.spec.description, status=status,
+                                          reason=PENDING_REASON if stopped is None else stopped))
+    missing = {s.name: s.reason for s in results if s.status in ("pending", "not_run")}
+    if missing:
+        meta["partial"] = {
+            "missing": missing,
+            "rerun": f"{meta.get('command', 'python -m bench')} --strategies {','.join(['none', *missing])}",
+        }
+    return BenchResult(meta=meta, workload=wl, ceiling=ceiling, strategies=results)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -292,19 +293,35 @@ def write_png(result: BenchResult, path: Path) -> bool:
     return True
 
 
+def _atomically(path: Path, write) -> object:
+    """``write(tmp)`` then rename onto ``path``: a process killed mid-write leaves the previous file whole
+    (the bench rewrites its files after every strategy)."""
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        made = write(tmp)
+        if tmp.exists():
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return made
+
+
 def write_all(result: BenchResult, out_dir: Path, plot: bool = True) -> list[Path]:
-    """JSON, markdown and (if matplotlib is there) PNG under ``out_dir``, named by the workload's run id."""
+    """JSON, markdown and (if matplotlib is there) PNG under ``out_dir``, named by the workload's run id.
+
+    Each file is replaced atomically, so it can be rewritten after every strategy."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = result.workload["run_id"]
     written = []
     json_path = out_dir / f"{stem}.json"
-    write_json(result, json_path)
+    _atomically(json_path, lambda p: write_json(result, p))
     written.append(json_path)
     png_path = out_dir / f"{stem}.png"
-    png_ok = plot and write_png(result, png_path)
+    png_ok = plot and _atomically(png_path, lambda p: write_png(result, p))
     if png_ok:
         written.append(png_path)
     md_path = out_dir / f"{stem}.md"
-    write_markdown(result, md_path, json_path.name, png_path.name if png_ok else None)
+    _atomically(md_path, lambda p: write_markdown(result, p, json_path.name,
+                                                  png_path.name if png_ok or png_path.exists() else None))
     written.append(md_path)
     return written
