@@ -39,12 +39,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
-import math
 import os
 import sys
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -54,8 +52,10 @@ from torch.profiler import record_function
 
 from bench.model import ToyLlama, make_batch
 from bench.progress import bar, note
-from bench.results import BenchResult, Correctness, EngineStats, StrategyResult
+from bench import verdict
+from bench.results import BenchResult, EngineStats, StrategyResult
 from bench.strategies import STRATEGIES, BenchEnv, Prepared, Skip, StrategySpec
+from bench.verdict import Snapshot
 from bench.workloads import Workload
 
 __all__ = ["BenchConfig", "run_bench", "fit_layers", "Progress", "CpuMemory", "cpu_memory_profile",
@@ -393,6 +393,17 @@ class _Runner:
         return self.prepared is not None and self.result.status == "ok"
 
 
+@dataclass
+class _Reference:
+    """A reference strategy's correctness step (what the others are compared with)."""
+
+    snapshot: Snapshot
+    nondeterministic_ops: list[str]
+    """Kernels without a deterministic implementation in its step (empty: all deterministic)."""
+    floor: Snapshot | None
+    """A second run of it when some kernel is not deterministic: its difference is the noise floor."""
+
+
 class _Bench:
     def __init__(self, cfg: BenchConfig, workload: Workload, progress: Progress) -> None:
         self.cfg = cfg
@@ -407,7 +418,7 @@ class _Bench:
         )
         self.deterministic_check = (cfg.deterministic_check if cfg.deterministic_check is not None
                                     else self.device.type == "cuda")
-        self.references: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.references: dict[str, _Reference] = {}
         self.reference_names = {spec.reference for spec in STRATEGIES.values()}
         self.process = psutil.Process()
         self.stopped: str | None = None
@@ -526,7 +537,8 @@ class _Bench:
         if not self.deterministic_check and r.spec.name in self.reference_names and r.spec.name not in self.references:
             # Every step computes the same loss and grads (no optimizer), so the first measured
             # step of `none` is the reference for every other strategy's last step.
-            self.references[r.spec.name] = self._snapshot(loss)
+            self.references[r.spec.name] = _Reference(
+                Snapshot.take(loss, [p.grad for p in self.model.parameters()]), [], None)
         if r.steps_done == self.cfg.steps:
             with self.guard(r, "the correctness check"):
                 self.after_last_step(r, loss)
@@ -541,7 +553,9 @@ class _Bench:
         On CPU every step is deterministic, so the measured steps are compared directly (the
         reference is its first measured step; its last step checks that it repeats). On a GPU
         some default kernels (flash-attention backward) accumulate with atomics, so correctness
-        comes from one extra step per strategy with ``torch.use_deterministic_algorithms`` on.
+        comes from one extra step per strategy with deterministic algorithms enforced, or judged
+        against the reference's noise floor where a kernel cannot be deterministic
+        (``bench/verdict.py``).
         """
         engine = r.prepared.engine if r.prepared is not None else None
         after = _ledger_summary(engine)
@@ -557,41 +571,41 @@ class _Bench:
                     "(torch.cuda.host_memory_stats, rounded block sizes)")
         r.result.loss = float(loss)
         is_reference = r.spec.name in self.reference_names
-        if self.deterministic_check:
-            try:
-                self.progress.phase(f"{r.spec.name}: deterministic correctness step")
-                loss = self._deterministic_step(r)
-                if is_reference and r.spec.name not in self.references:
-                    self.references[r.spec.name] = self._snapshot(loss)
-                    loss = self._deterministic_step(r)  # a second one: does the reference repeat?
-            except Exception as e:  # OOM or a kernel without a deterministic mode: no verdict
-                r.result.correctness = None
-                self.progress.note(f"{r.spec.name}: correctness step failed: {type(e).__name__}: {e}")
-                return
-        grads = [p.grad for p in self.model.parameters()]
         against = r.spec.name if is_reference else r.spec.reference
+        if not self.deterministic_check:
+            ref = self.references.get(against)
+            if ref is not None:
+                got = Snapshot.take(loss, [p.grad for p in self.model.parameters()])
+                r.result.correctness = verdict.compare(ref.snapshot, got, against)
+            return
+        try:
+            self.progress.phase(f"{r.spec.name}: deterministic correctness step")
+            got = self._deterministic_step(r)
+            if is_reference and r.spec.name not in self.references:
+                again = self._deterministic_step(r)  # a second one: does the reference repeat?
+                self.references[r.spec.name] = _Reference(got.snapshot, got.nondeterministic_ops,
+                                                          None if got.strict else again.snapshot)
+                got = again
+        except Exception as e:  # OOM, or a failure the step itself did not have: no verdict
+            r.result.correctness = None
+            self.progress.note(f"{r.spec.name}: correctness step failed: {type(e).__name__}: {e}")
+            return
         ref = self.references.get(against)
         if ref is not None:
-            r.result.correctness = _compare(ref, loss, grads, against)
+            ops = sorted(set(ref.nondeterministic_ops) | set(got.nondeterministic_ops))
+            r.result.correctness = verdict.compare(ref.snapshot, got.snapshot, against, floor=ref.floor, ops=ops)
 
-    def _snapshot(self, loss: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return (loss.detach().to("cpu", copy=True),
-                [p.grad.detach().to("cpu", copy=True) for p in self.model.parameters()])
-
-    def _deterministic_step(self, r: _Runner) -> torch.Tensor:
+    def _deterministic_step(self, r: _Runner) -> verdict.Step:
+        """One step with deterministic algorithms enforced where the kernels allow (bench/verdict.py)."""
         assert r.prepared is not None
-        _zero_grads(self.model)
-        was_on = torch.are_deterministic_algorithms_enabled()
-        was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # warn_only: ops without a deterministic mode just warn
-            torch.use_deterministic_algorithms(True, warn_only=True)
-            try:
-                loss = r.prepared.step()
-                _sync(self.device)
-            finally:
-                torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
-        return loss
+
+        def step() -> torch.Tensor:
+            loss = r.prepared.step()
+            _sync(self.device)
+            return loss
+
+        return verdict.deterministic_step(step, lambda: _zero_grads(self.model),
+                                          lambda: [p.grad for p in self.model.parameters()])
 
     def _cpu_memory_step(self, r: _Runner) -> None:
         """One profiled step: activation peak with every arm's host copies counted alike, the bytes its
@@ -654,23 +668,6 @@ def device_unusable(device: torch.device) -> str | None:
     return error
 
 
-def _compare(reference: tuple[torch.Tensor, list[torch.Tensor]], loss: torch.Tensor,
-             grads: list[torch.Tensor | None], against: str = "none") -> Correctness:
-    ref_loss, ref_grads = reference
-    loss_cpu = loss.detach().cpu()
-    loss_equal = torch.equal(loss_cpu, ref_loss)
-    max_diff = 0.0 if loss_equal else float((loss_cpu.double() - ref_loss.double()).abs().max())
-    grads_equal = True
-    for g, ref in zip(grads, ref_grads):
-        g_cpu = g.detach().cpu() if g is not None else torch.zeros_like(ref)
-        if not torch.equal(g_cpu, ref):
-            grads_equal = False
-            diff = float((g_cpu.double() - ref.double()).abs().max())
-            max_diff = max(max_diff, diff if math.isfinite(diff) else math.inf)
-    return Correctness(loss_equal=loss_equal, grads_equal=grads_equal, grads_compared=len(ref_grads),
-                       max_abs_diff=max_diff, against=against)
-
-
 # ------------------------------------------------------------------ the run
 
 
@@ -690,6 +687,8 @@ def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None,
     strategies left are recorded as ``not_run`` with the reason (``meta["partial"]``).
     """
     device = torch.device(cfg.device)
+    if device.type == "cuda":  # before cuBLAS starts: deterministic matmuls need it (bench/verdict.py)
+        meta["cublas_workspace_config"] = verdict.set_cublas_workspace_config()
     workload = cfg.workload
     names = list(dict.fromkeys(cfg.strategies))
     if "none" in names:

@@ -29,12 +29,17 @@ def _f(x: float | None, spec: str) -> str:
 def _correct(s: StrategyResult) -> str:
     c = s.correctness
     if c is not None and c.against == s.name:  # a reference checked against its own earlier step
+        if c.mode == "noise_floor" and not c.bitwise_equal:
+            return f"reference, run-to-run max|d| {c.max_abs_diff:.1e} ({', '.join(c.nondeterministic_ops)})"
         return "reference" if c.bitwise_equal else f"reference, NOT repeatable (max|d| {c.max_abs_diff:.1e})"
     if c is None:
         return "reference" if s.name == "none" else "—"
     vs = "" if c.against == "none" else f" vs {c.against}"
     if c.bitwise_equal:
         return "bitwise" + vs
+    if c.mode == "noise_floor":
+        return {True: "within noise", False: "NO, beyond noise", None: "inconclusive"}[c.within_noise] + \
+            f"{vs} (max|d| {c.max_abs_diff:.1e})"
     return f"NO{vs} (max|d| {c.max_abs_diff:.1e})"
 
 

@@ -104,10 +104,42 @@ class Correctness:
     """Largest |difference| over loss and grads (0.0 when bitwise equal)."""
     against: str = "none"
     """The strategy compared with (``compile`` for ``compile_offload``)."""
+    mode: str = "bitwise"
+    """``"bitwise"`` (every kernel deterministic: any difference is the strategy's) or ``"noise_floor"``
+    (a kernel has no deterministic implementation: judged against the reference's run-to-run
+    difference; see ``bench/verdict.py``)."""
+    nondeterministic_ops: list[str] = field(default_factory=list)
+    """The kernels torch reported as having no deterministic implementation (mode ``noise_floor``)."""
+    noise_floor: float | None = None
+    """Largest |difference| between two runs of the reference (mode ``noise_floor``; None: not measured)."""
+    within_noise: bool | None = None
+    """Mode ``noise_floor``: every tensor within the noise (True), beyond it (False), or no floor (None)."""
+    worst_tensor: str = ""
+    """Mode ``noise_floor``: the tensor furthest beyond (or nearest to) its floor (``loss`` or ``grad i``)."""
 
     @property
     def bitwise_equal(self) -> bool:
         return self.loss_equal and self.grads_equal
+
+    @property
+    def verdict(self) -> str:
+        """One line: equal, changed by the strategy, within a non-deterministic kernel's noise, or
+        inconclusive, naming the kernels."""
+        if self.bitwise_equal:
+            return "bitwise equal"
+        if self.mode != "noise_floor":
+            return (f"DIFFERS with every kernel deterministic: the strategy changed the numbers "
+                    f"(max|d| {self.max_abs_diff:.1e})")
+        ops = ", ".join(self.nondeterministic_ops)
+        if self.within_noise is None:
+            return (f"inconclusive: not bitwise, and {ops} has no deterministic implementation while no noise "
+                    f"floor was measured for {self.against} (max|d| {self.max_abs_diff:.1e})")
+        if self.within_noise:
+            return (f"within the noise of non-deterministic kernels ({ops}): max|d| {self.max_abs_diff:.1e}, "
+                    f"{self.against}'s own run-to-run max|d| {self.noise_floor:.1e}")
+        return (f"DIFFERS beyond the noise of non-deterministic kernels ({ops}): the strategy changed the numbers "
+                f"(max|d| {self.max_abs_diff:.1e} vs {self.against}'s run-to-run {self.noise_floor:.1e}, "
+                f"worst at {self.worst_tensor})")
 
 
 @dataclass
