@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 __all__ = ["default_device", "device_name", "device_slug", "results_dir", "default_run_dir", "run_metadata",
-           "REPO_ROOT"]
+           "environment_record", "REPO_ROOT", "COMMIT_ENV"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,7 +67,14 @@ def default_run_dir(tool: str, name: str, *, now: datetime.datetime | None = Non
     return path
 
 
+COMMIT_ENV = "OFFLOAD_GIT_COMMIT"
+"""The commit a results file records when the tree has no ``.git`` (the GPU machine gets a copy of the
+working tree without one): ``scripts/gpu_run.sh --commit SHA`` exports it."""
+
+
 def _git_commit() -> str | None:
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     try:
         out = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
@@ -107,3 +114,83 @@ def run_metadata(device: str | torch.device, argv: list[str] | None = None) -> d
         meta["device_total_memory_bytes"] = props.total_memory
         meta["cuda"] = torch.version.cuda
     return meta
+
+
+_PACKAGES = ("torch", "numpy", "psutil", "transformers", "accelerate", "peft", "lightning", "trl", "pulp", "pwlf",
+             "pytest", "pytest_timeout", "hypothesis", "tabulate", "tqdm", "matplotlib", "scipy", "ninja")
+
+
+def _package_versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in _PACKAGES:
+        try:
+            out[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _nvidia_smi() -> str | None:
+    query = "name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max,clocks.max.sm"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv"], capture_output=True,
+                             text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout or out.stderr).strip() or None
+
+
+def environment_record() -> dict[str, Any]:
+    """What a GPU run's results depend on, read once at its start (``scripts/gpu_run.sh`` phase env):
+    versions, the device, host memory (``psutil.virtual_memory()``: a VM whose memory grows as used makes
+    the engine's RAM gauge read high), the pinned-memory APIs this torch has, and the settings in force."""
+    import resource
+    import shutil
+
+    import psutil
+
+    cuda = torch.cuda.is_available()
+    rec: dict[str, Any] = run_metadata("cuda" if cuda else "cpu", [])
+    rec.pop("command", None)
+    rec["commit_source"] = "env " + COMMIT_ENV if os.environ.get(COMMIT_ENV) else "git"
+    rec["virtual_memory"] = psutil.virtual_memory()._asdict()
+    rec["swap_memory"] = psutil.swap_memory()._asdict()
+    rec["memlock_rlimit"] = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    rec["packages"] = _package_versions()
+    rec["torch_cuda"] = torch.version.cuda
+    rec["cudnn"] = torch.backends.cudnn.version() if cuda else None
+    rec["host_cache_api"] = {
+        "torch.accelerator.empty_host_cache": hasattr(getattr(torch, "accelerator", None), "empty_host_cache"),
+        "torch._C._host_emptyCache": hasattr(torch._C, "_host_emptyCache"),
+    }
+    rec["env"] = {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALLOC_CONF",
+                                                  "PYTORCH_ALLOC_CONF", "TORCH_CUDA_SANITIZER", "CUDA_VISIBLE_DEVICES")}
+    rec["compilers"] = {n: shutil.which(n) for n in ("g++", "ninja", "nvcc")}
+    rec["nvidia_smi"] = _nvidia_smi()
+    if cuda:
+        p = torch.cuda.get_device_properties(0)
+        rec["device_properties"] = {"name": p.name, "total_memory": p.total_memory, "capability": [p.major, p.minor],
+                                    "multi_processor_count": p.multi_processor_count}
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.env --out env.json``: write :func:`environment_record` as JSON (and print it)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m bench.env", description=environment_record.__doc__)
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write (default: print only)")
+    args = p.parse_args(argv)
+    text = json.dumps(environment_record(), indent=1, default=str) + "\n"
+    print(text, end="")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

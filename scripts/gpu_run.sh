@@ -1,103 +1,284 @@
 #!/usr/bin/env bash
-# The one command for a lent GPU machine: GPU tests, copy-bandwidth probe, GPU bench presets.
+# The one command for a lent GPU machine: GPU tests, the CUDA sanitizer, the copy-bandwidth probe and
+# the GPU bench presets, planned within a time budget, most valuable first, and every result copied
+# into $OUT after every phase (and every 15 s during one), so a kill at any point returns everything
+# finished so far.
 #
-# Runbook (from the repo root, on the GPU machine; torch must already be installed there):
-#   scripts/gpu_run.sh                      # all phases: tests probe 1b 3b 8b 8b-8k
-#   scripts/gpu_run.sh tests probe 1b       # a subset, in this order
-#   STEPS=3 scripts/gpu_run.sh 8b           # fewer measured steps (passed to python -m bench)
-# With the device tool (10 minutes per call), split the phases over calls, e.g.
-#   run: scripts/gpu_run.sh tests probe 1b     then    run: scripts/gpu_run.sh 3b 8b
+# Runbook (from the repo root; docs/gpu-run.md has the two prepared device-tool calls):
+#   scripts/gpu_run.sh --budget 330 --commit abc1234 env tests probe 1b      # call 1 (~5.5 min)
+#   scripts/gpu_run.sh --budget 330 --commit abc1234 env sanitizer 8b        # call 2 (~5.5 min)
+#   scripts/gpu_run.sh --dry-run --budget 120                                # CPU: the same phases, tiny
+#   scripts/gpu_run.sh                                                       # every default phase, no budget
 #
-# Phases:
-#   tests   PYTHONPATH=. pytest -m gpu over the whole tests/ tree -> gpu_tests.xml (junit) + gpu_tests.txt
-#   probe   python -m bench.probe: pinned/pageable H2D/D2H, 1 MB-1 GB, alone and under a matmul -> probe.json
-#   1b 3b   python -m bench --preset 1b|3b (s=4096, bf16)             -> <run_id>.json/.md/.png
-#           (compile and compile_offload run on 1b only unless COMPILE_ALL=1)
-#   8b      python -m bench --preset 8b --seq 4096 (as many h=4096 blocks as fit)
-#   8b-8k   python -m bench --preset 8b --seq 8192
-#   plan-1b python -m bench --plan --preset 1b: the planner's frontier at 25/50/75 % of activation
-#           memory vs none/ac/sac/offload/offload_ac, compile's activation_memory_budget and torch's
-#           auto-AC ILP (needs pulp + pwlf wheels in .whl/; else listed as skipped with the error)
-#   plan-8b python -m bench --plan --preset 8b --seq 4096, then --max-seq at that no-plan peak
-# (plan-* are not in the default set: run them by name once the measurement phases are in.)
-# Everything goes to bench/results/<device-slug>/ (plus gpu_run.log). When $OUT is set (the device
-# tool's return folder), that folder is also packed into $OUT/gpu_results_<device-slug>.tar.gz and
-# the log and test summary are copied next to it. Commit bench/results/<device-slug>/ afterwards.
+# Options:
+#   --budget SECONDS  wall-clock budget for the whole script. A phase whose estimate exceeds what is
+#                     left is skipped (recorded, with the reason); a phase that runs is stopped at
+#                     min(its cap, what is left) (SIGTERM: the bench then rewrites its files saying
+#                     what is missing). 10 s are kept for the last copy into $OUT.
+#   --commit SHA      the commit the results record (the device gets a copy of the tree without .git).
+#   --results DIR     where results go (default bench/results/<device-slug>; dry-run: a temp folder).
+#   --dry-run         CPU: every phase at a tiny size, on the emulated accelerator where it needs a device
+#                     (tests/offload/test_gpu_offload.py's emulated twins for tests and sanitizer). CI runs
+#                     it (tests/test_gpu_run.py) so this script cannot rot between GPU runs.
 #
-# Optional peers: wheels placed in .whl/ (e.g. trl, pure Python) are installed into /tmp/site first.
-# tabulate (pure Python, a dependency of offload since issue 26: the bench's and the ledger's tables)
-# must be importable there too: put its wheel in .whl/ if the machine lacks it.
-# Exit status: 0 when every phase succeeded, else the last failing phase's status.
+# Phases, in priority order (default: env tests probe 1b sanitizer 8b predict 3b 8b-8k; plan-* by name):
+#   env        python -m bench.env: versions, device, psutil.virtual_memory(), settings -> env.json
+#   tests      pytest -m "gpu and not slow" tests (the 1000-step soak excluded), per-test deadline
+#              (scripts/pytest_deadline.py) -> gpu_tests.txt (streamed) + gpu_tests.xml
+#   probe      python -m bench.probe --max-mb 256: pinned/pageable H2D/D2H -> probe.json
+#   1b         python -m bench --preset 1b, 3 steps, no compiled strategies (COMPILE=1 keeps them)
+#   sanitizer  TORCH_CUDA_SANITIZER=1 pytest over the stream/race tests -> sanitizer.txt + sanitizer.xml
+#   8b         python -m bench --preset 8b --seq 4096, 3 steps, no compile
+#   predict    predicted_vs_measured.json, once offload.predict and bench/predicted_vs_measured.py exist
+#   3b 8b-8k   python -m bench --preset 3b | --preset 8b --seq 8192
+#   plan-1b plan-8b   the planner's frontier (needs pulp + pwlf wheels in .whl/)
+# STEPS=N changes the measured steps of the bench phases (default 3).
+#
+# What comes back in $OUT (at most 8 files, all at its top level): results_<device>.tar.gz (the whole
+# results folder), gpu_run.log (streamed as written), summary.json (every phase: status, seconds,
+# estimate, limit, reason; the phase in flight is "running"), gpu_tests.txt, sanitizer.txt.
+# Commit them: tar -xzf results_<device>.tar.gz -C bench/results (docs/gpu-run.md).
+#
+# Wheels in .whl/ (trl; pulp + pwlf for plan-*) are installed into /tmp/site first (not in --dry-run).
+# Exit status: 0 when no phase failed (skipped ones do not fail), 1 when one did, 2 for bad arguments
+# or no GPU without --dry-run, 128+signal when killed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
+T0=$SECONDS
 PY=${PYTHON:-python3}
+export PYTHONPATH=".:scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}  # deterministic cuBLAS (bench/verdict.py)
+RESERVE=10         # seconds kept for the last copy into $OUT
+PACK_EVERY=${PACK_EVERY:-15}
+STEPS=${STEPS:-3}
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+BUDGET="" DRY="" COMMIT="${OFFLOAD_GIT_COMMIT:-}" RES=""
+phases=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --budget) BUDGET=${2:-}; shift 2 || { usage >&2; exit 2; } ;;
+    --budget=*) BUDGET=${1#*=}; shift ;;
+    --commit) COMMIT=${2:-}; shift 2 || { usage >&2; exit 2; } ;;
+    --commit=*) COMMIT=${1#*=}; shift ;;
+    --results) RES=${2:-}; shift 2 || { usage >&2; exit 2; } ;;
+    --results=*) RES=${1#*=}; shift ;;
+    --dry-run) DRY=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    -*) echo "gpu_run.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
+    *) phases+=("$1"); shift ;;
+  esac
+done
+if [ -n "$BUDGET" ] && ! [[ "$BUDGET" =~ ^[0-9]+$ ]]; then
+  echo "gpu_run.sh: --budget '$BUDGET' must be whole seconds, e.g. --budget 330" >&2; exit 2
 fi
+[ ${#phases[@]} -eq 0 ] && phases=(env tests probe 1b sanitizer 8b predict 3b 8b-8k)
 
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu_run.sh: torch.cuda.is_available() is False here; this script is for a CUDA machine" >&2
-  exit 2
+# name: estimate and cap in seconds on an H100 (estimates from ../shared/research/gpu-readiness-2026-11.md),
+# then in --dry-run. The estimate decides whether a phase starts; the cap bounds how long it may run.
+declare -A EST=(
+  [env]="10 40 5 60" [tests]="200 240 15 120" [probe]="40 75 8 60" [1b]="75 120 15 120"
+  [sanitizer]="90 150 15 120" [8b]="160 240 15 120" [predict]="30 60 2 30" [3b]="150 240 15 120"
+  [8b-8k]="300 420 15 120" [plan-1b]="450 590 2 30" [plan-8b]="590 590 2 30" [sleep]="600 600 1 600"
+)
+for ph in "${phases[@]}"; do
+  if [ -z "${EST[$ph]:-}" ] || { [ "$ph" = sleep ] && [ -z "$DRY" ]; }; then
+    echo "gpu_run.sh: unknown phase '$ph' (phases: env tests probe 1b sanitizer 8b predict 3b 8b-8k plan-1b plan-8b)" >&2
+    exit 2
+  fi
+done
+
+if [ -n "$DRY" ]; then
+  DEV=dry-run-cpu
+  RES=${RES:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_run_dry.XXXXXX")/$DEV}
+else
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+  if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_run.sh: torch.cuda.is_available() is False here; this script is for a CUDA machine" \
+         "(on CPU: scripts/gpu_run.sh --dry-run)" >&2
+    exit 2
+  fi
+  DEV=$("$PY" -c "from bench.env import device_slug; print(device_slug('cuda'))")
+  RES=${RES:-bench/results/$DEV}
 fi
-DEV=$("$PY" -c "from bench.env import device_slug; print(device_slug('cuda'))")
-RES="bench/results/$DEV"
 mkdir -p "$RES"
+RES=$(cd "$RES" && pwd)
+[ -n "$COMMIT" ] && export OFFLOAD_GIT_COMMIT="$COMMIT"
 LOG="$RES/gpu_run.log"
-STEP_ARGS=()
-[ -n "${STEPS:-}" ] && STEP_ARGS=(--steps "$STEPS")
-# The compiled strategies run on 1b only: compiling 16-32 unrolled h>=3072 blocks twice would
-# take minutes of each 10-minute device call. COMPILE_ALL=1 keeps them everywhere.
-NOCOMPILE="--skip compile,compile_offload"
-[ -n "${COMPILE_ALL:-}" ] && NOCOMPILE=""
+STATE="$RES/.phases.tsv"
+: >"$STATE"
+LOGS=("$LOG")
+[ -n "${OUT:-}" ] && { mkdir -p "$OUT"; LOGS+=("$OUT/gpu_run.log"); }
+say() { echo "$*" | tee -a "${LOGS[@]}"; }
 
-phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests probe 1b 3b 8b 8b-8k)
-status=0
+summary() {  # summary.json from the phase table, into $RES (and $OUT)
+  "$PY" - "$STATE" "$RES/summary.json" "${phases[*]}" "$BUDGET" "$DRY" "${OFFLOAD_GIT_COMMIT:-}" "$DEV" \
+        "$((SECONDS - T0))" <<'EOF'
+import json, os, sys
+state, out, planned, budget, dry, commit, dev, elapsed = sys.argv[1:]
+rows = {}
+for line in open(state):
+    name, status, rc, secs, est, limit, reason = line.rstrip("\n").split("\t")
+    rows[name] = {"phase": name, "status": status, "rc": None if rc == "" else int(rc),
+                  "seconds": None if secs == "" else int(secs), "estimate_s": int(est),
+                  "limit_s": None if limit == "" else int(limit), "reason": reason}
+phases = [rows.get(p, {"phase": p, "status": "pending", "reason": "not reached yet"}) for p in planned.split()]
+data = {"script": "scripts/gpu_run.sh", "device": dev, "dry_run": bool(dry), "commit": commit or None,
+        "budget_s": int(budget) if budget else None, "elapsed_s": int(elapsed), "phases": phases}
+tmp = out + ".part"
+with open(tmp, "w") as f:
+    json.dump(data, f, indent=1)
+os.replace(tmp, out)
+EOF
+}
 
-{ echo "== gpu_run.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) phases: ${phases[*]}"
-  nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv 2>&1
-  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee -a "$LOG"
+copy_in() {  # copy_in SRC NAME: atomically into $OUT (the last 15 MiB of a text file at most)
+  local tmp="$OUT/.$2.$BASHPID.part"
+  tail -c 15728640 "$1" >"$tmp" 2>/dev/null && mv -f "$tmp" "$OUT/$2"
+  rm -f "$tmp"
+}
 
-phase() {  # phase NAME CMD...: run, log, remember a failure
-  local name=$1; shift
-  echo "== [$name] $*" | tee -a "$LOG"
-  local t0=$SECONDS
-  "$@" 2>&1 | tee -a "$LOG"
-  local rc=${PIPESTATUS[0]}
-  echo "== [$name] rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
-  [ "$rc" -ne 0 ] && status=$rc
+pack() {  # everything so far into $OUT: the results folder as one tar, the text logs beside it
+  [ -n "${OUT:-}" ] || return 0
+  local tmp="$OUT/.results.$BASHPID.part"
+  if tar -czf "$tmp" -C "$(dirname "$RES")" --exclude=.phases.tsv "$(basename "$RES")" 2>/dev/null; then
+    mv -f "$tmp" "$OUT/results_$DEV.tar.gz"
+  fi
+  rm -f "$tmp"
+  for f in summary.json gpu_tests.txt sanitizer.txt; do
+    [ -f "$RES/$f" ] && copy_in "$RES/$f" "$f"
+  done
   return 0
 }
 
-for ph in "${phases[@]}"; do
-  case "$ph" in
-    tests)
-      echo "== [tests] pytest -m gpu tests" | tee -a "$LOG"
-      "$PY" -m pytest -m gpu tests -p no:cacheprovider -rA --junitxml="$RES/gpu_tests.xml" >"$RES/gpu_tests.txt" 2>&1
-      rc=$?
-      tail -n 60 "$RES/gpu_tests.txt" | tee -a "$LOG"
-      echo "== [tests] rc=$rc" | tee -a "$LOG"
-      # pytest exit 5 = nothing collected; anything else non-zero is a failure
-      [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && status=$rc ;;
-    probe) phase probe "$PY" -m bench.probe --out "$RES" ;;
-    1b)    phase 1b "$PY" -m bench --device cuda --preset 1b --out "$RES" "${STEP_ARGS[@]}" ;;
-    3b)    phase 3b "$PY" -m bench --device cuda --preset 3b --out "$RES" $NOCOMPILE "${STEP_ARGS[@]}" ;;
-    8b)    phase 8b "$PY" -m bench --device cuda --preset 8b --seq 4096 --out "$RES" $NOCOMPILE "${STEP_ARGS[@]}" ;;
-    8b-8k) phase 8b-8k "$PY" -m bench --device cuda --preset 8b --seq 8192 --out "$RES" $NOCOMPILE "${STEP_ARGS[@]}" ;;
-    plan-1b) phase plan-1b "$PY" -m bench --device cuda --preset 1b --plan --out "$RES" "${STEP_ARGS[@]}" ;;
-    plan-8b) phase plan-8b "$PY" -m bench --device cuda --preset 8b --seq 4096 --plan --out "$RES" "${STEP_ARGS[@]}"
-             phase max-seq-8b "$PY" -m bench --device cuda --preset 8b --seq 4096 --max-seq --out "$RES" "${STEP_ARGS[@]}" ;;
-    *) echo "gpu_run.sh: unknown phase '$ph' (phases: tests probe 1b 3b 8b 8b-8k plan-1b plan-8b)" | tee -a "$LOG"; status=2 ;;
-  esac
-done
+record() {  # record NAME STATUS RC SECONDS EST LIMIT REASON
+  grep -v "^$1	" "$STATE" >"$STATE.new"; mv -f "$STATE.new" "$STATE"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STATE"
+  summary
+}
 
-if [ -n "${OUT:-}" ]; then
-  tar -czf "$OUT/gpu_results_$DEV.tar.gz" -C bench/results "$DEV"
-  cp "$LOG" "$OUT/gpu_run.log"
-  [ -f "$RES/gpu_tests.txt" ] && cp "$RES/gpu_tests.txt" "$OUT/gpu_tests.txt"
-  echo "== packed $RES into $OUT/gpu_results_$DEV.tar.gz"
-fi
+# -------------------------------------------------------------- the phases' commands
+PYTEST=("$PY" -m pytest -p no:cacheprovider -p pytest_deadline -rA -v)
+RACE_K="race or known_bug or retain_graph or streams or inplace or exception_mid_forward"
+skip_reason() {  # why a phase cannot run here ("" if it can)
+  case "$1" in
+    predict)
+      if [ ! -e offload/predict/__init__.py ] && [ ! -e offload/predict.py ]; then
+        echo "offload.predict is not in this tree (issues 33/34): no predicted_vs_measured.json"
+      elif [ ! -f bench/predicted_vs_measured.py ]; then
+        echo "bench/predicted_vs_measured.py (offload.predict's numbers for the measured presets) is not written yet"
+      fi ;;
+    plan-1b|plan-8b) [ -n "$DRY" ] && echo "the planner's frontier has no tiny stand-in in --dry-run" ;;
+  esac
+}
+
+phase_cmd() {  # the command of phase $1, GPU or dry-run
+  local dry_bench=(--emulate --steps 1 --warmup 0 --dim 32 --layers 1 --vocab 64 --no-probe --no-plot --quiet)
+  local gpu_bench=(--device cuda --steps "$STEPS" --warmup 1 --out "$RES")
+  local nocompile=(--skip compile,compile_offload)
+  [ -n "${COMPILE:-}" ] && nocompile=()
+  case "$1:${DRY:+dry}" in
+    env:*)        CMD=("$PY" -m bench.env --out "$RES/env.json") ;;
+    tests:)       CMD=("${PYTEST[@]}" -m "gpu and not slow" tests --deadline "${TEST_DEADLINE:-90}"
+                       --junitxml="$RES/gpu_tests.xml") ;;
+    tests:dry)    CMD=("${PYTEST[@]}" -m "emulated and not slow" tests/offload/test_gpu_offload.py
+                       -k "race_d2h_waits or retain_graph" --deadline 60 --junitxml="$RES/gpu_tests.xml") ;;
+    sanitizer:)   CMD=(env TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}" -m "gpu and not slow" tests/offload/test_gpu_offload.py
+                       -k "$RACE_K" --deadline "${TEST_DEADLINE:-90}" --junitxml="$RES/sanitizer.xml") ;;
+    sanitizer:dry) CMD=("${PYTEST[@]}" -m "emulated and not slow" tests/offload/test_gpu_offload.py
+                       -k "race_source_block" --deadline 60 --junitxml="$RES/sanitizer.xml") ;;
+    probe:)       CMD=("$PY" -m bench.probe --max-mb 256 --out "$RES") ;;
+    probe:dry)    CMD=("$PY" -m bench.probe --device cpu --max-mb 1 --no-contention --out "$RES") ;;
+    1b:)          CMD=("$PY" -m bench --preset 1b "${gpu_bench[@]}" "${nocompile[@]}") ;;
+    8b:)          CMD=("$PY" -m bench --preset 8b --seq 4096 "${gpu_bench[@]}" "${nocompile[@]}") ;;
+    3b:)          CMD=("$PY" -m bench --preset 3b "${gpu_bench[@]}" "${nocompile[@]}") ;;
+    8b-8k:)       CMD=("$PY" -m bench --preset 8b --seq 8192 "${gpu_bench[@]}" "${nocompile[@]}") ;;
+    1b:dry)       CMD=("$PY" -m bench --seq 16 --strategies none,offload,offload_ac "${dry_bench[@]}" --out "$RES") ;;
+    8b:dry)       CMD=("$PY" -m bench --seq 24 --strategies none,offload "${dry_bench[@]}" --out "$RES") ;;
+    3b:dry)       CMD=("$PY" -m bench --seq 20 --strategies none,offload "${dry_bench[@]}" --out "$RES") ;;
+    8b-8k:dry)    CMD=("$PY" -m bench --seq 28 --strategies none,offload "${dry_bench[@]}" --out "$RES") ;;
+    plan-1b:)     CMD=("$PY" -m bench --device cuda --preset 1b --plan --out "$RES" --steps "$STEPS") ;;
+    plan-8b:)     CMD=("$PY" -m bench --device cuda --preset 8b --seq 4096 --plan --out "$RES" --steps "$STEPS") ;;
+    predict:*)    CMD=("$PY" -m bench.predicted_vs_measured --results "$RES" --out "$RES/predicted_vs_measured.json") ;;
+    sleep:dry)    CMD=(sleep 600) ;;  # dry-run only: a phase to kill (tests/test_gpu_run.py)
+  esac
+}
+
+# -------------------------------------------------------------- signals: record, copy, go
+CHILD="" PACKER="" CURRENT="" CUR_T0=0 CUR_EST=0 CUR_LIMIT=""
+on_signal() {
+  trap - TERM INT
+  [ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null && wait "$CHILD" 2>/dev/null
+  [ -n "$PACKER" ] && kill "$PACKER" 2>/dev/null
+  if [ -n "$CURRENT" ]; then
+    record "$CURRENT" killed "" "$((SECONDS - CUR_T0))" "$CUR_EST" "$CUR_LIMIT" "the script got SIG$1 during this phase"
+  fi
+  say "== gpu_run.sh: SIG$1 at $((SECONDS - T0))s; results so far are in ${OUT:-$RES}"
+  pack
+  exit $((128 + $2))
+}
+trap 'on_signal TERM 15' TERM
+trap 'on_signal INT 2' INT
+
+# -------------------------------------------------------------- the run
+say "== gpu_run.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) device $DEV${DRY:+ (dry run)} budget ${BUDGET:-none}s" \
+    "commit ${OFFLOAD_GIT_COMMIT:-unknown} phases: ${phases[*]}"
+summary
+pack
+status=0
+for ph in "${phases[@]}"; do
+  read -r est cap dest dcap <<<"${EST[$ph]}"
+  [ -n "$DRY" ] && est=$dest cap=$dcap
+  limit=$cap
+  if [ -n "$BUDGET" ]; then
+    left=$((BUDGET - (SECONDS - T0) - RESERVE))
+    if [ "$est" -gt "$left" ]; then
+      record "$ph" skipped "" "" "$est" "" "estimated ${est}s > ${left}s left of the ${BUDGET}s budget"
+      say "== [$ph] skipped: estimated ${est}s > ${left}s left"
+      continue
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
+  why=$(skip_reason "$ph")
+  if [ -n "$why" ]; then
+    record "$ph" skipped "" "" "$est" "" "$why"
+    say "== [$ph] skipped: $why"
+    continue
+  fi
+  phase_cmd "$ph"
+  CURRENT=$ph CUR_T0=$SECONDS CUR_EST=$est CUR_LIMIT=$limit
+  record "$ph" running "" "" "$est" "$limit" "started at $((SECONDS - T0))s"
+  pack
+  say "== [$ph] (estimate ${est}s, limit ${limit}s) ${CMD[*]}"
+  tees=("${LOGS[@]}")
+  case "$ph" in tests) tees+=("$RES/gpu_tests.txt") ;; sanitizer) tees+=("$RES/sanitizer.txt") ;; esac
+  if [ -n "${OUT:-}" ]; then
+    ( trap - TERM INT; while sleep "$PACK_EVERY"; do pack; done ) &
+    PACKER=$!
+  fi
+  timeout --foreground --signal=TERM --kill-after=15 "$limit" "${CMD[@]}" > >(tee -a "${tees[@]}") 2>&1 &
+  CHILD=$!
+  wait "$CHILD"
+  rc=$?
+  CHILD=""
+  [ -n "$PACKER" ] && { kill "$PACKER" 2>/dev/null; wait "$PACKER" 2>/dev/null; PACKER=""; }
+  secs=$((SECONDS - CUR_T0))
+  case "$rc" in
+    0) st=ok why="" ;;
+    124|137) st=timeout why="stopped at its ${limit}s limit (SIGTERM, then SIGKILL 15 s later)" ;;
+    5) st=ok why="no test collected (pytest exit 5)" ;;
+    3) st=partial why="the bench stopped early: see meta.partial in its JSON" ;;
+    *) st=failed why="exit status $rc" ;;
+  esac
+  [ "$st" = ok ] || status=1
+  CURRENT=""
+  record "$ph" "$st" "$rc" "$secs" "$est" "$limit" "$why"
+  say "== [$ph] $st rc=$rc in ${secs}s${why:+ ($why)}"
+  pack
+done
+say "== gpu_run.sh done in $((SECONDS - T0))s, status $status; results in $RES${OUT:+, copied into $OUT}"
+pack
 exit "$status"
