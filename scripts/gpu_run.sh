@@ -5,8 +5,8 @@
 # finished so far.
 #
 # Runbook (from the repo root; docs/gpu-run.md has the two prepared device-tool calls):
-#   scripts/gpu_run.sh --budget 330 --commit abc1234 env tests probe 1b      # call 1 (~5.5 min)
-#   scripts/gpu_run.sh --budget 330 --commit abc1234 env sanitizer 8b        # call 2 (~5.5 min)
+#   scripts/gpu_run.sh --budget 330 --commit abc1234 --label call1 env tests probe 1b   # call 1 (~5.5 min)
+#   scripts/gpu_run.sh --budget 330 --commit abc1234 --label call2 env sanitizer 8b     # call 2 (~5.5 min)
 #   scripts/gpu_run.sh --dry-run --budget 120                                # CPU: the same phases, tiny
 #   scripts/gpu_run.sh                                                       # every default phase, no budget
 #
@@ -17,6 +17,8 @@
 #                     what is missing). 10 s are kept for the last copy into $OUT.
 #   --commit SHA      the commit the results record (the device gets a copy of the tree without .git).
 #   --results DIR     where results go (default bench/results/<device-slug>; dry-run: a temp folder).
+#   --label NAME      suffix of this call's own files (gpu_run_NAME.log, summary_NAME.json, env_NAME.json),
+#                     so two calls' results unpack into one folder without overwriting each other.
 #   --dry-run         CPU: every phase at a tiny size, on the emulated accelerator where it needs a device
 #                     (tests/offload/test_gpu_offload.py's emulated twins for tests and sanitizer). CI runs
 #                     it (tests/test_gpu_run.py) so this script cannot rot between GPU runs.
@@ -35,8 +37,8 @@
 # STEPS=N changes the measured steps of the bench phases (default 3).
 #
 # What comes back in $OUT (at most 8 files, all at its top level): results_<device>.tar.gz (the whole
-# results folder), gpu_run.log (streamed as written), summary.json (every phase: status, seconds,
-# estimate, limit, reason; the phase in flight is "running"), gpu_tests.txt, sanitizer.txt.
+# results folder), gpu_run[_LABEL].log (streamed as written), summary[_LABEL].json (every phase: status,
+# seconds, estimate, limit, reason; the phase in flight is "running"), gpu_tests.txt, sanitizer.txt.
 # Commit them: tar -xzf results_<device>.tar.gz -C bench/results (docs/gpu-run.md).
 #
 # Wheels in .whl/ (trl; pulp + pwlf for plan-*) are installed into /tmp/site first (not in --dry-run).
@@ -53,7 +55,7 @@ PACK_EVERY=${PACK_EVERY:-15}
 STEPS=${STEPS:-3}
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
-BUDGET="" DRY="" COMMIT="${OFFLOAD_GIT_COMMIT:-}" RES=""
+BUDGET="" DRY="" COMMIT="${OFFLOAD_GIT_COMMIT:-}" RES="" LABEL=""
 phases=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -63,6 +65,8 @@ while [ $# -gt 0 ]; do
     --commit=*) COMMIT=${1#*=}; shift ;;
     --results) RES=${2:-}; shift 2 || { usage >&2; exit 2; } ;;
     --results=*) RES=${1#*=}; shift ;;
+    --label) LABEL=${2:-}; shift 2 || { usage >&2; exit 2; } ;;
+    --label=*) LABEL=${1#*=}; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage; exit 0 ;;
     -*) echo "gpu_run.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
@@ -72,6 +76,10 @@ done
 if [ -n "$BUDGET" ] && ! [[ "$BUDGET" =~ ^[0-9]+$ ]]; then
   echo "gpu_run.sh: --budget '$BUDGET' must be whole seconds, e.g. --budget 330" >&2; exit 2
 fi
+if ! [[ "$LABEL" =~ ^[A-Za-z0-9_-]*$ ]]; then
+  echo "gpu_run.sh: --label '$LABEL' may hold only letters, digits, '_' and '-' (it names files)" >&2; exit 2
+fi
+SFX=${LABEL:+_$LABEL}
 [ ${#phases[@]} -eq 0 ] && phases=(env tests probe 1b sanitizer 8b predict 3b 8b-8k)
 
 # name: estimate and cap in seconds on an H100 (estimates from ../shared/research/gpu-readiness-2026-11.md),
@@ -107,15 +115,15 @@ fi
 mkdir -p "$RES"
 RES=$(cd "$RES" && pwd)
 [ -n "$COMMIT" ] && export OFFLOAD_GIT_COMMIT="$COMMIT"
-LOG="$RES/gpu_run.log"
-STATE="$RES/.phases.tsv"
+LOG="$RES/gpu_run$SFX.log"
+STATE="$RES/.phases$SFX.tsv"
 : >"$STATE"
 LOGS=("$LOG")
-[ -n "${OUT:-}" ] && { mkdir -p "$OUT"; LOGS+=("$OUT/gpu_run.log"); }
+[ -n "${OUT:-}" ] && { mkdir -p "$OUT"; LOGS+=("$OUT/gpu_run$SFX.log"); }
 say() { echo "$*" | tee -a "${LOGS[@]}"; }
 
 summary() {  # summary.json from the phase table, into $RES (and $OUT)
-  "$PY" - "$STATE" "$RES/summary.json" "${phases[*]}" "$BUDGET" "$DRY" "${OFFLOAD_GIT_COMMIT:-}" "$DEV" \
+  "$PY" - "$STATE" "$RES/summary$SFX.json" "${phases[*]}" "$BUDGET" "$DRY" "${OFFLOAD_GIT_COMMIT:-}" "$DEV" \
         "$((SECONDS - T0))" <<'EOF'
 import json, os, sys
 state, out, planned, budget, dry, commit, dev, elapsed = sys.argv[1:]
@@ -144,11 +152,11 @@ copy_in() {  # copy_in SRC NAME: atomically into $OUT (the last 15 MiB of a text
 pack() {  # everything so far into $OUT: the results folder as one tar, the text logs beside it
   [ -n "${OUT:-}" ] || return 0
   local tmp="$OUT/.results.$BASHPID.part"
-  if tar -czf "$tmp" -C "$(dirname "$RES")" --exclude=.phases.tsv "$(basename "$RES")" 2>/dev/null; then
+  if tar -czf "$tmp" -C "$(dirname "$RES")" --exclude='.phases*.tsv'  "$(basename "$RES")" 2>/dev/null; then
     mv -f "$tmp" "$OUT/results_$DEV.tar.gz"
   fi
   rm -f "$tmp"
-  for f in summary.json gpu_tests.txt sanitizer.txt; do
+  for f in "summary$SFX.json" gpu_tests.txt sanitizer.txt; do
     [ -f "$RES/$f" ] && copy_in "$RES/$f" "$f"
   done
   return 0
@@ -181,7 +189,7 @@ phase_cmd() {  # the command of phase $1, GPU or dry-run
   local nocompile=(--skip compile,compile_offload)
   [ -n "${COMPILE:-}" ] && nocompile=()
   case "$1:${DRY:+dry}" in
-    env:*)        CMD=("$PY" -m bench.env --out "$RES/env.json") ;;
+    env:*)        CMD=("$PY" -m bench.env --out "$RES/env$SFX.json") ;;
     tests:)       CMD=("${PYTEST[@]}" -m "gpu and not slow" tests --deadline "${TEST_DEADLINE:-90}"
                        --junitxml="$RES/gpu_tests.xml") ;;
     tests:dry)    CMD=("${PYTEST[@]}" -m "emulated and not slow" tests/offload/test_gpu_offload.py

@@ -27,8 +27,8 @@ def _env(out: Path) -> dict[str, str]:
                 PYTHONPATH="")
 
 
-def _summary(out: Path) -> dict[str, dict]:
-    return {p["phase"]: p for p in json.loads((out / "summary.json").read_text())["phases"]}
+def _summary(out: Path, name: str = "summary.json") -> dict[str, dict]:
+    return {p["phase"]: p for p in json.loads((out / name).read_text())["phases"]}
 
 
 def _tar_names(out: Path) -> set[str]:
@@ -121,12 +121,15 @@ def test_a_kill_mid_phase_returns_the_earlier_phases(tmp_path, sig):
 
 def test_the_budget_skips_phases_that_do_not_fit(tmp_path):
     """With little budget left, a phase whose estimate exceeds it is skipped and recorded with the reason;
-    the phases before it still ran."""
+    the phases before it still ran. (--label names the call's own files, so two calls never collide.)"""
     out = tmp_path / "out"
-    proc = subprocess.run(["bash", SCRIPT, "--dry-run", "--budget", "16", "--results", str(tmp_path / "res"),
-                           "env", "tests"], cwd=ROOT, env=_env(out), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(["bash", SCRIPT, "--dry-run", "--budget", "16", "--label", "call2", "--results",
+                           str(tmp_path / "res"), "env", "tests"],
+                          cwd=ROOT, env=_env(out), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    phases = _summary(out)
+    assert {"gpu_run_call2.log", "summary_call2.json"} <= {p.name for p in out.iterdir()}
+    assert (tmp_path / "res" / "env_call2.json").is_file()
+    phases = _summary(out, "summary_call2.json")
     assert phases["env"]["status"] == "ok"
     assert phases["tests"]["status"] == "skipped" and "left of the 16s budget" in phases["tests"]["reason"]
 
