@@ -84,7 +84,8 @@ def test_extras_are_complete():
     and the test extra installs every other extra's packages, so CI tests what the extras promise."""
     project = _project()
     extras = {k: {_dist_name(project, s) for s in v} for k, v in project["optional-dependencies"].items()}
-    assert {"hf", "trl", "lightning", "qlora", "ilp", "docs", "test", "native", "plot"} <= set(extras)
+    assert {"hf", "trl", "lightning", "qlora", "ilp", "docs", "test", "native", "plot", "bench"} <= set(extras)
+    assert {"numpy", "scipy", "matplotlib"} <= extras["bench"]  # bench.results' statistics and the plot
     assert {"transformers", "accelerate"} <= extras["hf"]
     assert {"trl", "transformers", "accelerate"} <= extras["trl"]
     assert "lightning" in extras["lightning"] and "torchao" in extras["qlora"]
