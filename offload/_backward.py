@@ -127,6 +127,8 @@ class _Backward:
             h.rec.note = "reused_source"
             # Allocated on the producer stream: a consumer on another stream is recorded (Rule 4).
             self._backend.record_consumer(entry.src, entry.copy, "reused_source_record_stream")
+            if p is not None:
+                self._load_ahead(h, p)  # the reloads after it start now, as after any unpack
             return entry.src
         if hc.held is None and hc.prefetched is None:  # a new load (a peek: _device_bytes locks)
             base, copy = self._load(hc, h.rec)
@@ -153,12 +155,16 @@ class _Backward:
                     hc.held = held if held is not None else (base, copy, base._version)
                 else:
                     hc.held = None
-            pb = self.prefetch_bytes  # prefetch_budget != 0, without the property call
-            if pb if pb is not None else self._backend.name != "sync":
-                self._prefetch_after(h, p)
-            if self.tiers.disk is not None:
-                self._disk_readahead(h)
+            self._load_ahead(h, p)
         return out
+
+    def _load_ahead(self, h: _Offloaded, p: _Pass) -> None:
+        """After the unpack of ``h``: prefetch the handles packed before it and read ahead on disk."""
+        pb = self.prefetch_bytes  # prefetch_budget != 0, without the property call
+        if pb if pb is not None else self._backend.name != "sync":
+            self._prefetch_after(h, p)
+        if self.tiers.disk is not None:
+            self._disk_readahead(h)
 
     def _disk_readahead(self, h: _Offloaded) -> None:
         """Start reading the disk-tier copies packed just before ``h`` (backward order: the order

@@ -115,7 +115,7 @@ class _Copies:
             self.ledger.add_sync_copy(rec, "d2h", copy, nbytes)
             return hc, None
         self.ledger.add_copy_time(rec, "d2h", copy)
-        entry = _StashEntry(_saved_alias(t), copy, nbytes)
+        entry = hc.inflight = _StashEntry(_saved_alias(t), copy, nbytes)
         self._stash_push(entry)
         return hc, entry
 
@@ -154,11 +154,13 @@ class _Copies:
         """Start the copy of ``hc`` back to the device (Rule 4: allocated for the compute stream)."""
         backend = self._backend
         src = hc.buf.tensor if hc.tier != "disk" else self.tiers.disk.load(hc.buf)
+        e = hc.inflight  # its D2H not yet waited on by compute (a shared copy's other handle)
+        after = e.copy if e is not None and e.src is not None else None
         if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::h2d"):
-                dev, copy = backend.h2d(src)
+                dev, copy = backend.h2d(src, after)
         else:
-            dev, copy = backend.h2d(src)
+            dev, copy = backend.h2d(src, after)
         if backend.name == "sync":
             self.ledger.add_sync_copy(rec, "h2d", copy.seconds or 0.0, hc.nbytes)
         else:

@@ -89,7 +89,7 @@ class _HostCopy:
     """
 
     __slots__ = ("buf", "give", "lo", "nbytes", "prefetched", "held", "users", "used",
-                 "version", "base_ref", "release", "synchronous", "checksum", "tier", "__weakref__")
+                 "version", "base_ref", "release", "synchronous", "checksum", "tier", "inflight", "__weakref__")
 
     def __init__(self, buf: "HostBuffer | DiskRecord", give: Callable[[Any], None], lo: int, nbytes: int,
                  tier: str, version: int, base: torch.Tensor, synchronous: bool,
@@ -116,6 +116,10 @@ class _HostCopy:
             self.base_ref = policy._weak(base)
         self.synchronous = synchronous
         self.checksum: torch.Tensor | None = None  # verify=True: the span's checksum at pack (device)
+        # The stash entry of the D2H that wrote these bytes (its source still alive while
+        # entry.src is set): a reload issued before the compute stream waited on that D2H waits
+        # on it itself (NOTE [ Ordering faults ]: h2d_waits_d2h).
+        self.inflight: _StashEntry | None = None
 
     def __del__(self) -> None:
         try:

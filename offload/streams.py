@@ -4,6 +4,13 @@ Both move raw bytes between a device tensor and a host buffer; the engine
 decides what to move and keeps everything alive for as long as the rules in
 ``engine.py`` (NOTE [ Offload lifetime rules ]) require.
 
+Side streams: one per direction, made lazily, so a reload never queues behind offloads it does not
+depend on (same-direction copies serialise on one copy engine anyway, and the two directions run
+concurrently: torchrec PR #4315). A reload of bytes an offload wrote is still ordered after that
+offload: the source leaves the stash only after the compute stream waited on the D2H (Rule 2), and
+the H2D stream waits on the compute stream; a host buffer a reload read is reused only after the
+compute stream waited on that reload (at its use, or before an unused prefetch is dropped).
+
 Side-stream ordering (see Rules 2-4):
   * D2H: the side stream first waits on the *live* current stream, so the copy
     runs after the kernel that produced the tensor.
@@ -28,6 +35,8 @@ In this module:
   live_current_stream  current_stream() looked up at every call (Rule 3)
   compute_outside_side the compute stream read outside the side-stream context (Rule 3)
   h2d_alloc_on_compute reload destinations allocated on the compute stream (Rule 4)
+  h2d_waits_d2h        side.wait_event(d2h done) before an H2D of bytes whose D2H compute has not
+                       waited on yet (a copy shared by several saves, Rule 7; the two side streams)
 Engine call sites (``site=``) of ``wait``, ``record_consumer``, ``release_after``:
   compute_waits_copy   _copies._wait: compute.wait_event(done) before a reload is read (Rule 4)
   stall_waits_copy     _copies._wait, the timed branch (the copy not done yet): the same wait
@@ -58,7 +67,7 @@ _perf_counter = time.perf_counter
 __all__ = ["Copy", "SyncBackend", "StreamBackend", "make_backend"]
 
 FAULT_NAMES = ("d2h_waits_producer", "h2d_waits_compute", "copy_event", "live_current_stream",
-               "compute_outside_side", "h2d_alloc_on_compute", "compute_waits_copy", "stall_waits_copy",
+               "compute_outside_side", "h2d_alloc_on_compute", "h2d_waits_d2h", "compute_waits_copy", "stall_waits_copy",
                "record_stream", "reused_source_record_stream", "stash_release_waits_copy",
                "unused_prefetch_release_waits_copy", "dropped_prefetch_release_waits_copy",
                "disk_write_waits_copy", "verify_host_after_copy")
@@ -114,7 +123,7 @@ class SyncBackend:
         dst.copy_(src)
         return _perf_counter() - t0
 
-    def h2d(self, src: torch.Tensor) -> tuple[torch.Tensor, Copy]:
+    def h2d(self, src: torch.Tensor, after: Copy | None = None) -> tuple[torch.Tensor, Copy]:
         t0 = time.perf_counter()
         out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
         out.copy_(src)
@@ -148,7 +157,7 @@ class StreamBackend:
         # The device module: torch.cuda (torch.xpu, ...), or a stand-in with its surface
         # (offload.testing.EmulatedAccelerator) passed here or registered in _DEVICE_MODULES.
         self._mod = module if module is not None else _device_module(device)
-        self._side = None  # created lazily on first use, on the right device
+        self._sides: dict[str, object] = {}  # "d2h" / "h2d" -> its side stream, made on first use
         self._cached = None  # only for the live_current_stream fault
         # A stand-in device module may want to know which tensors are host memory (the
         # emulator: their reuse is deferred by events, as torch's pinned allocator does).
@@ -159,10 +168,12 @@ class StreamBackend:
     # Event and stream() context interoperate on every torch >= 2.4, while
     # mixing generic and device-specific objects does not.
 
-    def _side_stream(self):
-        if self._side is None:
-            self._side = self._mod.Stream(device=self.device)
-        return self._side
+    def _side_stream(self, direction: str):
+        """The side stream of copies in ``direction`` ("d2h" or "h2d"), on the right device."""
+        s = self._sides.get(direction)
+        if s is None:
+            s = self._sides[direction] = self._mod.Stream(device=self.device)
+        return s
 
     def current_stream(self):
         """The live compute stream (Rule 3: looked up at every call, never cached)."""
@@ -175,12 +186,15 @@ class StreamBackend:
     def _event(self):
         return self._mod.Event(enable_timing=self.timing)
 
-    def _issue(self, fn, wait_fault: str) -> Copy:
-        """Run ``fn`` (one copy) on the side stream, ordered after the live compute stream."""
-        side = self._side_stream()
+    def _issue(self, fn, wait_fault: str, direction: str, after: Copy | None = None) -> Copy:
+        """Run ``fn`` (one copy) on ``direction``'s side stream, ordered after the live compute stream
+        (and after ``after``, a copy on another side stream, when given)."""
+        side = self._side_stream(direction)
         compute = self.current_stream()
         if not (_FAULTS and wait_fault in _FAULTS):
             side.wait_stream(compute)
+        if after is not None and after.done is not None and not (_FAULTS and "h2d_waits_d2h" in _FAULTS):
+            side.wait_event(after.done)
         start = None
         with self._mod.stream(side):
             if _FAULTS and "compute_outside_side" in _FAULTS:
@@ -197,20 +211,24 @@ class StreamBackend:
     def d2h(self, src: torch.Tensor, dst: torch.Tensor) -> Copy:
         if self._host is not None:
             self._host(dst)
-        return self._issue(lambda: dst.copy_(src, non_blocking=True), "d2h_waits_producer")
+        return self._issue(lambda: dst.copy_(src, non_blocking=True), "d2h_waits_producer", "d2h")
 
-    def h2d(self, src: torch.Tensor) -> tuple[torch.Tensor, Copy]:
+    def h2d(self, src: torch.Tensor, after: Copy | None = None) -> tuple[torch.Tensor, Copy]:
+        """Copy ``src`` to a new device block; ``after``: the D2H that wrote ``src``, when compute has
+        not waited on it yet."""
         if self._host is not None:
             self._host(src)
         if _FAULTS and "h2d_alloc_on_compute" in _FAULTS:
-            side = self._side_stream()
+            side = self._side_stream("h2d")
             with self._mod.stream(side):
                 out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
             # The engine still believes the block is the compute stream's (the bug: Rule 4).
-            return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute")
+            return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute",
+                                    "h2d", after)
         # Allocate on the compute stream (outside the side-stream context): Rule 4.
         out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-        return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute")
+        return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute",
+                                "h2d", after)
 
     def wait(self, copy: Copy, site: str) -> None:
         """Make the live compute stream wait for ``copy`` (Rule 4). ``site``: the caller's fault name."""

@@ -5,9 +5,14 @@ result is replayed against a named GPU spec. Everything here is a prediction, la
 with the spec it assumed (DESIGN.md, "Prediction").
 """
 
+from ._cost import HostCost
+from ._stalls import Stall
+from ._timeline import TimelineResult, simulate
 from .gpus import GPUS, GPUSpec, resolve_gpu
 
 __all__ = [
     # GPU specs
     "GPUS", "GPUSpec", "resolve_gpu",
+    # the predicted timeline of a trace
+    "simulate", "TimelineResult", "Stall", "HostCost",
 ]

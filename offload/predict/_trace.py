@@ -62,6 +62,9 @@ class Copy:
     phase: str = "forward"
     blocks: tuple[int, ...] = ()
     """Device blocks it reads (d2h) or writes (h2d)."""
+    host: int = -1
+    """The host buffer it writes (d2h) or reads (h2d), unique within the trace: links a reload to
+    its offload (-1: unknown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,9 @@ class WaitEvent:
 
     stream: int
     event: int
+    why: str = ""
+    """What the wait is for, for stall labels: 'use' (a copy's bytes are read next), 'free' (a
+    block can be freed or reused after it), 'order' (stream order only), or '' (unknown)."""
 
 
 @dataclass(frozen=True, slots=True)

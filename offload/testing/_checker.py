@@ -168,10 +168,15 @@ class HazardError(AssertionError):
 
 
 class _Args(ArgumentHandler):
-    """The sanitizer's argument parser for CPU tensors, keyed by storage (it skips non-CUDA tensors)."""
+    """The sanitizer's argument parser for CPU tensors, keyed by storage (it skips non-CUDA tensors).
 
-    def __init__(self) -> None:
+    Host buffers (storages in ``host``) are keyed by the accessed view's first byte instead: the
+    engine's pool carves disjoint buffers out of one chunk, and copies into different buffers of
+    one chunk on the two side streams touch no common byte."""
+
+    def __init__(self, host: set[int] | frozenset[int] = frozenset()) -> None:
         super().__init__()
+        self.host = host
         self.storages: dict[int, Any] = {}
         self.inputs: set[int] = set()
         self._parsing_outputs = False
@@ -189,6 +194,8 @@ class _Args(ArgumentHandler):
             return
         if not ptr:
             return  # an empty storage: nothing to race on
+        if ptr in self.host:
+            ptr = value.data_ptr()
         self.storages.setdefault(ptr, st)
         if not is_output:
             self.inputs.add(ptr)
@@ -226,6 +233,7 @@ class Checker:
         self.count = 0
         self.ops = 0
         self._live: dict[int, _Live] = {}
+        self._host: set[int] = set()  # storages marked host memory (host_memory): checked per buffer
         self._lock = threading.RLock()
 
     # -- streams and events (the sanitizer's trace callbacks) ----------------------
@@ -265,9 +273,8 @@ class Checker:
 
     # -- ops ------------------------------------------------------------------
 
-    @staticmethod
-    def parse_inputs(func: Any, args: tuple, kwargs: dict) -> _Args:
-        h = _Args()
+    def parse_inputs(self, func: Any, args: tuple, kwargs: dict) -> _Args:
+        h = _Args(self._host)
         h.parse_inputs(func._schema, args, kwargs, is_factory=bool(FACTORY_FUNCTION_REGEX.match(func._schema.name)))
         return h
 
@@ -302,6 +309,7 @@ class Checker:
             info = self._live_of(t, 0)
             if info is not None:
                 info.host = True
+                self._host.add(t.untyped_storage().data_ptr())
 
     def _live_of(self, t: torch.Tensor, sid: int) -> _Live | None:
         """What is known of ``t``'s storage, tracked from now on (seen on ``sid`` if new; lock held);
@@ -334,10 +342,11 @@ class Checker:
         ref = weakref.ref(st, lambda r, ptr=ptr: self._freed(ptr, r))
         # A storage first seen as an input came from before the checker: allocated on
         # the default stream, as far as anyone can tell.
-        self._live[ptr] = _Live(ref, sid if fresh else 0)
+        self._live[ptr] = _Live(ref, sid if fresh else 0, host=st.data_ptr() in self._host)
 
     def _forget(self, ptr: int) -> None:
         self._live.pop(ptr, None)
+        self._host.discard(ptr)
         if ptr in self.handler.tensors_accessed.accesses:
             self.handler._handle_memory_deallocation(ptr)
 

@@ -25,6 +25,7 @@ EXPECTED_KIND = {
     "live_current_stream": "unordered access",  # copies ordered after a stale stream, not the user's
     "compute_outside_side": "free before access",  # the "producer" is the side stream: the release is a no-op
     "h2d_alloc_on_compute": "free before access",  # a reload's block belongs to the side stream
+    "h2d_waits_d2h": "unordered access",  # a shared copy's reload reads host bytes its D2H still writes
     "compute_waits_copy": "unordered access",  # compute reads a reload it never waited for
     "stall_waits_copy": "unordered access",  # the same, when the copy is still running (timed stall)
     "record_stream": "free before access",  # a prefetched reload read on another stream, freed unrecorded
@@ -50,6 +51,7 @@ WORKOUTS = {
 }
 WORKOUT_OF = {
     "reused_source_record_stream": "reused_source",
+    "h2d_waits_d2h": "reused_source",  # a shared copy reloaded while its D2H is in flight
     "unused_prefetch_release_waits_copy": "prefetch_unconsumed",
     "dropped_prefetch_release_waits_copy": "prefetch_dropped",
 }

@@ -1,0 +1,116 @@
+"""The CI check "no needless waits": properties of the engine's schedule on the predicted timeline.
+
+The traces come from the real engine's stream calls (its ``StreamBackend`` on the emulated
+accelerator, recorded by ``offload.predict._record.Recorder``); durations are synthetic and exact
+(``schedule_testkit``: 10 us per kernel, ``nbytes / rate`` per copy, fixed host costs), so every
+property holds to the nanosecond on any machine. ``pytest -m schedule`` runs exactly this suite.
+
+Each schedule mutant of the engine (a bug a change could bring in) breaks at least one property:
+``test_each_mutant_breaks_its_property`` checks the suite's power, mutant by mutant.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from schedule_testkit import (ACT_BYTES, AMPLE, HOST_BOUND, MUTANTS, NEED, SCARCE_RATES, STASH, TOLERANCE,
+                              capture, forward_peak_bytes, gpu_at, host_bound_units, mutant, offloaded_bytes,
+                              reference_exposed_ns, run, violations)
+
+pytestmark = pytest.mark.schedule
+
+
+@pytest.fixture(scope="module")
+def none():
+    return capture(False)
+
+
+@pytest.fixture(scope="module")
+def off():
+    return capture(True)
+
+
+def test_ample_bandwidth_compute_never_waits_on_a_copy(off):
+    """With ample link bandwidth the compute stream never waits on a copy: exposed copy time is 0."""
+    res = run(off, AMPLE)
+    assert res.copy_bytes["d2h"] > 0 and res.copy_bytes["h2d"] > 0, "the step copied nothing"
+    assert res.exposed_copy_seconds == 0, res.stall_causes
+    assert all(s.copy < 0 for s in res.stalls)
+
+
+def test_ample_bandwidth_step_is_no_offload_plus_the_hooks(off, none):
+    """Ample bandwidth: the offload step takes the no-offload step's time plus at most the hooks' issue
+    cost (device-bound: the hooks hide behind kernels), and exactly that when the host sets the pace."""
+    a, n = run(off, AMPLE), run(none, AMPLE)
+    hooks = a.host_busy_seconds - n.host_busy_seconds
+    assert hooks > 0
+    assert n.step_seconds <= a.step_seconds <= n.step_seconds + hooks
+    ha = run(off, AMPLE, host=HOST_BOUND, cost=host_bound_units)
+    hn = run(none, AMPLE, host=HOST_BOUND, cost=host_bound_units)
+    assert ha.stall_causes.keys() <= {"late issue"}, ha.stall_causes
+    assert round((ha.step_seconds - hn.step_seconds) * 1e9) == round((ha.host_busy_seconds - hn.host_busy_seconds) * 1e9)
+
+
+@pytest.mark.parametrize("fraction", SCARCE_RATES)
+def test_scarce_bandwidth_exposure_within_the_work_conserving_bound(off, fraction):
+    """Scarce bandwidth: exposed copy time is at most that of an independent work-conserving schedule of
+    the same copies under the same stash and prefetch limits, plus 1% of the copy time."""
+    g = gpu_at(fraction * NEED)
+    res = run(off, g)
+    ref = reference_exposed_ns(off, g, stash=STASH, prefetch_bytes=2 * ACT_BYTES)
+    assert ref > 0, "not scarce: the bound says nothing"
+    got = round(res.exposed_copy_seconds * 1e9)
+    assert got <= ref + TOLERANCE * sum(res.copy_seconds.values()) * 1e9, (got, ref, res.stall_causes)
+
+
+def test_no_host_synchronize_in_a_steady_state_step(off):
+    """Nothing in a steady-state step blocks the host on the device (no synchronize, no pageable copy)."""
+    kinds = {type(it).__name__ for it in off.items}
+    assert "HostSync" not in kinds
+    assert all(it.pinned for it in off.items if type(it).__name__ == "Copy")
+    assert run(off, AMPLE).host_blocked_seconds == 0
+
+
+def test_no_pinned_allocation_in_a_steady_state_step(off):
+    """The pool serves a steady-state step from memory pinned in earlier steps: no new pinned allocation."""
+    assert not [it for it in off.items if type(it).__name__ == "HostWork" and it.what == "pinned allocation"]
+
+
+def test_first_step_pins_memory_so_the_check_can_see_it():
+    """The recorder does see the pool's pinned allocations (the first step makes them)."""
+    first = capture(True, steps=1)
+    assert [it for it in first.items if type(it).__name__ == "HostWork" and it.what == "pinned allocation"]
+
+
+def test_forward_frees_the_offloaded_bytes(off, none):
+    """By the end of forward the device holds the no-offload peak minus the offloaded bytes, plus at most
+    the in-flight sources (max_fwd_stash_size, one being pushed, one being produced)."""
+    a, n = run(off, AMPLE), run(none, AMPLE)
+    assert offloaded_bytes(off) > (STASH + 2) * ACT_BYTES
+    assert forward_peak_bytes(a) <= forward_peak_bytes(n) - offloaded_bytes(off) + (STASH + 2) * ACT_BYTES
+
+
+def test_intact_engine_breaks_no_property(off, none):
+    """The checker the mutation test uses finds nothing wrong with the engine as it is."""
+    assert violations(off, none) == {}
+
+
+EXPECTED = {
+    "no_prefetch_in_backward": "ample: no wait on a copy",
+    "sync_after_each_offload": "no host synchronize",
+    "both_directions_one_stream": "scarce 0.3: within the reference bound",
+    "reload_waited_at_issue": "ample: no wait on a copy",
+    "offload_waited_at_pack": "ample: no wait on a copy",
+    "per_tensor_pinned_allocation": "no pinned allocation",
+    "stash_released_at_forward_end": "forward memory",
+}
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_each_mutant_breaks_its_property(name, none):
+    """Each schedule mutant of the engine breaks the property written for it (the suite has the power
+    to catch it)."""
+    with mutant(name):
+        trace = capture(True)
+    broken = violations(trace, none)
+    assert EXPECTED[name] in broken, f"{name} passed: {broken}"
