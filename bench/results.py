@@ -11,8 +11,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-from scipy.stats import binom
+try:
+    import numpy as np
+    from scipy.stats import binom
+except ModuleNotFoundError as e:  # the bench extra's; a core install lacks them
+    from bench import MissingBenchExtra
+
+    raise MissingBenchExtra((e.name or "numpy").partition(".")[0]) from e
 
 from offload.profiling._util import to_plain as to_jsonable  # the one JSON conversion (NaN -> None)
 

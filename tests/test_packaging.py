@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from _venvs import site_packages, venv_on_this_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("offload", "profiling")
@@ -84,7 +85,8 @@ def test_extras_are_complete():
     and the test extra installs every other extra's packages, so CI tests what the extras promise."""
     project = _project()
     extras = {k: {_dist_name(project, s) for s in v} for k, v in project["optional-dependencies"].items()}
-    assert {"hf", "trl", "lightning", "qlora", "ilp", "docs", "test", "native", "plot"} <= set(extras)
+    assert {"hf", "trl", "lightning", "qlora", "ilp", "docs", "test", "native", "plot", "bench"} <= set(extras)
+    assert {"numpy", "scipy", "matplotlib"} <= extras["bench"]  # bench.results' statistics and the plot
     assert {"transformers", "accelerate"} <= extras["hf"]
     assert {"trl", "transformers", "accelerate"} <= extras["trl"]
     assert "lightning" in extras["lightning"] and "torchao" in extras["qlora"]
@@ -154,15 +156,27 @@ def test_sdist_holds_only_the_libraries(dists):
     assert not parts & set(REPO_TOOLS), sorted(parts & set(REPO_TOOLS))
 
 
+def test_a_venv_made_inside_a_venv_sees_the_outer_venvs_packages(tmp_path):
+    """Run from inside a venv (as most people install), the tests' own venv sees a package installed only
+    in that venv (as psutil was, where the base interpreter had none), not only the base's packages."""
+    outer = venv_on_this_environment(tmp_path / "outer")
+    (site_packages(outer) / "only_in_the_outer_venv.py").write_text("")
+    code = ("import sys, pathlib; sys.path.insert(0, sys.argv[1]); from _venvs import venv_on_this_environment\n"
+            "py = venv_on_this_environment(pathlib.Path(sys.argv[2]))\n"
+            "import subprocess; sys.exit(subprocess.run([str(py), '-c', "
+            "'import only_in_the_outer_venv, psutil, torch']).returncode)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(outer), "-c", code, str(Path(__file__).parent), str(tmp_path / "nested")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("kind", ["wheel", "sdist"])
 def test_dist_installs_and_imports_in_a_fresh_venv(dists, kind, tmp_path):
-    """Installed into a fresh venv (system site-packages visible for torch and the build tools, the system
-    pip: a venv's own bundled setuptools may predate the license field; --no-deps: offline), both
-    libraries import from the venv, not from this checkout, and run a step with the engine."""
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-                   check=True, timeout=120)
-    py = venv / "bin" / "python"
+    """Installed into a fresh venv that sees this environment's packages (torch, the build tools, pip: a
+    venv's own bundled setuptools may predate the license field; --no-deps: offline), offload and
+    offload.profiling import from the venv, not from this checkout, and run a step with the engine."""
+    py = venv_on_this_environment(tmp_path / "venv")
     pip = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation",
                           str(dists[kind])], capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stdout[-2000:] + pip.stderr[-3000:]

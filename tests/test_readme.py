@@ -277,14 +277,22 @@ def _bash_commands(page: Path) -> list[str]:
     return [line.strip() for _, lang, code, _, _ in _blocks(page) if lang == "bash" for line in code.splitlines()]
 
 
+MAIN_JOB = 'pip install torch==2.13.0 && pip install -e ".[bench]" && python -m bench'
+"""The main job from a fresh clone: the pinned torch first, then the bench extra only (not the test extra's
+~110 packages)."""
+
+
 def test_set_up_commands_match_ci():
-    """The README's test command is the one .ci/run runs, and both set-up commands install everything
-    from a fresh clone (the pinned torch first, then the test extra)."""
+    """The README's test command is the one .ci/run runs; both set-up commands install from a fresh clone
+    (the pinned torch first, then the bench extra for the main job, the test extra for the tests), and
+    getting-started gives the same two."""
     commands = _bash_commands(README)
-    setup = [c for c in commands if c.startswith('pip install torch==2.13.0 && pip install -e ".[test]" && ')]
-    assert [c.split(" && ")[2] for c in setup] == ["python -m bench", 'pytest -m "not slow"'], setup
+    setup = [c for c in commands if c.startswith("pip install torch==2.13.0 && pip install -e ") and c.count(" && ") > 1]
+    assert len(setup) == 2 and setup[0] == MAIN_JOB, setup
+    assert setup[1].startswith('pip install torch==2.13.0 && pip install -e ".[test]" && pytest -m "not slow"')
     ci = (ROOT / ".ci" / "run").read_text()
     assert setup[1] in ci.splitlines(), "README's test command and .ci/run differ"
+    assert set(setup) <= set(_bash_commands(DOCS / "getting-started.md")), "getting-started's commands differ"
 
 
 def _backticked(text: str) -> list[str]:

@@ -129,6 +129,24 @@ def test_importing_offload_does_not_import_torchao():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.parametrize("module", ["numpy", "scipy"])
+def test_bench_on_a_core_install_names_its_extra(module):
+    """`python -m bench` without a module of the bench extra (blocked, as on a core install) exits 1 with one
+    line naming the extra and its install command, not a traceback ending in "No module named"; the extra
+    lists the module, and bench.model (the examples' toy Llama) still imports without it."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert module in extras["bench"]
+    block = f"import sys; sys.modules[{module!r}] = None\n"
+    run = block + "import runpy; sys.argv = ['bench', '--list']; runpy.run_module('bench', run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", run], cwd=ROOT, env=_env(ROOT), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"the bench needs {module}" in proc.stderr and 'pip install -e ".[bench]"' in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-c", block + "import bench.model"], cwd=ROOT, env=_env(ROOT),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_pyproject_declares_torchao_optional_and_tqdm():
     """torchao lives in the qlora extra (and the test extra, so CI tests NF4); tqdm is a dependency."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
