@@ -8,9 +8,11 @@
 Writes ``<run_id>.json``, ``<run_id>.md`` and ``<run_id>.png`` into a fresh run folder
 ``./bench_runs/<UTC time>_bench_<run_id>/`` under the current directory (gitignored; never
 into the package), or into ``--out`` (``--out bench/results/cpu`` refreshes the files the
-README cites), and prints the tables. The JSON and markdown are rewritten after every strategy
-(strategies not yet finished are listed as ``pending``), so a run killed midway keeps what it
-measured; a strategy that fails is recorded with its error and the others run on.
+README cites). It prints a short table first (per strategy: step time x none with its 95% CI,
+activation memory, gradients verdict); ``--full`` prints every other column too. The JSON and
+markdown are rewritten after every strategy (strategies not yet finished are listed as
+``pending``), so a run killed midway keeps what it measured; a strategy that fails is recorded
+with its error and the others run on.
 Exit status: 0 when every strategy has its result (errors included), 1 for stream-ordering
 hazards (``--emulate``), 2 for bad arguments, 3 when the run stopped early (a CUDA context left
 unusable by an error): ``meta.partial`` in the JSON lists what is missing and the command to rerun it.
@@ -71,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-write", action="store_true",
                    help="print only; write no files (else the JSON and markdown are rewritten after every strategy)")
     p.add_argument("--quiet", action="store_true", help="no progress indicator")
+    p.add_argument("--full", action="store_true",
+                   help="print every column (step ms and spread, tok/s, peak and host MiB, engine accounting, the "
+                        "targets' measurements) after the short table; the .md and .json always hold them")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads; default 1 on CPU (a bench on a shared machine with 2+ threads "
                         "waits on descheduled workers: step-time spread then exceeds the median), torch's own "
@@ -182,7 +187,7 @@ def _run_emulated(cfg: BenchConfig, args: argparse.Namespace, meta: dict) -> Ben
     e = result.meta["emulator"] = acc.summary()
     e["note"] = ("offload.testing.EmulatedAccelerator(late=True): streams emulated on CPU tensors, every aten op "
                  "checked for stream ordering; step times include the checker and mean nothing here")
-    print(format_tables(result))
+    print(format_tables(result, full=args.full))
     print(f"emulator: {e['ops_checked']} ops checked, {e['late_ops_run']} side-stream ops run late, "
           f"{e['hazards']} hazard(s)")
     for text in e["hazard_reports"]:
@@ -293,6 +298,6 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None) -> 
     writer = _Writer(args)
     result = run_bench(cfg, meta, ceiling, on_update=writer.partial)
     result.targets = to_jsonable(evaluate_targets(result))
-    print(format_tables(result))
+    print(format_tables(result, full=args.full))
     writer.final(result)
     return result

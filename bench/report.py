@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from pathlib import Path
@@ -13,7 +14,7 @@ from bench.hardware import peak_for
 from bench.results import BenchResult, StrategyResult, to_jsonable
 from bench.targets import SOURCE, evaluate_targets
 
-__all__ = ["format_tables", "write_json", "write_markdown", "write_png", "write_all"]
+__all__ = ["SHORT_COLUMNS", "format_tables", "write_json", "write_markdown", "write_png", "write_all"]
 
 _MiB = float(1 << 20)
 
@@ -179,11 +180,28 @@ def _header(result: BenchResult) -> list[str]:
     return lines
 
 
-def format_tables(result: BenchResult) -> str:
-    """The readable stdout report."""
-    out = _header(result) + [""]
+SHORT_COLUMNS = ("strategy", "step time x none (95% CI)", "activation MiB (x none)", "loss & grads vs ref")
+"""The leading table's columns: what a strategy costs in time, what it saves in memory, and whether its
+gradients are the reference's (every other figure: ``--full``, and the run's .md and .json)."""
+
+
+def _rows_short(result: BenchResult) -> tuple[list[str], list[list[str]]]:
+    rows = []
+    for s in result.strategies:
+        if not s.ok:
+            continue
+        t, ci = result.time_ratio(s.name, "none"), result.time_ratio_ci(s.name, "none")
+        time = _f(t, ".3f") + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if t is not None and ci else "")
+        a = result.activation_ratio(s.name, "none")
+        act = _f(s.activation_bytes / _MiB if s.activation_bytes is not None else None, ".1f")
+        rows.append([s.name, time, act + (f" ({a:.2f}x)" if a is not None else ""), _correct(s)])
+    return list(SHORT_COLUMNS), rows
+
+
+def _detail(result: BenchResult) -> list[str]:
+    """Every column (the main and engine tables, left-out columns, the head study): ``--full``."""
     main, dropped = _table(*_rows_main(result), "simple")
-    out.append(main)
+    out = ["All figures:", main]
     eh, er = _rows_engine(result)
     if er:
         engine, more = _table(eh, er, "simple")
@@ -192,19 +210,34 @@ def format_tables(result: BenchResult) -> str:
     if dropped:
         out += ["", _not_shown(result, dropped)]
     hs = _head_study(result)
-    if hs:
-        out += [""] + hs
+    return out + ([""] + hs if hs else [])
+
+
+def format_tables(result: BenchResult, full: bool = False) -> str:
+    """The readable stdout report: the run's header, then :data:`SHORT_COLUMNS` for every strategy that ran,
+    what did not run and the targets' verdicts; ``full`` adds every other column and each target's figures
+    (the .md and .json files always hold them all)."""
+    head, rows = _rows_short(result)
+    out = _header(result) + ["", render_table(rows, head, fmt="simple").rstrip("\n")]
+    if full:
+        out += [""] + _detail(result)
     sk = _skipped(result)
     if sk:
         out += ["", "Not run:"] + sk
     out += ["", f"Performance targets (defined in {SOURCE}):"]
     for t in evaluate_targets(result):
-        out.append(f"  [{t.verdict}] {t.target}\n      {t.measured}" + (f"  ({t.note})" if t.note else ""))
+        out.append(f"  [{t.verdict}] {t.target}")
+        if full:
+            out.append(f"      {t.measured}" + (f"  ({t.note})" if t.note else ""))
     src = next((s.activation_source for s in result.strategies if s.ok), "")
     if src:
-        out += ["", f"act = activation memory, {src}",
-                "host = bytes of host copies (CPU: allocated inside each arm's pack hook in the profiled step); "
-                "CPU ms = process CPU time per step (median)"]
+        out += ["", f"activation = {src}"]
+    if full:
+        out.append("host = bytes of host copies (CPU: allocated inside each arm's pack hook in the profiled step); "
+                   "CPU ms = process CPU time per step (median)")
+    else:
+        out.append("Every other figure (step ms and spread, tok/s, peak and host MiB, engine accounting, the "
+                   "targets' measurements): python -m bench --full, and the .md / .json the run writes.")
     return "\n".join(out)
 
 
@@ -261,6 +294,53 @@ def write_markdown(result: BenchResult, path: Path, json_name: str, png_name: st
     path.write_text("\n".join(lines) + "\n")
 
 
+_MARKER_PT = 7.0
+"""Marker size in the plot (points)."""
+_SPREAD_PT = _MARKER_PT + 2.0
+"""Centre-to-centre distance, in points, of markers spread apart so that none hides another."""
+
+
+def _spread(xy: list[tuple[float, float]], min_dist: float) -> list[float]:
+    """Sideways offsets, in multiples of ``min_dist``, that put every two points at least ``min_dist``
+    apart: points that would come closer are grouped, and each group is laid out left to right in order
+    of x (then of index), centred on where its points are."""
+    group = list(range(len(xy)))  # group[i]: the group point i belongs to (its lowest member)
+    while True:
+        offsets = [0.0] * len(xy)
+        for g in set(group):
+            members = sorted((i for i in range(len(xy)) if group[i] == g), key=lambda i: (xy[i][0], i))
+            for k, i in enumerate(members):
+                offsets[i] = k - (len(members) - 1) / 2
+        at = [(x + o * min_dist, y) for (x, y), o in zip(xy, offsets)]
+        close = next(((i, j) for i in range(len(xy)) for j in range(i + 1, len(xy)) if group[i] != group[j]
+                      and math.dist(at[i], at[j]) < min_dist), None)
+        if close is None:
+            return offsets
+        merged, into = max(group[close[0]], group[close[1]]), min(group[close[0]], group[close[1]])
+        group = [into if g == merged else g for g in group]
+
+
+def _spread_overlapping(ax, drawn: list) -> int:
+    """Move the markers (and error bars) of ``drawn`` errorbar containers that would overlap on screen
+    sideways by :data:`_SPREAD_PT` steps (a display offset: the data stay the strategies' own figures);
+    returns how many moved. Call after the layout is final: it freezes the axes' limits."""
+    from matplotlib.transforms import offset_copy
+
+    ax.set_xlim(ax.get_xlim())
+    ax.set_ylim(ax.get_ylim())
+    fig = ax.figure
+    xy = [tuple(ax.transData.transform(c.lines[0].get_xydata()[0])) for c in drawn]  # pixels
+    offsets = _spread(xy, _SPREAD_PT * fig.dpi / 72)
+    for c, o in zip(drawn, offsets):
+        if o:
+            moved = offset_copy(ax.transData, fig=fig, x=o * _SPREAD_PT, y=0.0, units="points")
+            line, caps, bars = c.lines
+            for artist in (line, *caps, *bars):
+                artist.set_transform(moved)
+                artist.set_clip_on(False)  # a marker moved past the axes' edge stays visible
+    return sum(1 for o in offsets if o)
+
+
 def write_png(result: BenchResult, path: Path) -> bool:
     """Activation memory vs step time, one point per strategy. False if matplotlib is missing."""
     try:
@@ -273,14 +353,16 @@ def write_png(result: BenchResult, path: Path) -> bool:
     pts = [s for s in result.strategies if s.ok and s.activation_bytes is not None and s.times.n]
     fig, ax = plt.subplots(figsize=(9, 5))
     # One marker and colour per strategy, named in a legend beside the axes: labels never overlap,
-    # however close two strategies land (offload / offload_sync, ac / offload_ac).
+    # however close two strategies land (offload / offload_sync, ac / offload_ac); markers that would
+    # hide one another are spread sideways below.
     markers = "osD^vP*Xhp<>"
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = []
     for i, s in enumerate(pts):
         x, y = s.activation_bytes / _MiB, s.median_s * 1e3
         lo, hi = s.times.p25_s * 1e3, s.times.p75_s * 1e3
-        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt=markers[i % len(markers)], capsize=3,
-                    color=colors[i % len(colors)], label=s.name, markersize=7, alpha=0.85)
+        drawn.append(ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt=markers[i % len(markers)], capsize=3,
+                                 color=colors[i % len(colors)], label=s.name, markersize=_MARKER_PT, alpha=0.85))
     wl = result.workload
     on_cpu = str(result.meta.get("device_name", "")).lower() == "cpu"
     ax.set_xlabel("activation memory per step, MiB" + (" (CPU: host copies included)" if on_cpu else
@@ -293,6 +375,10 @@ def write_png(result: BenchResult, path: Path) -> bool:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False, title="strategy")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
+    if _spread_overlapping(ax, drawn):
+        ax.text(1.01, 0.0, f"Markers that would overlap are\nspread sideways, {_SPREAD_PT:.0f} pt apart\n"
+                "(a drawing offset, not memory;\nfigures: the .md table)", transform=ax.transAxes,
+                ha="left", va="bottom", fontsize=7, color="0.4")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -29,8 +29,8 @@ def cpu_result():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU report")
 def test_cpu_report_leaves_out_what_does_not_apply_saying_why_once(cpu_result, tmp_path):
     """No column of dashes (peak device memory), no '% of ceiling' (a tiny ceiling would give >100%), and
-    one line naming each left-out column with its reason, in the stdout report and in the markdown."""
-    text = format_tables(cpu_result)
+    one line naming each left-out column with its reason, in the full stdout report and in the markdown."""
+    text = format_tables(cpu_result, full=True)
     write_markdown(cpu_result, tmp_path / "r.md", "r.json", None)
     for out in (text, (tmp_path / "r.md").read_text()):
         header_lines = [line for line in out.splitlines() if line.lstrip("| ").startswith("strategy")]
