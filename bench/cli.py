@@ -25,6 +25,8 @@ import contextlib
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +40,35 @@ from bench.results import BenchResult, to_jsonable
 from bench.strategies import DEFAULT_ORDER, STRATEGIES
 from bench.targets import evaluate_targets
 from bench.workloads import PRESETS, Workload, resolve_dtype
+from offload.sizes import to_bytes
 
 __all__ = ["main", "parse_args", "config_from_args"]
 
 _CPU_DEFAULTS = {"steps": 20, "warmup": 2, "order": "interleaved"}
 _GPU_DEFAULTS = {"steps": 6, "warmup": 2, "order": "sequential"}
 _EMULATED_DEFAULTS = {"steps": 2, "warmup": 1, "order": "sequential"}
+_MiB = 1 << 20
 EMULATED_STRATEGIES = ("none", "offload", "offload_ac", "offload_head_excluded", "offload_sync")
 """--emulate's default: the strategies that run our engine (and the reference they are compared with)."""
+
+
+def _mib_or_size(option: str) -> Callable[[str], int]:
+    """argparse type of a budget option: bytes from a bare number of MiB (as the option always read it), or
+    from a size with a unit through offload's one size parser (NOTE [ Sizes ] in offload/sizes.py)."""
+    def parse(text: str) -> int:
+        try:
+            mib = Decimal(text.strip())
+        except InvalidOperation:  # not a bare number: a size with a unit ("2GB"), or no size at all
+            try:
+                return to_bytes(text, option, owner="bench", minimum=1)
+            except (TypeError, ValueError) as e:  # argparse names the program and the option before it
+                raise argparse.ArgumentTypeError(f"{str(e).removeprefix('bench: ')} Here a bare number means "
+                                                 "MiB (0.25, 512).") from None
+        if not mib.is_finite() or mib * _MiB < 1:
+            raise argparse.ArgumentTypeError(f"{option}={text!r}: a budget must be a positive number of MiB "
+                                             "(0.25, 512) or a size with a unit ('2GB', '1.5GiB')")
+        return int(mib * _MiB)
+    return parse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,11 +114,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", default="0.25,0.5,0.75", help="--plan: budgets as fractions of activation memory")
     p.add_argument("--model", default="toy", choices=("toy", "encoder", "hf_llama", "hf_gpt2"),
                    help="--plan: the model planned (bench/plan_models.py; shaped by --dim/--layers/--seq/...)")
-    p.add_argument("--budget-mib", type=float, default=None, help="--max-seq: budget (default: no-plan peak at --seq)")
+    p.add_argument("--budget-mib", dest="budget_bytes", type=_mib_or_size("--budget-mib"), default=None, metavar="SIZE",
+                   help="--max-seq: device budget, a number of MiB (512) or a size with a unit ('2GB', '1.5GiB'); "
+                        "default: the no-plan peak at --seq")
     p.add_argument("--tiers", action="store_true",
                    help="host tiers: host-only vs host + disk at 25/50%% host budgets (bench/tiers.py)")
-    p.add_argument("--host-budget", type=float, default=None,
-                   help="--max-seq: host pool budget in MiB; compares offload with and without the disk tier")
+    p.add_argument("--host-budget", dest="host_budget_bytes", type=_mib_or_size("--host-budget"), default=None,
+                   metavar="SIZE",
+                   help="--max-seq: host pool budget, a number of MiB (0.25) or a size with a unit ('2GB', "
+                        "'512MiB'); compares offload with and without the disk tier")
     p.add_argument("--disk-dir", default=None, help="--tiers: directory for the disk tier (default: a temp dir)")
     return p.parse_args(argv)
 
@@ -239,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if threads:
         torch.set_num_threads(threads)
     try:
-        if args.tiers or (args.max_seq and args.host_budget is not None):
+        if args.tiers or (args.max_seq and args.host_budget_bytes is not None):
             from bench.tiers import main_max_seq_host, main_tiers
 
             return (main_tiers if args.tiers else main_max_seq_host)(cfg.workload, cfg.device, args, argv)

@@ -573,8 +573,7 @@ def main_max_seq(workload: Workload, device: str, args: Any, argv: list[str] | N
     if (getattr(args, "model", "toy") or "toy") != "toy":
         print("python -m bench: --max-seq runs the toy model only (--model toy)", file=sys.stderr)
         return 2
-    budget = int(args.budget_mib * (1 << 20)) if getattr(args, "budget_mib", None) else None
-    res = run_max_seq(workload, device, budget_bytes=budget, seed=args.seed, progress=not args.quiet)
+    res = run_max_seq(workload, device, budget_bytes=args.budget_bytes, seed=args.seed, progress=not args.quiet)
     text = format_max_seq(res)
     print(text)
     if not args.no_write:

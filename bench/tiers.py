@@ -339,8 +339,7 @@ def main_tiers(workload: Workload, device: str, args: Any, argv: list[str] | Non
 
 
 def main_max_seq_host(workload: Workload, device: str, args: Any, argv: list[str] | None) -> int:
-    budget = int(args.budget_mib * _MiB) if getattr(args, "budget_mib", None) else None
-    res = run_max_seq_host(workload, device, host_budget_bytes=int(args.host_budget * _MiB), budget_bytes=budget,
+    res = run_max_seq_host(workload, device, host_budget_bytes=args.host_budget_bytes, budget_bytes=args.budget_bytes,
                            seed=args.seed, progress=not args.quiet)
     text = format_max_seq_host(res)
     print(text)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import cli
 
 SMALL = ["--seq", "32", "--layers", "2", "--dim", "64", "--vocab", "128", "--quiet"]
@@ -42,3 +44,19 @@ def test_max_seq_with_host_budget_compares_disk(tmp_path):
     rows = {r["arm"]: r for r in json.loads(jp.read_text())["rows"]}
     assert set(rows) == {"none", "offload_host_only", "offload_host_disk"}
     assert (rows["offload_host_disk"]["max_seq"] or 0) >= (rows["offload_host_only"]["max_seq"] or 0)
+
+
+@pytest.mark.parametrize("option", ["--host-budget", "--budget-mib"])
+def test_budget_options_read_mib_or_a_size_with_a_unit(option, capsys):
+    """A bare number stays MiB; a string with a unit goes through offload's size parser (exact decimal);
+    an ambiguous unit, zero or a non-number exits 2 naming the option and the accepted forms."""
+    dest = {"--host-budget": "host_budget_bytes", "--budget-mib": "budget_bytes"}[option]
+    for text, nbytes in [("0.25", 1 << 18), ("512", 512 << 20), ("2GB", 2_000_000_000), ("4.1GB", 4_100_000_000),
+                         ("1.5GiB", 3 << 29), ("512 MiB", 512 << 20)]:
+        assert getattr(cli.parse_args([option, text]), dest) == nbytes, text
+    assert getattr(cli.parse_args([]), dest) is None
+    for bad in ("16G", "0", "-1", "lots", "nan"):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args([option, bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and option in err and "GB" in err and "MiB" in err, (bad, err)
