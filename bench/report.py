@@ -300,28 +300,31 @@ _SPREAD_PT = _MARKER_PT + 2.0
 """Centre-to-centre distance, in points, of markers spread apart so that none hides another."""
 
 
-def _spread(xy: list[tuple[float, float]], min_dist: float) -> list[float]:
-    """Sideways offsets, in multiples of ``min_dist``, that put every two points at least ``min_dist``
-    apart: points that would come closer are grouped, and each group is laid out left to right in order
-    of x (then of index), centred on where its points are."""
-    group = list(range(len(xy)))  # group[i]: the group point i belongs to (its lowest member)
+def _spread(columns: list[tuple[float, float, float]], min_dist: float) -> list[float]:
+    """Sideways offsets, in multiples of ``min_dist``, for points drawn as vertical columns ``(x, bottom,
+    top)`` (a marker and its error bar), such that no two columns less than ``min_dist`` apart in x overlap
+    in y: those that would are grouped, and each group is laid out left to right, ``min_dist`` apart, in
+    order of x (then of index), centred on where its points are."""
+    n = len(columns)
+    group = list(range(n))  # group[i]: the group point i belongs to (its lowest member)
     while True:
-        offsets = [0.0] * len(xy)
+        offsets = [0.0] * n
         for g in set(group):
-            members = sorted((i for i in range(len(xy)) if group[i] == g), key=lambda i: (xy[i][0], i))
+            members = sorted((i for i in range(n) if group[i] == g), key=lambda i: (columns[i][0], i))
             for k, i in enumerate(members):
                 offsets[i] = k - (len(members) - 1) / 2
-        at = [(x + o * min_dist, y) for (x, y), o in zip(xy, offsets)]
-        close = next(((i, j) for i in range(len(xy)) for j in range(i + 1, len(xy)) if group[i] != group[j]
-                      and math.dist(at[i], at[j]) < min_dist), None)
-        if close is None:
+        x = [c[0] + o * min_dist for c, o in zip(columns, offsets)]
+        clash = next(((i, j) for i in range(n) for j in range(i + 1, n) if group[i] != group[j]
+                      and abs(x[i] - x[j]) < min_dist and columns[i][1] < columns[j][2]
+                      and columns[j][1] < columns[i][2]), None)
+        if clash is None:
             return offsets
-        merged, into = max(group[close[0]], group[close[1]]), min(group[close[0]], group[close[1]])
+        merged, into = max(group[clash[0]], group[clash[1]]), min(group[clash[0]], group[clash[1]])
         group = [into if g == merged else g for g in group]
 
 
 def _spread_overlapping(ax, drawn: list) -> int:
-    """Move the markers (and error bars) of ``drawn`` errorbar containers that would overlap on screen
+    """Move the markers and error bars of ``drawn`` errorbar containers that would overlap on screen
     sideways by :data:`_SPREAD_PT` steps (a display offset: the data stay the strategies' own figures);
     returns how many moved. Call after the layout is final: it freezes the axes' limits."""
     from matplotlib.transforms import offset_copy
@@ -329,8 +332,15 @@ def _spread_overlapping(ax, drawn: list) -> int:
     ax.set_xlim(ax.get_xlim())
     ax.set_ylim(ax.get_ylim())
     fig = ax.figure
-    xy = [tuple(ax.transData.transform(c.lines[0].get_xydata()[0])) for c in drawn]  # pixels
-    offsets = _spread(xy, _SPREAD_PT * fig.dpi / 72)
+    step = _SPREAD_PT * fig.dpi / 72  # pixels
+    columns = []
+    for c in drawn:
+        line, _, bars = c.lines
+        x, y = ax.transData.transform(line.get_xydata()[0])
+        ys = [y - step / 2, y + step / 2]  # the marker, and the bar's ends
+        ys += [float(p[1]) for b in bars for seg in b.get_segments() for p in ax.transData.transform(seg)]
+        columns.append((float(x), min(ys), max(ys)))
+    offsets = _spread(columns, step)
     for c, o in zip(drawn, offsets):
         if o:
             moved = offset_copy(ax.transData, fig=fig, x=o * _SPREAD_PT, y=0.0, units="points")
@@ -376,8 +386,8 @@ def write_png(result: BenchResult, path: Path) -> bool:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     if _spread_overlapping(ax, drawn):
-        ax.text(1.01, 0.0, f"Markers that would overlap are\nspread sideways, {_SPREAD_PT:.0f} pt apart\n"
-                "(a drawing offset, not memory;\nfigures: the .md table)", transform=ax.transAxes,
+        ax.text(1.01, 0.0, f"Markers and bars that would\noverlap are spread sideways,\n{_SPREAD_PT:.0f} pt apart: a drawing "
+                "offset,\nnot memory (figures: the .md)", transform=ax.transAxes,
                 ha="left", va="bottom", fontsize=7, color="0.4")
     fig.savefig(path, dpi=110)
     plt.close(fig)
