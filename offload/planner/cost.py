@@ -146,6 +146,9 @@ class Option:
     """Link time of the block's copies (D2H + H2D), hidden or not."""
     exposed_s: float = 0.0
     """Part of ``copy_s`` (plus engine overhead) added to the step."""
+    host_bytes: int = 0
+    """Most host bytes the block's copies can take: ``copy_bytes`` plus what it shares with an earlier
+    block's copy (its own copy in a plan where that block does not offload)."""
     fwd_event: int = 0
     bwd_event: int = 0
     head_event: int = 0
@@ -244,8 +247,37 @@ class CostModel:
         return asdict(self)
 
 
-def _retained(s: Any) -> int:
-    return s.L - s.A - s.out_bytes + (s.in_bytes if s.retains_input else 0)
+def _held_elsewhere(profile: StepProfile) -> list[bool]:
+    """Per position: its input outlives its forward even when every block offloads (held by an op
+    between blocks, e.g. a residual add's other use, or by a module that is not a candidate), so it is
+    held whatever this block decides: never charged to it (it stays in the measured constants)."""
+    offl = [profile.by_decision[d] for d in OFFLOADING if d in profile.by_decision]
+    n = len(profile.by_decision["keep"].blocks)
+    return [bool(offl) and all(p.blocks[k].retains_input for p in offl) for k in range(n)]
+
+
+def _charges(prof: DecisionProfile, elsewhere: list[bool]) -> list[tuple[int, int]]:
+    """Per position of profile ``prof``: (``r``, the bytes it holds to its backward as the model charges
+    them, and the bytes the earlier positions truly held when it ran).
+
+    ``r = L - A - out + ret * in``, the input left out when it is held elsewhere. Sibling modules fed one
+    tensor (an MLP's gate and up projections) each hold its storage: each is charged it (a plan may
+    keep one and offload the other), but in this profile it was held once, so the events (measured
+    above the earlier positions' true bytes) are measured above the storage counted once. A plan's
+    predicted peak is then never below its real one (issue 31: finer blocks)."""
+    out = []
+    prefix, counted, holders = 0, 0, set()
+    for k, s in enumerate(prof.blocks):
+        charge_in = s.retains_input and not elsewhere[k]
+        r = s.L - s.A - s.out_bytes + (s.in_bytes if charge_in else 0)
+        out.append((r, counted))
+        prefix += r
+        counted += r
+        if charge_in and s.in_key is not None:
+            if s.in_key in holders:
+                counted -= s.in_bytes  # the same storage, already held by an earlier position
+            holders.add(s.in_key)
+    return out
 
 
 def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str, Any] | None = None) -> CostModel:
@@ -256,8 +288,9 @@ def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str
     n = len(blocks)
     compute = {d: [p.blocks[k].fwd_s + p.blocks[k].bwd_s for k in range(n)] for d, p in profile.by_decision.items()}
     overhead = _copy_overhead(profile, compute, hw)
+    elsewhere = _held_elsewhere(profile)
     for d, prof in profile.by_decision.items():
-        for k, opt in enumerate(_options(d, prof, keep, compute, hw, overhead)):
+        for k, opt in enumerate(_options(d, prof, keep, compute, hw, overhead, elsewhere)):
             blocks[k].options[d] = opt
     rest = max(0.0, keep.step_s - sum(compute["keep"]))
     ekw = dict(engine_kwargs or {})
@@ -309,13 +342,12 @@ def _copy_overhead(profile: StepProfile, compute: dict[str, list[float]], hw: Ha
 
 
 def _options(d: str, prof: DecisionProfile, keep: DecisionProfile, compute: dict[str, list[float]], hw: Hardware,
-             overhead: float) -> list[Option]:
+             overhead: float, elsewhere: list[bool]) -> list[Option]:
     """Decision ``d``'s option at every call position, from its profile ``prof``: its events are
-    measured above the step's base and what the earlier positions retain under ``d``."""
+    measured above the step's base and what the earlier positions truly held under ``d`` (``_charges``)."""
     n = len(prof.blocks)
     out = []
-    prefix = 0
-    for k, s in enumerate(prof.blocks):
+    for k, (s, (retained, prefix)) in enumerate(zip(prof.blocks, _charges(prof, elsewhere))):
         keep_c = compute["keep"][k]
         if d in ("keep", "offload"):
             comp = keep_c
@@ -330,8 +362,9 @@ def _options(d: str, prof: DecisionProfile, keep: DecisionProfile, compute: dict
         else:
             nxt = keep.blocks[k + 1] if k + 1 < n else None
             exposed = max(0.0, d2h - (nxt.fwd_s if nxt else 0.0)) + max(0.0, h2d - (nxt.bwd_s if nxt else 0.0))
-        opt = Option(decision=d, retained=_retained(s), event=0, seconds=comp + exposed, compute_s=keep_c,
+        opt = Option(decision=d, retained=retained, event=0, seconds=comp + exposed, compute_s=keep_c,
                      recompute_s=comp - keep_c, copy_bytes=s.copy_bytes, copy_s=d2h + h2d, exposed_s=exposed,
+                     host_bytes=s.copy_bytes + s.shared_bytes,
                      fwd_event=s.fwd_peak - prof.base - prefix, bwd_event=s.bwd_peak - prof.base - prefix,
                      fwd_s_all=list(s.fwd_s_all), bwd_s_all=list(s.bwd_s_all))
         if k == n - 1:
@@ -343,7 +376,6 @@ def _options(d: str, prof: DecisionProfile, keep: DecisionProfile, compute: dict
             opt.post_event = max(1, prof.post_peak - prof.base)
         opt.event = max(opt.fwd_event, opt.bwd_event, opt.head_event, opt.pre_event, opt.post_event)
         out.append(opt)
-        prefix += opt.retained
     return out
 
 

@@ -59,7 +59,7 @@ def host_capacity(ekw: dict[str, Any]) -> int | None:
 
 def host_bytes(cost: CostModel, decisions: dict[str, str]) -> int:
     """Bytes the plan's copies hold on the host at the end of forward."""
-    return sum(b.options[decisions[b.name]].copy_bytes for b in cost.blocks if decisions[b.name] in OFFLOADING)
+    return sum(b.options[decisions[b.name]].host_bytes for b in cost.blocks if decisions[b.name] in OFFLOADING)
 
 
 def fit_host(cost: CostModel, decisions: dict[str, str], cap: int) -> dict[str, str]:
@@ -104,7 +104,7 @@ def tier_bytes(cost: CostModel, decisions: dict[str, str]) -> dict[str, dict[str
         d = decisions[b.name]
         if d not in OFFLOADING:
             continue
-        left = b.options[d].copy_bytes
+        left = b.options[d].host_bytes
         row = out.setdefault(b.name, {})
         for tier in caps:
             if left == 0:

@@ -28,9 +28,18 @@ a larger slab is covered by the slab's range and vice versa.
 
 The subclass overrides two private MemTracker methods (``_track``, where a
 storage is first counted, and ``_update_peak_stats``, to follow the running
-total between block boundaries) and reads ``_curr_mem_snap``; checked against
-torch 2.13 by ``tests/planner`` (a torch that renames them fails those tests,
-not silently).
+total between block boundaries), reads ``_curr_mem_snap`` and replaces
+``_mod_tracker`` with :class:`_NoModules`; checked against torch 2.13 by
+``tests/planner`` (a torch that renames them fails those tests, not silently).
+
+Only the running total is read, never MemTracker's per-module statistics, so
+its module tracker is left out (issue 31). That tracker hooks every module
+call (snapshots copied per call, a per-op loop over every module seen: most of
+a tracked step's cost) and registers a gradient hook on every parameter of
+every module that runs, which raises on a frozen parameter (every PEFT/LoRA
+model). Without it, the total still counts everything: parameters, buffers and
+existing gradients through ``track_external``; gradients created during the
+step, activations and temporaries as the outputs of the ops that make them.
 """
 
 from __future__ import annotations
@@ -124,6 +133,28 @@ class _HostRanges:
         return len(self._ranges)
 
 
+class _NoModules:
+    """Stands in for MemTracker's ``ModTracker``: no module hooks, never "in backward" (see the module doc)."""
+
+    is_bw = False
+    parents = frozenset({"Global"})
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def get_known_fqn(self, mod: nn.Module) -> None:
+        return None
+
+    def __enter__(self) -> "_NoModules":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
 def _make_tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -132,6 +163,7 @@ def _make_tracker_class() -> type:
 
         def __init__(self, host: _HostRanges, on_update: Callable[[int], None]) -> None:
             super().__init__()
+            self._mod_tracker = _NoModules()
             self._host = host
             self._on_update = on_update
 
@@ -148,7 +180,7 @@ def _make_tracker_class() -> type:
             super()._track(reftype, t)
 
         def _update_peak_stats(self, peak_state: Any) -> None:  # type: ignore[override]
-            super()._update_peak_stats(peak_state)
+            # The meter keeps the peak (MemTracker's own copies a snapshot at every new peak).
             self._on_update(self.current_total())
 
         def current_total(self) -> int:

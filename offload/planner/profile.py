@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..policy import DUPLICATE_STORAGE
 from .install import DECISIONS, Installed
 from .meter import MemoryMeter, host_clock
 
@@ -63,6 +64,13 @@ def _first_grad_tensor(leaves: list[Any]) -> int:
         if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point():
             return i
     return -1
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return id(t)
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -92,6 +100,9 @@ class BlockStats:
     """Storage bytes of the block's output."""
     retains_input: bool = True
     """The block's input tensor was still alive when its backward began."""
+    in_key: tuple[int, int] | None = None
+    """(data pointer, bytes) of the input's storage: two calls reading one storage (sibling
+    modules fed the same tensor) share it, and the cost model charges it once (``cost``)."""
     fwd_s: float = 0.0
     """Forward seconds (median of the timed steps)."""
     bwd_s: float = 0.0
@@ -108,6 +119,9 @@ class BlockStats:
     """Number of host copies for this block."""
     max_copy: int = 0
     """Largest single host copy of this block (sizes the engine's prefetch)."""
+    shared_bytes: int = 0
+    """Bytes this block saved that an earlier block had already copied (the engine copies a storage
+    once per step): its own copy when that earlier block does not offload (``host``)."""
 
 
 @dataclass
@@ -232,6 +246,7 @@ class Probe:
         if k >= 0:
             x = leaves[k]
             s.in_bytes = _storage_bytes(x)
+            s.in_key = (_storage_ptr(x), s.in_bytes)
             # Watch the storage, not the tensor object: the engine may hold a saved
             # tensor's bytes through another tensor (a detached alias, a view).
             try:
@@ -385,6 +400,8 @@ def _tracked_step(inst: Installed, step: Callable, model: nn.Module, device: tor
     copied: dict[int, int] = defaultdict(int)
     copies: dict[int, int] = defaultdict(int)
     biggest: dict[int, int] = defaultdict(int)
+    shared: dict[int, int] = defaultdict(int)
+    copier: dict[int, int] = {}  # storage data pointer -> the position that copied it
     meter = MemoryMeter(device, [engine.pool])
     probe = Probe(len(names), _Clock(device), meter, names)
 
@@ -396,7 +413,11 @@ def _tracked_step(inst: Installed, step: Callable, model: nn.Module, device: tor
         if rec.reason in ("parameter", "buffer"):
             return
         saved[p] += rec.nbytes
+        ptr = _storage_ptr(ev.tensor)
+        if rec.reason == DUPLICATE_STORAGE and copier.get(ptr, p) != p:
+            shared[p] += rec.nbytes  # an earlier block copied this storage
         if rec.copy_bytes:
+            copier.setdefault(ptr, p)
             copied[p] += rec.copy_bytes
             copies[p] += 1
             biggest[p] = max(biggest[p], rec.copy_bytes)
@@ -421,6 +442,7 @@ def _tracked_step(inst: Installed, step: Callable, model: nn.Module, device: tor
                            peak=meter.peak)
     for p, s in enumerate(prof.blocks):
         s.saved_bytes, s.copy_bytes, s.copies, s.max_copy = saved[p], copied[p], copies[p], biggest[p]
+        s.shared_bytes = shared[p]
     return prof
 
 
