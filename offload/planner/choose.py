@@ -15,7 +15,7 @@ from ..errors import OffloadError
 from .cost import OFFLOADING, CostModel
 from .host import fit_host
 from .install import DECISIONS, RECOMPUTE
-from .solve import Choice, min_peak, solve
+from .solve import Choice, min_peak, solve, solve_stable
 
 __all__ = ["choose"]
 
@@ -46,6 +46,7 @@ def choose(cost: CostModel, budget_bytes: int, margin: int, *, model: nn.Module 
             dec, method = lowest, "min_peak (the heuristic found nothing)"
         else:
             dec, method = _as_dict(cost, best.decisions), best.solver
+            dec, method = _stable(cost, variants, cap, best.seconds, dec, method)
     dec = fit_host(cost, dec, cap)  # issue 25: never more offload than the host tiers hold
     peak = cost.peak(dec)
     if peak > cap:  # the solver saw every event: this is a bug, never a silent over-budget plan
@@ -54,6 +55,27 @@ def choose(cost: CostModel, budget_bytes: int, margin: int, *, model: nn.Module 
             f"budget_bytes={budget_bytes} at the {cost.where(dec)}."
         )
     return dec, method, min_peak_bytes
+
+
+def _stable(cost: CostModel, variants: list[list[list[Choice]]], cap: int, fastest: float,
+            dec: dict[str, str], method: str) -> tuple[dict[str, str], str]:
+    """The tie-break that makes a plan reproducible (issue 31): among the plans predicted within the
+    noise band of the fastest (``cost.noise_s``), the fewest non-keep decisions, then the lowest
+    predicted peak, then "keep" (then the cheaper decision in ``DECISIONS`` order) at the earliest
+    block. Timing noise then decides nothing that is within it."""
+    found = None
+    for ch in variants:
+        got = solve_stable(ch, cap - cost.base, fastest + cost.noise_s)
+        if got is not None:
+            key = (got[0][0], got[0][1], tuple(DECISIONS.index(d) for d in got[1].decisions))
+            if found is None or key < found[0]:
+                found = (key, got[1])
+    if found is None:  # too many plans to search exactly: the fastest, as solved
+        log.info("offload.plan: too many plans within the noise band to break ties exactly; kept the fastest")
+        return dec, method
+    return _as_dict(cost, found[1].decisions), (
+        f"{method}; ties within the noise band ({cost.noise_s * 1e3:.2f} ms) broken by fewest non-keep "
+        "decisions, then lowest peak")
 
 
 def _choices(cost: CostModel, *, offloading: bool = True,

@@ -64,7 +64,8 @@ import torch
 
 from .profile import DecisionProfile, StepProfile
 
-__all__ = ["Hardware", "Option", "BlockCost", "CostModel", "measure_hardware", "build_cost_model"]
+__all__ = ["Hardware", "Option", "BlockCost", "CostModel", "measure_hardware", "build_cost_model", "noise_band",
+           "NOISE_FLOOR"]
 
 log = logging.getLogger("offload.planner")
 
@@ -195,6 +196,9 @@ class CostModel:
     no_recompute: dict[str, str] = field(default_factory=dict)
     """Blocks never recomputed, and why (a forward that mutates buffers: see ``planning``)."""
     rest_s_all: list[float] = field(default_factory=list)
+    noise_s: float = 0.0
+    """The timing's noise band (``noise_band``): plans predicted within it of each other are equally
+    fast, and the solver breaks the tie by a rule that reads no time (``choose``)."""
 
     @property
     def names(self) -> list[str]:
@@ -296,7 +300,20 @@ def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str
     ekw = dict(engine_kwargs or {})
     ahead = _prefetch_bytes(profile, hw, ekw)
     return CostModel(base=keep.base, rest_s=rest, blocks=blocks, hardware=hw, copy_overhead_s=overhead,
-                     prefetch_bytes=int(ahead), engine_kwargs=ekw, rest_s_all=list(keep.step_s_all))
+                     prefetch_bytes=int(ahead), engine_kwargs=ekw, rest_s_all=list(keep.step_s_all),
+                     noise_s=noise_band(profile))
+
+
+NOISE_FLOOR = 0.02
+"""Smallest noise band, as a share of the step: timing on a shared machine is rarely better than 2%."""
+
+
+def noise_band(profile: StepProfile) -> float:
+    """Seconds within which two predicted step times are not told apart: the widest spread (max - min)
+    of the timed steps of any profiled decision, at least ``NOISE_FLOOR`` of the step without a plan."""
+    spreads = [max(p.step_s_all) - min(p.step_s_all) for p in profile.by_decision.values() if p.step_s_all]
+    step = profile.by_decision["keep"].step_s or (profile.unplanned_step_s or 0.0)
+    return max([NOISE_FLOOR * step, *spreads])
 
 
 def _check_same_calls(profile: StepProfile) -> None:

@@ -59,9 +59,9 @@ class _Marker(torch.autograd.Function):
         return g, None
 
 
-def _first_grad_tensor(leaves: list[Any]) -> int:
+def _first_grad_tensor(leaves: list[Any], need_grad: bool = True) -> int:
     for i, v in enumerate(leaves):
-        if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and (v.requires_grad or not need_grad):
             return i
     return -1
 
@@ -243,8 +243,11 @@ class Probe:
         s.A = self._level()
         leaves, spec = tree_flatten((args, kwargs))
         k = _first_grad_tensor(leaves)
-        if k >= 0:
-            x = leaves[k]
+        # The input: the first that needs grad, else the first floating-point one (a frozen stem's
+        # output still feeds a LoRA layer, which saves it for its weights' gradient).
+        j = k if k >= 0 else _first_grad_tensor(leaves, need_grad=False)
+        if j >= 0:
+            x = leaves[j]
             s.in_bytes = _storage_bytes(x)
             s.in_key = (_storage_ptr(x), s.in_bytes)
             # Watch the storage, not the tensor object: the engine may hold a saved
@@ -253,7 +256,8 @@ class Probe:
                 self._inputs[pos] = weakref.ref(x.untyped_storage())
             except (RuntimeError, TypeError, NotImplementedError):
                 self._inputs[pos] = None
-            leaves[k] = _Marker.apply(x, lambda p=pos: self.bwd_end(p))
+        if k >= 0:
+            leaves[k] = _Marker.apply(leaves[k], lambda p=pos: self.bwd_end(p))
             self._has_input_marker.add(pos)
             args, kwargs = tree_unflatten(leaves, spec)
         self.t[("fwd0", pos)] = self.clock.now()

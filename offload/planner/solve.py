@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Choice", "Solution", "solve", "solve_exact", "solve_greedy", "solve_brute_force", "min_peak"]
+__all__ = ["Choice", "Solution", "solve", "solve_exact", "solve_greedy", "solve_brute_force", "solve_stable", "min_peak"]
 
 
 @dataclass(frozen=True)
@@ -184,3 +184,47 @@ def min_peak(blocks: Sequence[Sequence[Choice]]) -> Solution:
         states = front[:200_000]
     best = min(states, key=lambda s: (s[1], s[2]))
     return _solution(blocks, best[3], "min_peak")
+
+
+def solve_stable(blocks: Sequence[Sequence[Choice]], cap: int, limit: float,
+                 max_states: int = 200_000) -> tuple[tuple[int, int, tuple[int, ...]], Solution] | None:
+    """Among the plans at most ``limit`` seconds with every peak under ``cap``, the one with the fewest
+    non-"keep" decisions, then the lowest peak, then the earliest option (``keep`` first) at the
+    earliest block: measured times never decide between plans whose times are within the noise band
+    (the caller sets ``limit`` = fastest + band). Returns (its sort key, it); None when no plan is
+    within ``limit`` or the search grows past ``max_states`` (the caller keeps the fastest plan then).
+
+    Exact: a partial plan is dropped only when even its fastest completion exceeds ``limit``, or when
+    another with the same (prefix bytes, non-keep count, peak so far) is both earlier in option order
+    and no slower (every completion of the dropped one is then worse or equal for the other).
+    """
+    rest = [0.0] * (len(blocks) + 1)
+    for i in range(len(blocks) - 1, -1, -1):
+        rest[i] = rest[i + 1] + min(c.seconds for c in blocks[i])
+    slack = 1e-12 * max(1.0, abs(limit))
+    Key = tuple[int, int, int]
+    states: dict[Key, list[tuple[tuple[int, ...], float]]] = {(0, 0, -(1 << 62)): [((), 0.0)]}
+    count = 1
+    for i, opts in enumerate(blocks):
+        nxt: dict[Key, list[tuple[tuple[int, ...], float]]] = {}
+        for (prefix, nk, m), entries in states.items():
+            for idx, secs in entries:
+                for k, c in enumerate(opts):
+                    s = secs + c.seconds
+                    if prefix + c.event <= cap and s + rest[i + 1] <= limit + slack:
+                        key = (prefix + c.retained, nk + (c.decision != "keep"), max(m, prefix + c.event))
+                        nxt.setdefault(key, []).append((idx + (k,), s))
+        count = 0
+        for key, entries in nxt.items():  # per key: earlier in option order, or faster
+            entries.sort()
+            front = [entries[0]]
+            for e in entries[1:]:
+                if e[1] < front[-1][1]:
+                    front.append(e)
+            nxt[key] = front
+            count += len(front)
+        if not nxt or count > max_states:
+            return None
+        states = nxt
+    best = min((k[1], k[2], e[0]) for k, entries in states.items() for e in entries)
+    return best, _solution(blocks, best[2], "exact")
