@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.env import default_run_dir, run_metadata
+from bench.progress import bar, note
 from bench.plan_models import PlanTarget, build_target
 from bench.strategies import Skip
 from bench.workloads import Workload
@@ -245,7 +246,7 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
                  model: str = "toy") -> dict[str, Any]:
     """Fixed arms and planned points for one workload and model (see the module docstring)."""
     import offload
-    from offload.planner import plan_from_cost
+    from offload.planner import plan_from_cost, plan_steps
 
     dev = torch.device(device)
     if workload.fit_layers and dev.type == "cuda":  # 8b: as many blocks as fit when `none` runs
@@ -253,17 +254,24 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
 
         workload = workload.replace(n_layers=fit_layers(workload, dev, 0.85, seed))
     t = _target(workload, dev, seed, model)
-    say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else (lambda s: None)
     arms_names = list(FIXED_ARMS) + (["compile_amb_0.25", "compile_amb_0.5", "compile_amb_0.75"]
                                      if dev.type == "cuda" else [])
+    pbar = bar(len(arms_names) + 1 + len(fractions), f"plan {t.name}", enabled=progress, unit="phase")
+
+    def say(text: str) -> None:
+        pbar.set_postfix_str(text.split(": ", 1)[-1][:60], refresh=True)
+        note(text, enabled=progress)
+
     arms = []
     for name in arms_names:
-        say(f"[plan] {t.name}: measuring {name}")
+        say(f"{t.name}: measuring {name}")
         arms.append(_measure_arm(name, t, steps, warmup))
-    say(f"[plan] {t.name}: profiling the planner (one step per decision)")
+        pbar.update()
+    say(f"{t.name}: profiling the planner ({plan_steps(warmup, steps)} steps)")
     t0 = time.perf_counter()
     base_plan = offload.plan(t.model, t.step, budget_bytes=1 << 62, warmup=warmup, timed=steps)
     profile_s = time.perf_counter() - t0
+    pbar.update()
     cost = base_plan.cost
     unplanned = base_plan.unplanned_peak_bytes
     planned = []
@@ -278,6 +286,7 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
             pt.status, pt.reason = "infeasible", str(e)
             _compare(pt, arms)
             planned.append(pt)
+            pbar.update()
             continue
         say(f"[plan] {t.name} budget {f:.2f}: measuring {p.decisions}")
         p.measure(t.model, t.step, warmup=warmup, timed=steps)
@@ -288,6 +297,8 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
         pt.report = p.report()
         _compare(pt, arms)
         planned.append(pt)
+        pbar.update()
+    pbar.close()
     from bench.ilp_arm import run_ilp_arm
 
     ilp = run_ilp_arm(t.model, t.step, [(p.fraction, p.budget_bytes) for p in planned],
@@ -300,6 +311,8 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
         "base_bytes": cost.base,
         "unplanned_peak_bytes": unplanned,
         "profile_seconds": profile_s,
+        "profile_steps": plan_steps(warmup, steps),
+        "unplanned_step_seconds": base_plan.unplanned_step_seconds,
         "hardware": asdict(cost.hardware),
         "arms": [asdict(a) for a in arms],
         "planned": [{**asdict(p), "peak_error": p.peak_error, "time_error": p.time_error} for p in planned],
@@ -339,6 +352,16 @@ def _md(rows: list[list[Any]], headers: list[str]) -> list[str]:
     return render_table(rows, headers, fmt="github").rstrip("\n").splitlines()
 
 
+def _planning_cost(res: dict[str, Any]) -> str:
+    """What planning cost: seconds, and in steps without a plan (issue 31: a stated number of steps)."""
+    text = f"Planning (offload.plan: profile + measure) took {res['profile_seconds']:.1f} s"
+    step = res.get("unplanned_step_seconds")
+    if step:
+        text += (f", {res['profile_seconds'] / step:.0f}x one step without a plan ({step * 1e3:.1f} ms; it ran "
+                 f"{res.get('profile_steps', '?')} steps, the memory-tracked ones slower)")
+    return text + "."
+
+
 def format_frontier(res: dict[str, Any]) -> str:
     lines = [f"planner frontier: {res['workload']['run_id']} on {res['device']} "
              f"(base {_mib(res['base_bytes'])}, no-plan peak {_mib(res['unplanned_peak_bytes'])})", ""]
@@ -359,7 +382,7 @@ def format_frontier(res: dict[str, Any]) -> str:
     hw = res["hardware"]
     lines += ["", f"Link model: D2H {hw['d2h_gb_s']:.1f} GB/s, H2D {hw['h2d_gb_s']:.1f} GB/s ({hw['source']}), "
               f"{'synchronous copies (time exposed)' if hw['synchronous'] else 'side streams'}. "
-              f"Profiling took {res['profile_seconds']:.1f} s. Unverified: {res['unverified']}."]
+              f"{_planning_cost(res)} Unverified: {res['unverified']}."]
     return "\n".join(lines)
 
 

@@ -2,15 +2,18 @@
 
 The callbacks hand :class:`StepPlanner` the trainer's own step (HF: ``Trainer.compute_loss`` on the
 batch; Lightning: ``training_step``) before it runs for real. On the first step it calls
-``offload.plan`` with that step, applies the plan, and logs the decisions and the predicted vs
-measured peak (``plan()`` measures the plan it returns). A later batch whose sequence length (the
+``offload.plan`` with that step, applies the plan, and logs when planning starts (with the number
+of steps it runs) and the decisions with the predicted vs measured peak (``plan()`` measures the
+plan it returns), both at WARNING, which a trainer's default logging shows. A later batch whose sequence length (the
 second dimension of its largest tensor) exceeds the planned one is planned again (the memory of a
 step grows with it); shorter or equal batches keep the plan. Batch size growth is treated the same.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,15 +21,20 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..config import check_keywords
 from ..errors import OffloadError
-from ..planner import Plan, plan
+from .._format import format_bytes
+from ..planner import Plan, plan, plan_steps
 from ..planner.planning import budget_on_device
 from ..planner.install import Installed
 from ..sizes import SizeLike
 
-__all__ = ["StepPlanner", "resolve_budget", "batch_shape"]
+__all__ = ["StepPlanner", "resolve_budget", "batch_shape", "PLAN_KEYWORDS"]
 
 log = logging.getLogger("offload.integrations")
+
+PLAN_KEYWORDS = tuple(n for n in inspect.signature(plan).parameters if n not in ("model", "step", "budget_bytes"))
+"""The ``offload.plan`` keywords ``plan_kwargs`` may hold (the callback passes the model, step and budget)."""
 
 
 def resolve_budget(owner: str, budget_bytes: Any, budget: Any, device: torch.device | None) -> int:
@@ -60,6 +68,7 @@ class StepPlanner:
         self.budget_bytes, self.budget = budget_bytes, budget
         if plan_kwargs is not None and not isinstance(plan_kwargs, dict):
             raise TypeError(f"{owner}: plan_kwargs={plan_kwargs!r} must be a dict of offload.plan keywords.")
+        check_keywords(f"{owner}: plan_kwargs", PLAN_KEYWORDS, plan_kwargs or {})  # a typo: "did you mean"
         self.plan_kwargs = dict(plan_kwargs or {})
         self.plan: Plan | None = None
         """The plan in use (``plan.report()``, ``plan.to_json()``)."""
@@ -80,16 +89,24 @@ class StepPlanner:
         self.remove()
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         budget = resolve_budget(self.owner, self.budget_bytes, self.budget, device)
+        # At WARNING: the one place a trainer's default logging shows (the HF Trainer hides INFO), so
+        # the first step's wait is never silent (issue 31).
+        kw = self.plan_kwargs
+        log.warning("%s: planning activation offloading for batch %s with budget_bytes=%d (%s): runs about "
+                    "%d training steps", self.owner, shape, budget, format_bytes(budget),
+                    plan_steps(kw.get("warmup", 1), kw.get("timed", 3)))
+        t0 = time.perf_counter()
         try:
-            p = plan(model, step, budget_bytes=budget, **self.plan_kwargs)
+            p = plan(model, step, budget_bytes=budget, **kw)
         except OffloadError as e:
             raise OffloadError(f"{self.owner}: {e}") from None
         self.plan, self.planned_shape, self.plans = p, shape, self.plans + 1
         self.handle = p.apply(model)
         measured = ("not measured" if p.measured_peak_bytes is None else f"measured {p.measured_peak_bytes} B")
-        log.info("%s: plan for batch %s under budget_bytes=%d: %s; peak predicted %d B, %s; step predicted "
-                 "%.1f ms", self.owner, shape, budget, p.decisions, p.predicted_peak_bytes, measured,
-                 p.predicted_step_seconds * 1e3)
+        log.warning("%s: plan for batch %s under budget_bytes=%d, chosen in %.1f s: %s; peak predicted %d B, %s; "
+                    "step predicted %.1f ms (plan.report() explains each figure)", self.owner, shape, budget,
+                    time.perf_counter() - t0, p.decisions, p.predicted_peak_bytes, measured,
+                    p.predicted_step_seconds * 1e3)
 
     @property
     def engine(self) -> Any:

@@ -159,8 +159,8 @@ def _infeasible(budget: int, cost: CostModel, lowest: dict[str, str], model: nn.
     smallest, where, prefix = max(cost.breakdown(lowest))
     own = smallest - cost.base - prefix
     outside = where.startswith(("stem", "end of backward", "head"))
-    hint = ("it happens outside every candidate block, so no decision lowers it: shrink the step (batch, "
-            "sequence length) or move that work into a candidate" if outside else
+    hint = ("shrink the step (batch, sequence length): that peak happens outside every candidate block, so no "
+            "decision lowers it (or make the module that holds it a candidate)" if outside else
             "shrink the step (batch, sequence length), or pass blocks=[...] with more (or larger) candidates")
     measured = (f" Measured plans peaked above it ({'; '.join(tried)}), so plans need a margin of {format_bytes(margin)} "
                 "below the budget, which none reaches." if tried else "")

@@ -15,6 +15,7 @@ at the least added time per byte freed) until it does, and
 
 from __future__ import annotations
 
+import os
 import shutil
 from typing import Any
 
@@ -39,12 +40,21 @@ def _caps(ekw: dict[str, Any]) -> list[tuple[str, int | None]]:
         disk = ekw.get("disk_budget_bytes")
         if disk is None:
             try:
-                du = shutil.disk_usage(ekw["disk_dir"])
+                du = shutil.disk_usage(_existing(ekw["disk_dir"]))
                 disk = max(0, du.free - min(1 << 30, du.total // 20))
             except OSError:
                 disk = 0
         caps.append(("disk", disk))
     return caps
+
+
+def _existing(path: str) -> str:
+    """``path``, or its nearest existing ancestor: the engine creates a missing ``disk_dir``, whose
+    files then take the free space of the file system it will be on (issue 31)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p
 
 
 def host_capacity(ekw: dict[str, Any]) -> int | None:

@@ -39,7 +39,7 @@ from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install
 from .meter import StepMeasurement, measure_step
 from .profile import StepProfile, profile_step, run_step, zero_grads_
 
-__all__ = ["Plan", "plan", "find_blocks"]
+__all__ = ["Plan", "plan", "find_blocks", "plan_steps"]
 
 log = logging.getLogger("offload.planner")
 
@@ -115,8 +115,9 @@ class Plan:
         _nonneg_int("timed", timed)
         handle = self.apply(model)
         try:
+            # Every host tier's buffers are host memory (the disk tier stages its writes in its own pool).
             m = measure_step(lambda: run_step(step), device=self.device, model=model,
-                             pools=[handle.engine.pool], warmup=warmup, timed=timed,
+                             pools=[handle.engine.pool, handle.engine.tiers], warmup=warmup, timed=timed,
                              before_each=lambda: zero_grads_(model))
         finally:
             handle.remove()
@@ -174,15 +175,33 @@ class Plan:
         lines += [
             f"peak: predicted {format_bytes(self.predicted_peak_bytes)} at {self.binding}; {meas_p}",
             f"step: predicted {self.predicted_step_seconds * 1e3:.1f} ms; {meas_t}",
-            f"without a plan: peak {format_bytes(self.unplanned_peak_bytes)}, step {self.unplanned_step_seconds * 1e3:.1f} ms; "
-            f"smallest reachable peak {format_bytes(self.min_peak_bytes)}",
+            f"without a plan: peak {format_bytes(self.unplanned_peak_bytes)}, step {self.unplanned_step_seconds * 1e3:.1f} ms "
+            f"(measured); smallest peak any plan reaches: {format_bytes(self.min_peak_bytes)} (predicted)",
         ]
+        lines += self._legend()
         if self.host_tiers:  # issue 25: which host tier each offloading block's copies land in
             lines.append("host tiers: " + "; ".join(
                 f"{n}: " + ", ".join(f"{t} {format_bytes(b)}" for t, b in row.items()) for n, row in self.host_tiers.items()))
         for name, why in (self.cost.no_recompute if self.cost is not None else {}).items():
             lines.append(f"never recomputed: {name} ({why})")
         return "\n".join(lines)
+
+    def _legend(self) -> list[str]:
+        """What each figure of the report is (issue 31: a figure that does not say what it is misleads)."""
+        hw, cost = self.cost.hardware, self.cost
+        exposed = ("with synchronous copies all of the copy time plus the engine's per-copy overhead "
+                   f"({cost.copy_overhead_s * 1e3:.2f} ms a copy, the offload profile's slowdown beyond bytes / "
+                   "bandwidth), so it can exceed the copy time" if hw.synchronous else
+                   "the part of the copy time the next block's compute does not hide")
+        return [
+            "columns: saved = bytes the block saves for backward when kept; retained = bytes it holds on the "
+            "device from its forward to its backward under its decision; recompute = seconds its forward "
+            "re-runs in backward; copy = bytes copied to the host and back; copy time = those bytes over the "
+            f"link (D2H + H2D); exposed = seconds the copies add to the step: {exposed}",
+            f"times are medians of the timed steps; plans predicted within {cost.noise_s * 1e3:.2f} ms (the noise "
+            "band: the widest spread of the timed steps) are equally fast, and the fewest non-keep decisions, "
+            "then the lowest peak, decide",
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         hw = self.cost.hardware
@@ -205,6 +224,7 @@ class Plan:
             "base_bytes": self.cost.base,
             "measured_step_seconds_spread": _spread(self.measured_step_seconds_all),
             "rest_seconds": self.cost.rest_s,
+            "noise_seconds": self.cost.noise_s,
             "never_recomputed": dict(self.cost.no_recompute),
             "modules": self._rows(),
         }
@@ -301,6 +321,13 @@ def plan(
                          bandwidth_gb_s=bandwidth_gb_s, solver=solver, verify=verify)
 
 
+def plan_steps(warmup: int = 1, timed: int = 3) -> int:
+    """How many training steps ``plan(warmup=, timed=)`` runs: ``1 + warmup + timed`` without a plan and
+    per decision (one of them tracked by the memory meter), and ``max(1, warmup) + 1`` to measure the
+    chosen plan (more, up to three times, when a measured peak is over the budget)."""
+    return (1 + warmup + timed) * (1 + len(DECISIONS)) + max(1, warmup) + 1
+
+
 def _plan_checked(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[tuple[str, nn.Module]],
                   budget_bytes: int, dev: torch.device, ekw: dict[str, Any], *, warmup: int, timed: int,
                   bandwidth_gb_s: tuple[float, float] | float | None, solver: str, verify: bool) -> Plan:
@@ -322,6 +349,7 @@ def _engine_settings(engine_kwargs: dict[str, Any] | None, host_budget_bytes: Si
     :func:`plan` that are engine settings, sizes in bytes (the host tiers' limits are read from them)."""
     ekw = {k: size_setting(k, v, owner="offload.plan", label=f"engine_kwargs[{k!r}]") if k in SIZE_FIELDS
            else v for k, v in (engine_kwargs or {}).items()}
+    ekw = _parsed(ekw)  # names and values checked as the engine checks them (did you mean)
     min_offload_size = size_setting("min_offload_size", min_offload_size, owner="offload.plan")
     if host_budget_bytes is not None:  # issue 25: the plan's copies must fit the host tiers
         host_budget_bytes = size_setting("host_budget_bytes", host_budget_bytes, owner="offload.plan")
@@ -335,6 +363,18 @@ def _engine_settings(engine_kwargs: dict[str, Any] | None, host_budget_bytes: Si
         # across blocks (into the previous offloaded block), which no per-block cost has.
         ekw.setdefault("prefetch_bytes", 0)
     return ekw
+
+
+def _parsed(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``engine_kwargs`` as the engine reads them (issue 31): checked and parsed by ``OffloadConfig``
+    (sizes with units such as "64KiB" become ints, a typo gets "did you mean"), before any step runs."""
+    from ..config import OffloadConfig
+
+    try:
+        cfg = OffloadConfig(**engine_kwargs)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"offload.plan: engine_kwargs: {e}") from None
+    return {k: getattr(cfg, k) for k in engine_kwargs}
 
 
 def _synchronous(dev: torch.device, ekw: dict[str, Any]) -> bool:

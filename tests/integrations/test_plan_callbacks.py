@@ -42,7 +42,13 @@ class _Seqs(torch.utils.data.IterableDataset):
                 yield {"input_ids": ids, "labels": ids}
 
 
-def _hf_train(tmp_path, name: str, callbacks: list) -> tuple[torch.nn.Module, list, list]:
+def _lora_gpt2():
+    """The tiny GPT-2 with LoRA on its attention projection (every base weight frozen)."""
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(_gpt2(), peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+
+
+def _hf_train(tmp_path, name: str, callbacks: list, make=_gpt2) -> tuple[torch.nn.Module, list, list]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     class Grads(TrainerCallback):
@@ -50,10 +56,10 @@ def _hf_train(tmp_path, name: str, callbacks: list) -> tuple[torch.nn.Module, li
             self.steps: list = []
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            self.steps.append([p.grad.clone() for p in model.parameters()])
+            self.steps.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
 
     grads = Grads()
-    model = _gpt2()
+    model = make()
     args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=len(LENGTHS), per_device_train_batch_size=2,
                              learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
                              seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
@@ -85,6 +91,39 @@ def test_hf_callback_plans_applies_replans_and_matches_gradients(tmp_path, caplo
     # Removed at train end: no wrapped forward left, the KV cache setting as training without a plan leaves it.
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert model.config.use_cache == plain.config.use_cache
+
+
+def test_hf_callback_plans_a_lora_model_and_says_so(tmp_path, caplog) -> None:
+    """A PEFT LoRA model plans in the Trainer, with one line when planning starts and one with what it
+    chose, both at a level the Trainer's default logging shows; gradients equal training without it."""
+    from offload.integrations.hf import OffloadCallback
+
+    probe = _lora_gpt2()
+    ids = torch.randint(0, 128, (2, max(LENGTHS)))
+    budget = _budget(probe, lambda: probe(input_ids=ids, labels=ids).loss)
+    cb = OffloadCallback(budget_bytes=budget, plan_kwargs=_PLAN_KW)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        _, got, _ = _hf_train(tmp_path, "lora", [cb], make=_lora_gpt2)
+    _, want, _ = _hf_train(tmp_path, "lora_plain", [], make=_lora_gpt2)
+    assert cb.planner.plans == 2 and set(cb.planner.plan.decisions.values()) != {"keep"}
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert sum("planning activation offloading" in m and "training steps" in m for m in said) == 2
+    assert sum("chosen in" in m and "peak predicted" in m for m in said) == 2
+    assert cb.planner.plan.measured_peak_bytes <= cb.planner.plan.budget_bytes
+    for g, w in zip(got, want, strict=True):
+        assert len(g) == len(w) and all(torch.equal(a, b) for a, b in zip(g, w))
+
+
+@pytest.mark.parametrize("which", ["hf", "lightning"])
+def test_plan_kwargs_typo_named_when_built(which: str) -> None:
+    """A misspelt plan_kwargs keyword is refused when the callback is built, with the closest name."""
+    if which == "hf":
+        from offload.integrations.hf import OffloadCallback
+    else:
+        pytest.importorskip("lightning.pytorch")
+        from offload.integrations.lightning import OffloadCallback
+    with pytest.raises(TypeError, match=r"plan_kwargs.*'timd' \(did you mean 'timed'\?\)"):
+        OffloadCallback(budget_bytes=1 << 30, plan_kwargs={"timd": 1})
 
 
 def test_hf_callback_budget_arguments_checked_when_built() -> None:

@@ -81,6 +81,7 @@ def test_infeasible_error_names_budget_smallest_peak_and_holder() -> None:
     # What holds it: the stem's forward or backward, outside every candidate block.
     assert "stem" in msg or "end of backward" in msg
     assert "outside every candidate block" in msg
+    assert f"Raise budget_bytes to at least {p0.min_peak_bytes}, or shrink the step" in msg  # one clause each
 
 
 def test_finer_blocks_fit() -> None:

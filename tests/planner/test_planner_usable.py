@@ -117,3 +117,41 @@ def test_same_plan_under_injected_timing_noise(frozen) -> None:
                                unplanned_s=p0.unplanned_step_seconds)
             plans.add(tuple(p.decisions.values()))
         assert len(plans) == 1, (frac, plans)
+
+
+def test_engine_sizes_with_units_read_as_the_engine_reads_them(frozen, tmp_path) -> None:
+    """Sizes with units in engine_kwargs are the engine's parsed settings: a 64 KiB pool, then a disk
+    directory that does not exist yet; the plan's copies land in those tiers and it meets its budget."""
+    _, model, step, p0 = frozen
+    budget = _mid(p0, 0.2)
+    ekw = {"host_budget_bytes": "64KiB", "disk_dir": str(tmp_path / "not" / "yet")}
+    p = offload.plan(model, step, budget_bytes=budget, engine_kwargs=ekw, **_KW)
+    assert p.engine_kwargs["host_budget_bytes"] == 64 << 10
+    assert p.measured_peak_bytes <= budget, p.report()
+    held = {t: sum(row.get(t, 0) for row in p.host_tiers.values()) for t in ("pool", "disk", "device")}
+    assert held["pool"] <= 64 << 10 and held["device"] == 0, p.host_tiers
+    with pytest.raises(TypeError, match=r"engine_kwargs.*'host_budget' \(did you mean 'host_budget_bytes'\?\)"):
+        offload.plan(model, step, budget_bytes=budget, engine_kwargs={"host_budget": "1GB"}, **_KW)
+
+
+def test_missing_disk_dir_has_the_free_space_of_where_it_will_be(tmp_path) -> None:
+    """A disk_dir the engine will create holds what the file system it will be on has free, not 0 B."""
+    from offload.planner.host import host_capacity
+
+    here = host_capacity({"host_budget_bytes": 0, "disk_dir": str(tmp_path)})
+    assert here > 0
+    assert host_capacity({"host_budget_bytes": 0, "disk_dir": str(tmp_path / "a" / "b")}) == pytest.approx(
+        here, rel=0.01)
+
+
+def test_every_figure_of_the_report_says_what_it_is(frozen) -> None:
+    """The report explains its columns (copy time vs exposed, which can exceed it) and the noise band,
+    and the infeasible-budget error reads as one sentence per remedy."""
+    _, model, _, p0 = frozen
+    text = p0.report()
+    for term in ("saved = ", "retained = ", "recompute = ", "copy time = ", "exposed = ", "noise band"):
+        assert term in text, text
+    with pytest.raises(offload.OffloadError) as e:
+        plan_from_cost(p0.cost, p0.min_peak_bytes - 1, model=model, device="cpu",
+                       unplanned_peak=p0.unplanned_peak_bytes, unplanned_s=p0.unplanned_step_seconds)
+    assert f"Raise budget_bytes to at least {p0.min_peak_bytes}, or shrink the step" in str(e.value)
