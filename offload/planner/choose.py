@@ -60,14 +60,14 @@ def choose(cost: CostModel, budget_bytes: int, margin: int, *, model: nn.Module 
 def _stable(cost: CostModel, variants: list[list[list[Choice]]], cap: int, fastest: float,
             dec: dict[str, str], method: str) -> tuple[dict[str, str], str]:
     """The tie-break that makes a plan reproducible (issue 31): among the plans predicted within the
-    noise band of the fastest (``cost.noise_s``), the fewest non-keep decisions, then the lowest
-    predicted peak, then "keep" (then the cheaper decision in ``DECISIONS`` order) at the earliest
-    block. Timing noise then decides nothing that is within it."""
+    noise band of the fastest (``cost.noise_s``), the fewest non-keep decisions, then the cheaper
+    decision (``DECISIONS`` order: keep, offload, recompute, recompute_offload) at the earliest block.
+    Timing noise then decides nothing that is within it."""
     found = None
     for ch in variants:
         got = solve_stable(ch, cap - cost.base, fastest + cost.noise_s)
         if got is not None:
-            key = (got[0][0], got[0][1], tuple(DECISIONS.index(d) for d in got[1].decisions))
+            key = (got[0][0], tuple(DECISIONS.index(d) for d in got[1].decisions))
             if found is None or key < found[0]:
                 found = (key, got[1])
     if found is None:  # too many plans to search exactly: the fastest, as solved
@@ -75,7 +75,7 @@ def _stable(cost: CostModel, variants: list[list[list[Choice]]], cap: int, faste
         return dec, method
     return _as_dict(cost, found[1].decisions), (
         f"{method}; ties within the noise band ({cost.noise_s * 1e3:.2f} ms) broken by fewest non-keep "
-        "decisions, then lowest peak")
+        "decisions, then the cheaper decision at the earliest block")
 
 
 def _choices(cost: CostModel, *, offloading: bool = True,

@@ -200,7 +200,8 @@ class Plan:
             f"link (D2H + H2D); exposed = seconds the copies add to the step: {exposed}",
             f"times are medians of the timed steps; plans predicted within {cost.noise_s * 1e3:.2f} ms (the noise "
             "band: the widest spread of the timed steps) are equally fast, and the fewest non-keep decisions, "
-            "then the lowest peak, decide",
+            "then the cheaper decision (keep, offload, recompute, recompute_offload) at the earliest block, "
+            "decide",
         ]
 
     def to_dict(self) -> dict[str, Any]:

@@ -187,32 +187,31 @@ def min_peak(blocks: Sequence[Sequence[Choice]]) -> Solution:
 
 
 def solve_stable(blocks: Sequence[Sequence[Choice]], cap: int, limit: float,
-                 max_states: int = 200_000) -> tuple[tuple[int, int, tuple[int, ...]], Solution] | None:
+                 max_states: int = 200_000) -> tuple[tuple[int, tuple[int, ...]], Solution] | None:
     """Among the plans at most ``limit`` seconds with every peak under ``cap``, the one with the fewest
-    non-"keep" decisions, then the lowest peak, then the earliest option (``keep`` first) at the
-    earliest block: measured times never decide between plans whose times are within the noise band
-    (the caller sets ``limit`` = fastest + band). Returns (its sort key, it); None when no plan is
+    non-"keep" decisions, then the earliest option (options are listed cheapest first) at the earliest
+    block: measured times never decide between plans whose times are within the noise band (the caller
+    sets ``limit`` = fastest + band). The order reads no time, and prefers what is usually faster, so
+    the plan it picks is rarely at the band's edge. Returns (its sort key, it); None when no plan is
     within ``limit`` or the search grows past ``max_states`` (the caller keeps the fastest plan then).
 
     Exact: a partial plan is dropped only when even its fastest completion exceeds ``limit``, or when
-    another with the same (prefix bytes, non-keep count, peak so far) is both earlier in option order
-    and no slower (every completion of the dropped one is then worse or equal for the other).
+    another with the same prefix bytes and non-keep count is both earlier in option order and no
+    slower (every completion of the dropped one is then worse or equal for the other).
     """
     rest = [0.0] * (len(blocks) + 1)
     for i in range(len(blocks) - 1, -1, -1):
         rest[i] = rest[i + 1] + min(c.seconds for c in blocks[i])
     slack = 1e-12 * max(1.0, abs(limit))
-    Key = tuple[int, int, int]
-    states: dict[Key, list[tuple[tuple[int, ...], float]]] = {(0, 0, -(1 << 62)): [((), 0.0)]}
-    count = 1
+    states: dict[tuple[int, int], list[tuple[tuple[int, ...], float]]] = {(0, 0): [((), 0.0)]}
     for i, opts in enumerate(blocks):
-        nxt: dict[Key, list[tuple[tuple[int, ...], float]]] = {}
-        for (prefix, nk, m), entries in states.items():
+        nxt: dict[tuple[int, int], list[tuple[tuple[int, ...], float]]] = {}
+        for (prefix, nk), entries in states.items():
             for idx, secs in entries:
                 for k, c in enumerate(opts):
                     s = secs + c.seconds
                     if prefix + c.event <= cap and s + rest[i + 1] <= limit + slack:
-                        key = (prefix + c.retained, nk + (c.decision != "keep"), max(m, prefix + c.event))
+                        key = (prefix + c.retained, nk + (c.decision != "keep"))
                         nxt.setdefault(key, []).append((idx + (k,), s))
         count = 0
         for key, entries in nxt.items():  # per key: earlier in option order, or faster
@@ -226,5 +225,5 @@ def solve_stable(blocks: Sequence[Sequence[Choice]], cap: int, limit: float,
         if not nxt or count > max_states:
             return None
         states = nxt
-    best = min((k[1], k[2], e[0]) for k, entries in states.items() for e in entries)
-    return best, _solution(blocks, best[2], "exact")
+    best = min((k[1], e[0]) for k, entries in states.items() for e in entries)
+    return best, _solution(blocks, best[1], "exact")

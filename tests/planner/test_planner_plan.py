@@ -188,9 +188,10 @@ def test_greedy_solver_plan_fits(profiled) -> None:
                        unplanned_s=plan.unplanned_step_seconds, solver="greedy")
     exact = plan_from_cost(plan.cost, budget, model=model, device="cpu",
                            unplanned_peak=plan.unplanned_peak_bytes, unplanned_s=plan.unplanned_step_seconds)
-    assert p.solver == "greedy" and exact.solver == "exact"
+    assert p.solver.startswith("greedy") and exact.solver.startswith("exact")
     assert p.predicted_peak_bytes <= budget
-    assert p.predicted_step_seconds >= exact.predicted_step_seconds - 1e-12
+    # The exact plan is the fastest's tie-break: within the noise band of the fastest, which greedy never beats.
+    assert p.predicted_step_seconds >= exact.predicted_step_seconds - plan.cost.noise_s - 1e-12
 
 
 def test_smallest_reachable_peak_is_a_feasible_budget(profiled) -> None:
