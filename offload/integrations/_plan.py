@@ -4,7 +4,8 @@ The callbacks hand :class:`StepPlanner` the trainer's own step (HF: ``Trainer.co
 batch; Lightning: ``training_step``) before it runs for real. On the first step it calls
 ``offload.plan`` with that step, applies the plan, and logs when planning starts (with the number
 of steps it runs) and the decisions with the predicted vs measured peak (``plan()`` measures the
-plan it returns), both at WARNING, which a trainer's default logging shows. A later batch whose sequence length (the
+plan it returns), both at WARNING on a logger under the trainer's own, which its default logging
+shows (the decisions with predicted and measured peak also at INFO on ``offload.integrations``). A later batch whose sequence length (the
 second dimension of its largest tensor) exceeds the planned one is planned again (the memory of a
 step grows with it); shorter or equal batches keep the plan. Batch size growth is treated the same.
 """
@@ -61,7 +62,9 @@ class StepPlanner:
     """Plans on the first training step and again when a batch is larger than the planned one."""
 
     def __init__(self, owner: str, budget_bytes: SizeLike | None, budget: str | float | None,
-                 plan_kwargs: dict[str, Any] | None) -> None:
+                 plan_kwargs: dict[str, Any] | None, shown: str = "offload.integrations") -> None:
+        """``shown``: the logger, under the trainer's own logger, whose WARNING lines its default logging
+        shows (the ``offload`` loggers have only a NullHandler until the user configures logging)."""
         # Checked when the callback is built, not at the first step.
         resolve_budget(owner, budget_bytes, budget, None)
         self.owner = owner
@@ -70,6 +73,7 @@ class StepPlanner:
             raise TypeError(f"{owner}: plan_kwargs={plan_kwargs!r} must be a dict of offload.plan keywords.")
         check_keywords(f"{owner}: plan_kwargs", PLAN_KEYWORDS, plan_kwargs or {})  # a typo: "did you mean"
         self.plan_kwargs = dict(plan_kwargs or {})
+        self.shown = logging.getLogger(shown)
         self.plan: Plan | None = None
         """The plan in use (``plan.report()``, ``plan.to_json()``)."""
         self.handle: Installed | None = None
@@ -89,12 +93,12 @@ class StepPlanner:
         self.remove()
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         budget = resolve_budget(self.owner, self.budget_bytes, self.budget, device)
-        # At WARNING: the one place a trainer's default logging shows (the HF Trainer hides INFO), so
-        # the first step's wait is never silent (issue 31).
+        # At WARNING on the trainer's logger: what its default logging shows (the HF Trainer hides INFO),
+        # so the first step's wait is never silent (issue 31).
         kw = self.plan_kwargs
-        log.warning("%s: planning activation offloading for batch %s with budget_bytes=%d (%s): runs about "
-                    "%d training steps", self.owner, shape, budget, format_bytes(budget),
-                    plan_steps(kw.get("warmup", 1), kw.get("timed", 3)))
+        self.shown.warning("%s: planning activation offloading for batch %s with budget_bytes=%d (%s): runs "
+                           "about %d training steps", self.owner, shape, budget, format_bytes(budget),
+                           plan_steps(kw.get("warmup", 1), kw.get("timed", 3)))
         t0 = time.perf_counter()
         try:
             p = plan(model, step, budget_bytes=budget, **kw)
@@ -103,10 +107,11 @@ class StepPlanner:
         self.plan, self.planned_shape, self.plans = p, shape, self.plans + 1
         self.handle = p.apply(model)
         measured = ("not measured" if p.measured_peak_bytes is None else f"measured {p.measured_peak_bytes} B")
-        log.warning("%s: plan for batch %s under budget_bytes=%d, chosen in %.1f s: %s; peak predicted %d B, %s; "
-                    "step predicted %.1f ms (plan.report() explains each figure)", self.owner, shape, budget,
-                    time.perf_counter() - t0, p.decisions, p.predicted_peak_bytes, measured,
-                    p.predicted_step_seconds * 1e3)
+        self.shown.warning("%s: plan chosen in %.1f s: %s (planner.plan.report() explains it)", self.owner,
+                           time.perf_counter() - t0, p.decisions)
+        log.info("%s: plan for batch %s under budget_bytes=%d: %s; peak predicted %d B, %s; step predicted "
+                 "%.1f ms", self.owner, shape, budget, p.decisions, p.predicted_peak_bytes, measured,
+                 p.predicted_step_seconds * 1e3)
 
     @property
     def engine(self) -> Any:

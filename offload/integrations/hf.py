@@ -78,7 +78,8 @@ class OffloadCallback(TrainerCallback):
                  budget_bytes: SizeLike | None = None, budget: str | float | None = None,
                  plan_kwargs: dict[str, Any] | None = None, all_figures: bool = False,
                  **engine_kwargs: Any) -> None:
-        self.planner = (StepPlanner("OffloadCallback", budget_bytes, budget, plan_kwargs)
+        self.planner = (StepPlanner("OffloadCallback", budget_bytes, budget, plan_kwargs,
+                                    shown="transformers.offload")
                         if budget_bytes is not None or budget is not None or plan_kwargs is not None else None)
         """With a budget: plans on the first step (``planner.plan`` is the plan in use)."""
         self._unwrap: Any = None
