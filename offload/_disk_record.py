@@ -8,12 +8,41 @@ import errno
 import os
 import struct
 import zlib
+from typing import Any
 
-__all__ = ["HEADER_BYTES", "RecordMismatch", "allocate", "write", "read_checked"]
+import torch
+
+__all__ = ["DiskRecord", "HEADER_BYTES", "RecordMismatch", "allocate", "write", "read_checked"]
 
 _MAGIC = b"OFLDTNS1"
 _HEADER = struct.Struct("<8s16sQQI4x")  # magic, store token, sequence, nbytes, crc32
 HEADER_BYTES = _HEADER.size
+
+
+class DiskRecord:
+    """One tensor's bytes in the disk tier (quacks like a ``HostBuffer`` while staged)."""
+
+    __slots__ = ("seq", "nbytes", "path", "tensor", "pooled_staging", "state", "crc", "copy", "read",
+                 "read_bytes", "memory", "cache", "run", "__weakref__")
+    pinned = False
+    pooled = False
+
+    def __init__(self, seq: int, nbytes: int, path: str, run: tuple[int, int] = (0, 0)) -> None:
+        self.seq = seq
+        self.run = run
+        """(pid, n) of the run directory its file is in (DiskStore._run)."""
+        self.nbytes = nbytes
+        self.path = path
+        self.tensor: Any = None
+        """The staging buffer (a HostBuffer's flat uint8 tensor) until written; None after."""
+        self.pooled_staging: Any = None
+        self.state = "staged"  # staged -> queued -> on_disk | in_memory | released
+        self.crc = 0
+        self.copy: Any = None
+        self.read: Any = None  # [done event, tensor or exception] of a read ahead
+        self.read_bytes = 0
+        self.memory: torch.Tensor | None = None  # the bytes, if a write failed
+        self.cache = None  # HostBuffer.cache compatibility (never reused)
 
 
 class RecordMismatch(Exception):

@@ -1,5 +1,6 @@
-"""A disk-tier run directory: its name, its lock (whose run it is), and deleting it, including
-the directories that dead processes left behind. See NOTE [ Disk tier ] in ``offload/disk.py``."""
+"""A disk-tier run directory: its name, its lock (whose run it is), its life (open, open again after
+``close()``, disowned in a forked child) and deleting it, including the directories that dead
+processes left behind. See NOTE [ Disk tier ] in ``offload/disk.py``."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
+import uuid
+import weakref
+from collections import deque
+from typing import Any, Callable
 
-__all__ = ["RUN_PREFIX", "LOCK_NAME", "open_run_dir", "delete_run", "clean_stale_runs"]
+from .pool import HostPool
+
+__all__ = ["RUN_PREFIX", "LOCK_NAME", "RunLife", "make_dirs", "remove_dirs", "open_run_dir", "delete_run",
+           "clean_stale_runs"]
 
 logger = logging.getLogger("offload.disk")
 
@@ -25,25 +34,71 @@ def _lock_text() -> str:
             f"command={' '.join(sys.argv)[:400]}\n")
 
 
+def make_dirs(path: str) -> list[str]:
+    """Create ``path`` and its missing parents; the directories created, outermost first (what
+    ``remove_dirs`` may remove again, and nothing else). Nothing is left created on failure."""
+    missing = []
+    p = path
+    while not os.path.isdir(p):
+        missing.append(p)
+        up = os.path.dirname(p)
+        if up == p:
+            break
+        p = up
+    created: list[str] = []
+    try:
+        for d in reversed(missing):
+            os.mkdir(d)
+            created.append(d)
+    except OSError:
+        remove_dirs(created)
+        raise
+    return created
+
+
+def remove_dirs(created: list[str]) -> None:
+    """Remove the directories ``make_dirs`` created, innermost first, while they are empty (a
+    directory something else put files in stays, and so do the ones above it)."""
+    for d in reversed(created):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
 def open_run_dir(parent: str, token: bytes) -> tuple[str, list[int]]:
     """Make this run's directory in ``parent`` and lock it: (its path, [the lock's descriptor]).
 
-    The lock is held as long as the descriptor is open (``delete_run`` closes it)."""
+    The lock is held as long as the descriptor is open (``delete_run`` closes it); the
+    descriptor is not inherited across ``exec``. Nothing is left on failure."""
     run_dir = os.path.join(parent, f"{RUN_PREFIX}{socket.gethostname()}-{os.getpid()}-{token.hex()[:8]}")
     os.mkdir(run_dir)
-    # Locked through a read-only descriptor (a file open for writing would keep the file
-    # system from turning read-only), written once through another.
-    lock_path = os.path.join(run_dir, LOCK_NAME)
-    lock_fd = [os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644)]
-    fcntl.flock(lock_fd[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-    with open(lock_path, "w") as f:
-        f.write(_lock_text())
+    try:
+        # Locked through a read-only descriptor (a file open for writing would keep the file
+        # system from turning read-only), written once through another.
+        lock_path = os.path.join(run_dir, LOCK_NAME)
+        lock_fd = [os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644)]
+        try:
+            fcntl.flock(lock_fd[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with open(lock_path, "w") as f:
+                f.write(_lock_text())
+        except BaseException:
+            os.close(lock_fd[0])
+            raise
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     return run_dir, lock_fd
 
 
-def delete_run(run_dir: str, lock_fd: list[int]) -> None:
-    """Delete a run directory and drop its lock (finalizer: holds no reference to the store)."""
-    shutil.rmtree(run_dir, ignore_errors=True)
+def delete_run(run_dir: str, lock_fd: list[int], created: list[str], pid: int) -> None:
+    """Delete a run directory (and the parents made for it) and drop its lock (finalizer: holds no
+    reference to the store). Only in process ``pid``, the run's owner: a child made by ``fork()``
+    (a subprocess helper, a fork-started pool) shares the directory but never deletes it; it only
+    closes its copy of the lock's descriptor (the lock belongs to the parent's copy too)."""
+    if os.getpid() == pid:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        remove_dirs(created)
     if lock_fd and lock_fd[0] >= 0:
         try:
             os.close(lock_fd[0])
@@ -88,3 +143,95 @@ def clean_stale_runs(parent: str) -> list[str]:
         finally:
             os.close(fd)
     return gone
+
+
+class RunLife:
+    """The run-directory half of ``DiskStore`` (a mixin: the store's ``__init__`` sets the state)."""
+
+    parent: str
+    queue_bytes: int
+    writers: int
+    readers: int
+    _pin: bool
+    _cv: threading.Condition
+    _closed: bool
+    _retry: bool
+    _run: tuple[int, int]
+    _lock_fd: list[int]
+    _finalizer: weakref.finalize | None
+    _threads: list[threading.Thread]
+    _warn_once: Callable[[str, int, str], None]
+    _start_threads: Callable[[], None]
+
+    def _open(self) -> bool:
+        """Make a run directory (and missing parents of it), lock it and start the threads; False,
+        with one warning, when ``disk_dir`` cannot be written (copies then fall through)."""
+        try:
+            created = make_dirs(self.parent)
+            try:
+                stale = clean_stale_runs(self.parent)
+                token = uuid.uuid4().bytes
+                run_dir, lock_fd = open_run_dir(self.parent, token)
+            except BaseException:
+                remove_dirs(created)
+                raise
+        except OSError as e:
+            self._retry = False
+            self._warn_once("open", 0, f"{os.strerror(e.errno) if e.errno else e}")
+            return False
+        pid = os.getpid()
+        with self._cv:
+            self.stale_cleaned, self.token, self.run_dir, self._lock_fd = stale, token, run_dir, lock_fd
+            self.opens += 1
+            self._run = (pid, self.opens)
+            self._closed = False
+        self._finalizer = weakref.finalize(self, delete_run, run_dir, lock_fd, created, pid)
+        self._start_threads()
+        return True
+
+    def _reopen(self) -> bool:
+        """Open a closed store again (a reserve after close(), or the first in a forked child)."""
+        with self._open_lock:
+            if not self._closed:
+                return True
+            if not self._retry:
+                return False
+            was = self.run_dir
+            if not self._open():
+                return False
+        logger.info("offload disk tier: opened %s for new copies (the run directory %s was closed%s)",
+                    self.run_dir, was, "" if was is None or self._run[0] == self._forked_from else
+                    " by ctx.close(); graphs built before it cannot be backpropagated through")
+        return True
+
+    _forked_from = 0
+
+    def _after_fork_in_child(self) -> None:
+        """In a child made by ``fork()``: the run directory is the parent's. Forget it without
+        deleting anything (no finalizer, no file deletion here); the child's own copies open a run
+        directory of their own. The threads did not survive the fork and the locks may be held."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if not self._closed and self._lock_fd[0] >= 0:
+            os.close(self._lock_fd[0])  # the child's copy only: the parent's copy keeps the lock
+        self._lock_fd = [-1]
+        self._cv = threading.Condition()
+        self._open_lock = threading.Lock()
+        self._queue, self._reads, self._threads = deque(), deque(), []
+        self._staging = HostPool(pin=self._pin, capacity_bytes=self.queue_bytes)
+        self._pending_bytes = self._prefetched = self._live_file_bytes = self._files = 0
+        self._forked_from = self._run[0]
+        self._closed, self._retry = True, True
+
+
+_STORES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+"""Every live store of this process (what a forked child must disown)."""
+
+
+def _disown_after_fork() -> None:
+    for store in list(_STORES):
+        store._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)

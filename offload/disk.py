@@ -31,19 +31,31 @@ NOTE [ Disk tier ]
   CRC: a truncated, overwritten or foreign file raises ``DiskTierError``,
   never a wrong gradient.
 - ``give`` (the record's handle died: Rule 1) cancels a pending write and
-  deletes the file; ``close`` deletes every file, the lock and the run
-  directory; a finalizer does the same at interpreter exit or when the store
-  is collected.
+  deletes the file; ``close`` deletes every file, the lock, the run
+  directory and the parents of ``disk_dir`` the store made (only those, and
+  only while empty); a finalizer does the same at interpreter exit or when
+  the store is collected.
+- Life after ``close``: the next ``reserve`` opens a new run directory
+  (logged); records of the closed run raise ``DiskTierError`` if loaded. So
+  an engine used again (a second ``trainer.train()``) keeps its disk tier.
+- A ``disk_dir`` that cannot be written (read-only, no permission) is not
+  an error: the store opens without a run directory, warns once naming
+  ``disk_dir``, refuses every reserve (counted in ``refused_bytes``: the
+  copy falls through to ``on_host_budget``) and tries again once per step.
+- Only the process that made a run directory deletes anything in it. A child
+  made by ``fork()`` (``os.fork``, a fork-started pool) disowns the parent's
+  run at once (``os.register_at_fork``): no finalizer, no file deletion, its
+  copy of the lock closed, fresh locks and no threads; its own copies open a
+  run directory of its own. The finalizer also checks the pid, for forks
+  made outside Python.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import threading
 import time
-import uuid
 import weakref
 from collections import deque
 from typing import Any, Callable
@@ -51,16 +63,14 @@ from typing import Any, Callable
 import torch
 
 from . import _disk_record
-from ._disk_record import HEADER_BYTES, RecordMismatch
-from ._disk_run import LOCK_NAME, RUN_PREFIX, clean_stale_runs, delete_run, open_run_dir
+from ._disk_record import HEADER_BYTES, DiskRecord, RecordMismatch
+from ._disk_run import _STORES, LOCK_NAME, RUN_PREFIX, RunLife
 from ._warn import warn_user
 from .errors import OffloadError
 from .pool import HostPool
 from .streams import _FAULTS
 
 __all__ = ["DiskStore", "DiskRecord", "DiskTierError", "RUN_PREFIX", "LOCK_NAME"]
-
-logger = logging.getLogger("offload.disk")
 
 _GiB = 1 << 30
 
@@ -69,31 +79,7 @@ class DiskTierError(OffloadError):
     """A disk-tier file does not hold what was written (truncated, overwritten, foreign)."""
 
 
-class DiskRecord:
-    """One tensor's bytes in the disk tier (quacks like a ``HostBuffer`` while staged)."""
-
-    __slots__ = ("seq", "nbytes", "path", "tensor", "pooled_staging", "state", "crc", "copy", "read",
-                 "read_bytes", "memory", "cache", "__weakref__")
-    pinned = False
-    pooled = False
-
-    def __init__(self, seq: int, nbytes: int, path: str) -> None:
-        self.seq = seq
-        self.nbytes = nbytes
-        self.path = path
-        self.tensor: Any = None
-        """The staging buffer (a HostBuffer's flat uint8 tensor) until written; None after."""
-        self.pooled_staging: Any = None
-        self.state = "staged"  # staged -> queued -> on_disk | in_memory | released
-        self.crc = 0
-        self.copy: Any = None
-        self.read: Any = None  # [done event, tensor or exception] of a read ahead
-        self.read_bytes = 0
-        self.memory: torch.Tensor | None = None  # the bytes, if a write failed
-        self.cache = None  # HostBuffer.cache compatibility (never reused)
-
-
-class DiskStore:
+class DiskStore(RunLife):
     """Files for tensor bytes under ``parent`` (see NOTE [ Disk tier ]). Thread-safe."""
 
     writers = 2
@@ -115,25 +101,31 @@ class DiskStore:
         self.queue_bytes = queue_bytes
         self.readahead_bytes = readahead_bytes
         self._on_time = on_time
-        self.token = uuid.uuid4().bytes
-        self._created_parent = not os.path.exists(parent)
-        os.makedirs(parent, exist_ok=True)
-        self.stale_cleaned = clean_stale_runs(parent)
-        self.run_dir, self._lock_fd = open_run_dir(parent, self.token)
-        self._finalizer = weakref.finalize(self, delete_run, self.run_dir, self._lock_fd)
+        self._pin = pin
         self._staging = HostPool(pin=pin, capacity_bytes=queue_bytes)
         self._cv = threading.Condition()
+        self._open_lock = threading.Lock()
         self._queue: deque[DiskRecord] = deque()
         self._reads: deque[tuple[DiskRecord, list]] = deque()
         self._seq = 0
-        self._closed = False
-        self._warned = False
+        self._run: tuple[int, int] = (os.getpid(), 0)
+        """(pid, n) of the open run directory: a record belongs to the run it was reserved in."""
+        self.run_dir: str | None = None
+        """The run directory (the last one, once closed); None if none could be made."""
+        self.token = b""
+        self._lock_fd = [-1]
+        self._finalizer: weakref.finalize | None = None
+        self._closed = True
+        self._retry = True  # reserve may open the run directory (again); once per step after a failure
+        self._warned: set[str] = set()
         self._threads: list[threading.Thread] = []
+        self.stale_cleaned: list[str] = []
+        """Run directories of dead processes deleted when this store opened."""
+        self.opens = 0
+        """How many times a run directory was made (more than 1: reopened after close() or a fork)."""
         self._zero_counters()
-        for i in range(self.writers):
-            self._start(f"offload-disk-writer-{i}", DiskStore._take_write, DiskStore._write, drain=True)
-        for i in range(self.readers):
-            self._start(f"offload-disk-reader-{i}", DiskStore._take_read, DiskStore._serve_read, drain=False)
+        self._open()
+        _STORES.add(self)
 
     def _zero_counters(self) -> None:
         """The counters behind :meth:`stats` (changed under ``_cv``)."""
@@ -148,6 +140,14 @@ class DiskStore:
         self._write_s = self._read_s = self._wait_s = 0.0
         self._last_error = ""
         self._undeleted: list[str] = []
+
+    def _start_threads(self) -> None:
+        """The writer and reader threads of a newly opened run directory."""
+        self._threads = []
+        for i in range(self.writers):
+            self._start(f"offload-disk-writer-{i}", DiskStore._take_write, DiskStore._write, drain=True)
+        for i in range(self.readers):
+            self._start(f"offload-disk-reader-{i}", DiskStore._take_read, DiskStore._serve_read, drain=False)
 
     def _start(self, name: str, take: Callable[[DiskStore], Any], handle: Callable[[DiskStore, Any], None],
                drain: bool) -> None:
@@ -200,7 +200,8 @@ class DiskStore:
 
     def reserve(self, nbytes: int) -> DiskRecord | None:
         """A record with a file allocated for ``nbytes`` and a staging buffer, or None (falls through)."""
-        if self._closed:
+        if self._closed and not self._reopen():
+            self._refuse(nbytes, None)  # disk_dir cannot be written: warned once when it failed
             return None
         need = HEADER_BYTES + nbytes
         if self._free_bytes() < need:
@@ -210,13 +211,14 @@ class DiskStore:
         with self._cv:
             seq = self._seq
             self._seq += 1
-        path = os.path.join(self.run_dir, f"{seq:012d}.bin")
+            run, run_dir = self._run, self.run_dir
+        path = os.path.join(run_dir, f"{seq:012d}.bin")
         try:
             _disk_record.allocate(path, nbytes)
         except OSError as e:
             self._refuse(nbytes, f"{os.strerror(e.errno) if e.errno else e}")
             return None
-        rec = DiskRecord(seq, nbytes, path)
+        rec = DiskRecord(seq, nbytes, path, run)
         t0 = time.perf_counter()
         with self._cv:
             self._live_file_bytes += need
@@ -243,7 +245,7 @@ class DiskStore:
             self._refused += 1
             self._refused_bytes += nbytes
         if cause is not None:
-            self._warn_once(nbytes, cause)
+            self._warn_once("refuse", nbytes, cause)
 
     def _take_staging(self, nbytes: int) -> Any:
         """A staging buffer of ``nbytes`` from the private pool, once the bytes not yet written
@@ -269,21 +271,44 @@ class DiskStore:
         with self._cv:
             if rec.state != "staged":
                 return
+            if self._closed or rec.run != self._run:  # closed since reserve: no writer will come
+                if copy is not None and getattr(copy, "done", None) is not None:
+                    copy.done.synchronize()
+                rec.memory, rec.state = rec.tensor.clone(), "in_memory"
+                self._unstage(rec)
+                return
             rec.state = "queued"
             self._queue.append(rec)
             self._cv.notify_all()
 
-    def _warn_once(self, nbytes: int, cause: str) -> None:
+    def _warn_once(self, kind: str, nbytes: int, cause: str) -> None:
+        """One warning per ``kind`` per store, saying where the bytes go: "refuse" (a reserve fell
+        through to the next tier), "write" (a write failed: the bytes stay in host memory), "open"
+        (``disk_dir`` cannot be written: every copy falls through until it can)."""
         self._last_error = cause
-        if self._warned:
+        if kind in self._warned:
             return
-        self._warned = True
-        warn_user(
-            f"offload disk tier: cannot write {nbytes} bytes to {self.run_dir!r} ({cause}); this "
-            "tensor and any later one that does not fit goes to the next tier (on_host_budget: keep "
-            "it on the device, or raise). Free space there, point disk_dir at a larger or writable "
-            "directory, or lower disk_budget_bytes. Counted in ctx.tiers.stats()['disk']['refused_bytes']."
-        )
+        self._warned.add(kind)
+        fix = ("Free space there, point disk_dir at a larger or writable directory, or lower "
+               "disk_budget_bytes.")
+        if kind == "open":
+            warn_user(
+                f"offload disk tier: cannot make a run directory in disk_dir={self.parent!r} ({cause}), so "
+                "the engine has no disk tier for now: a copy the pool and pageable tiers cannot hold goes "
+                "to on_host_budget (keep it on the device, or raise), counted in "
+                "ctx.tiers.stats()['disk']['refused_bytes']; the directory is tried again once per step. "
+                "Point disk_dir at a writable directory, or pass disk_dir=None.")
+        elif kind == "write":
+            warn_user(
+                f"offload disk tier: writing {nbytes} bytes to {self.run_dir!r} failed ({cause}); those "
+                "bytes are kept in host memory, still counted in the disk tier (ctx.tiers.stats()['disk']"
+                "['memory_bytes']), so nothing is lost but they take host RAM until backward. Later copies "
+                f"still try the disk first. {fix}")
+        else:
+            warn_user(
+                f"offload disk tier: cannot write {nbytes} bytes to {self.run_dir!r} ({cause}); this "
+                "tensor, and any later one the disk cannot take, goes to on_host_budget instead (keep it "
+                f"on the device, or raise). {fix} Counted in ctx.tiers.stats()['disk']['refused_bytes'].")
 
     def _time(self, kind: str, seconds: float, nbytes: int) -> None:
         if self._on_time is not None:
@@ -334,8 +359,7 @@ class DiskStore:
         if err is None:
             self._time("write", secs, rec.nbytes)
         elif rec.state == "in_memory":
-            self._warn_once(rec.nbytes, f"{os.strerror(err.errno) if err.errno else err}; the bytes are "
-                            "kept in host memory")
+            self._warn_once("write", rec.nbytes, f"{os.strerror(err.errno) if err.errno else err}")
 
     def _unstage(self, rec: DiskRecord) -> None:
         """Give ``rec``'s staging buffer back and wake reserves waiting for room (``_cv`` held)."""
@@ -352,7 +376,7 @@ class DiskStore:
     def prefetch(self, rec: DiskRecord) -> bool:
         """Start reading ``rec`` on a reader thread (if written and within ``readahead_bytes``)."""
         with self._cv:
-            if rec.state != "on_disk" or rec.read is not None:
+            if rec.state != "on_disk" or rec.read is not None or rec.run != self._run:
                 return False
             if self._prefetched + rec.nbytes > self.readahead_bytes and self._prefetched:
                 return False
@@ -395,11 +419,17 @@ class DiskStore:
         self._time("read", secs, rec.nbytes)
         return out
 
-    def _closed_error(self) -> DiskTierError:
+    def _closed_error(self, rec: DiskRecord | None = None) -> DiskTierError:
+        if rec is not None and rec.run[0] != os.getpid():
+            return DiskTierError(
+                f"offload disk tier: a saved tensor's file {rec.path!r} belongs to process {rec.run[0]}, "
+                f"which built this graph before this process (pid {os.getpid()}) was forked from it; the "
+                "child neither reads nor deletes the parent's files. Run backward in the process that "
+                "ran the forward.")
         return DiskTierError(
-            f"offload disk tier: {self.run_dir!r} was closed (ctx.close()) and its files deleted, so "
-            "a backward through a graph built before close() cannot get its saved tensors back. "
-            "Run every backward before ctx.close()."
+            f"offload disk tier: {os.path.dirname(rec.path) if rec is not None else self.run_dir!r} was "
+            "closed (ctx.close()) and its files deleted, so a backward through a graph built before "
+            "close() cannot get its saved tensors back. Run every backward before ctx.close()."
         )
 
     def _corrupt(self, rec: DiskRecord, what: str) -> DiskTierError:
@@ -414,12 +444,16 @@ class DiskStore:
         """The bytes of ``rec`` as a flat uint8 host tensor (checked; see NOTE [ Disk tier ])."""
         t0 = time.perf_counter()
         with self._cv:
+            if rec.run != self._run or self._closed:  # a run closed since (or a forked parent's)
+                if rec.state == "in_memory":
+                    return rec.memory
+                raise self._closed_error(rec)
             while rec.state in ("staged", "queued"):
                 self._cv.wait()
             if rec.state == "in_memory":
                 return rec.memory
             if self._closed:
-                raise self._closed_error()
+                raise self._closed_error(rec)
             if rec.state != "on_disk":
                 raise DiskTierError(f"offload disk tier: record {rec.seq} was released ({rec.state}) "
                                     "while its handle lives; this is a bug in offload, please report it.")
@@ -443,12 +477,21 @@ class DiskStore:
     # -- release ---------------------------------------------------------------------
 
     def give(self, rec: DiskRecord) -> None:
-        """The handle holding ``rec`` died (Rule 1): cancel its write, delete its file."""
+        """The handle holding ``rec`` died (Rule 1): cancel its write, delete its file. A record of a
+        run closed since has no file left to count or delete; one of a forked parent's run is the
+        parent's (nothing here touches it)."""
         with self._cv:
             state = rec.state
             if state == "released":
                 return
             rec.state = "released"
+            if state == "in_memory":
+                self._memory_bytes -= rec.nbytes
+                rec.memory = None
+            if rec.run != self._run or self._closed:
+                if state == "staged" and rec.run[0] == os.getpid():
+                    self._unstage(rec)
+                return
             if rec.read is not None:
                 self._prefetched -= rec.read_bytes
                 rec.read = None
@@ -456,9 +499,6 @@ class DiskStore:
                 self._cancelled += 1
                 if state == "staged":  # never submitted: no writer will give its staging back
                     self._unstage(rec)
-            if state == "in_memory":
-                self._memory_bytes -= rec.nbytes
-                rec.memory = None
             self._live_file_bytes -= HEADER_BYTES + rec.nbytes
             self._files -= 1
         self._unlink(rec.path)
@@ -473,8 +513,10 @@ class DiskStore:
                 self._undeleted.append(path)
 
     def end_step(self) -> None:
-        """End of a training step: retry deleting files that could not be deleted; the staging
-        pool may release what recent steps did not need."""
+        """End of a training step: retry deleting files that could not be deleted, and (next step)
+        making a run directory that could not be made; the staging pool may release what recent
+        steps did not need."""
+        self._retry = True
         if self._undeleted:
             with self._cv:
                 paths, self._undeleted = self._undeleted, []
@@ -494,14 +536,18 @@ class DiskStore:
         return True
 
     def close(self) -> None:
-        """Stop the threads, delete every file, the lock and the run directory (idempotent)."""
+        """Stop the threads, delete every file, the lock and the run directory, and the parents of
+        ``disk_dir`` it made (idempotent). A later reserve opens a new run directory (logged)."""
         with self._cv:
             if self._closed:
                 return
             self._closed = True
-            for rec in self._queue:
+            for rec in self._queue:  # never written: their staging goes back now
                 rec.state = "released"
+                self._cancelled += 1
+                self._unstage(rec)
             self._queue.clear()
+            self._live_file_bytes = self._files = self._prefetched = 0
             for _rec, slot in self._reads:
                 slot[1] = self._closed_error()
                 slot[0].set()
@@ -511,12 +557,8 @@ class DiskStore:
         for t in self._threads:
             if t is not me:
                 t.join(timeout=30)
-        self._finalizer()
-        if self._created_parent:
-            try:
-                os.rmdir(self.parent)
-            except OSError:
-                pass
+        if self._finalizer is not None:
+            self._finalizer()
 
     @property
     def closed(self) -> bool:
@@ -529,6 +571,8 @@ class DiskStore:
         with self._cv:
             return {
                 "dir": self.run_dir,
+                "open": not self._closed,
+                "opens": self.opens,
                 "received_bytes": self._received,
                 "count": self._count,
                 "file_bytes": self._live_file_bytes,
@@ -552,3 +596,4 @@ class DiskStore:
                 "undeleted": len(self._undeleted),
                 "oversize": self._oversize,
             }
+

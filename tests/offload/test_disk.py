@@ -275,3 +275,91 @@ def test_ledger_counts_bytes_and_time_per_tier():
     assert sum(v["bytes"] for v in s["tiers"].values()) == s["d2h_bytes"]
     assert led.step_totals[-1].tiers["pool"]["count"] == 1
     assert Ledger().summary()["tiers"]["pageable"]["bytes"] == 0
+
+
+# -- the run directory's life: nested parents, read-only disk_dir, close then reuse (issue 35) --
+
+
+def test_close_removes_only_the_parents_it_made(tmp_path):
+    """A missing nested disk_dir (a/b/c) is made for the run and removed again by close(), every
+    level it made; a directory something else put a file in stays, with the ones above it."""
+    store = DiskStore(tmp_path / "a" / "b" / "c")
+    _put(store, _bytes(1000, 0))
+    store.close()
+    assert os.listdir(tmp_path) == [], "close() left parents it made"
+    store = DiskStore(tmp_path / "a" / "b" / "c")
+    (tmp_path / "a" / "b" / "note").write_text("the user's")
+    store.close()
+    assert sorted(os.listdir(tmp_path / "a" / "b")) == ["note"], "a directory holding another file stays"
+
+
+def _read_only_mkdir(monkeypatch, under):
+    real = os.mkdir
+
+    def mkdir(path, *a, **k):
+        if str(path).startswith(str(under)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+
+
+def test_read_only_disk_dir_falls_through_with_one_warning(tmp_path, monkeypatch):
+    """A disk_dir that cannot be written is no constructor error: one warning names disk_dir,
+    every reserve falls through (counted), and the directory is tried again once per step."""
+    _read_only_mkdir(monkeypatch, tmp_path)
+    with pytest.warns(UserWarning, match=r"disk_dir=.*Read-only file system") as w:
+        store = DiskStore(tmp_path / "ro")
+        assert store.reserve(4096) is None and store.reserve(100) is None
+        store.end_step()
+        assert store.reserve(100) is None
+    assert len(w) == 1
+    st = store.stats()
+    assert st["refused_bytes"] == 4296 and not st["open"] and not os.listdir(tmp_path)
+    monkeypatch.undo()
+    assert store.reserve(100) is None, "retried once per step, not per copy"
+    store.end_step()
+    assert store.reserve(100) is not None, "writable again: the next step opens a run directory"
+    store.close()
+
+
+def test_write_failure_warning_says_the_bytes_stay_in_host_memory(tmp_path, monkeypatch):
+    """A failed write keeps its bytes in host memory (counted under the disk tier), and its warning
+    says so, not that they went to the next tier; a later refusal warns once with where it goes."""
+    store = DiskStore(tmp_path)
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, off: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+    with pytest.warns(UserWarning) as w:
+        rec = _put(store, _bytes(3000, 5))
+        store.drain()
+        monkeypatch.setattr(os, "posix_fallocate", lambda fd, o, n: (_ for _ in ()).throw(
+            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+        assert store.reserve(4096) is None
+    write, refuse = (str(x.message) for x in w)
+    assert "kept in host memory" in write and "next tier" not in write and "on_host_budget" not in write
+    assert "No space left" in refuse and "on_host_budget" in refuse
+    assert store.stats()["memory_bytes"] == 3000 and torch.equal(store.load(rec), _bytes(3000, 5))
+    store.close()
+
+
+def test_reserve_after_close_opens_a_new_run(tmp_path, caplog):
+    """close() then reserve (an engine used again): a new run directory, logged; the closed run's
+    records raise a named error and give nothing back twice; records queued at close give their
+    staging back, so the new run does not wait for them."""
+    store = DiskStore(tmp_path, queue_bytes=64 << 10)
+    old = [_put(store, _bytes(30_000, i)) for i in range(2)]  # maybe still queued at close
+    store.drain()
+    first = store.run_dir
+    store.close()
+    assert store.stats()["pending_bytes"] == 0 and store.stats()["file_bytes"] == 0
+    with caplog.at_level("INFO", logger="offload.disk"):
+        new = _put(store, _bytes(60_000, 9))  # waits forever if the closed run held the queue
+    assert store.run_dir != first and os.path.isdir(store.run_dir) and not os.path.exists(first)
+    assert any("opened" in r.getMessage() and "ctx.close()" in r.getMessage() for r in caplog.records)
+    with pytest.raises(DiskTierError, match="was closed"):
+        store.load(old[0])
+    for rec in old:
+        store.give(rec)
+    assert store.stats()["file_bytes"] == HEADER_BYTES + 60_000 and store.stats()["opens"] == 2
+    assert torch.equal(store.load(new), _bytes(60_000, 9))
+    store.close()
+    assert os.listdir(tmp_path) == []
