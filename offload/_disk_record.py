@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DiskRecord", "HEADER_BYTES", "RecordMismatch", "allocate", "write", "read_checked"]
+from .errors import OffloadError
+
+__all__ = ["DiskRecord", "DiskTierError", "HEADER_BYTES", "RecordMismatch", "allocate", "write", "read_checked"]
 
 _MAGIC = b"OFLDTNS1"
 _HEADER = struct.Struct("<8s16sQQI4x")  # magic, store token, sequence, nbytes, crc32
@@ -43,6 +45,11 @@ class DiskRecord:
         self.read_bytes = 0
         self.memory: torch.Tensor | None = None  # the bytes, if a write failed
         self.cache = None  # HostBuffer.cache compatibility (never reused)
+
+
+class DiskTierError(OffloadError):
+    """A disk-tier file does not hold what was written (truncated, overwritten, foreign), or
+    belongs to a run closed since (or to the process this one was forked from)."""
 
 
 class RecordMismatch(Exception):

@@ -1,6 +1,25 @@
 """A disk-tier run directory: its name, its lock (whose run it is), its life (open, open again after
 ``close()``, disowned in a forked child) and deleting it, including the directories that dead
-processes left behind. See NOTE [ Disk tier ] in ``offload/disk.py``."""
+processes left behind. See NOTE [ Disk tier ] in ``offload/disk.py``.
+
+NOTE [ Disk run life ]
+- After ``close``: the next ``reserve`` opens a new run directory
+  (logged); records of the closed run raise ``DiskTierError`` if loaded. So
+  an engine used again (a second ``trainer.train()``) keeps its disk tier.
+- A ``disk_dir`` that cannot be written (read-only, no permission) is not
+  an error: the store opens without a run directory, warns once naming
+  ``disk_dir``, refuses every reserve (counted in ``refused_bytes``: the
+  copy falls through to ``on_host_budget``) and tries again once per step.
+- Only the process that made a run directory deletes anything in it. A child
+  made by ``fork()`` (``os.fork``, a fork-started pool) disowns the parent's
+  run at once (``os.register_at_fork``): no finalizer, no file deletion, its
+  copy of the lock closed, fresh locks and no threads; its own copies open a
+  run directory of its own. The finalizer also checks the pid, for forks
+  made outside Python. (``multiprocessing`` children, DataLoader workers
+  among them, end with ``os._exit`` and never drop the engine, so before
+  this only a forked child that exited normally, running ``atexit`` and so
+  the finalizer, or that freed or closed the engine, deleted the files.)
+"""
 
 from __future__ import annotations
 
@@ -17,6 +36,7 @@ import weakref
 from collections import deque
 from typing import Any, Callable
 
+from ._disk_record import DiskRecord, DiskTierError
 from .pool import HostPool
 
 __all__ = ["RUN_PREFIX", "LOCK_NAME", "RunLife", "make_dirs", "remove_dirs", "open_run_dir", "delete_run",
@@ -224,6 +244,19 @@ class RunLife:
         self._forked_from = self._run[0]
         self._closed, self._retry = True, True
 
+
+    def _closed_error(self, rec: DiskRecord | None = None) -> DiskTierError:
+        if rec is not None and rec.run[0] != os.getpid():
+            return DiskTierError(
+                f"offload disk tier: a saved tensor's file {rec.path!r} belongs to process {rec.run[0]}, "
+                f"which built this graph before this process (pid {os.getpid()}) was forked from it; the "
+                "child neither reads nor deletes the parent's files. Run backward in the process that "
+                "ran the forward.")
+        return DiskTierError(
+            f"offload disk tier: {os.path.dirname(rec.path) if rec is not None else self.run_dir!r} was "
+            "closed (ctx.close()) and its files deleted, so a backward through a graph built before "
+            "close() cannot get its saved tensors back. Run every backward before ctx.close()."
+        )
 
 _STORES: "weakref.WeakSet[Any]" = weakref.WeakSet()
 """Every live store of this process (what a forked child must disown)."""

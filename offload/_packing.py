@@ -339,11 +339,12 @@ class _Packing:
         if lo_b < hc.lo or hi_b > hc.lo + hc.nbytes or (lo_b - hc.lo) % es:
             return None
         if hc.synchronous and device.type == "cpu" and hi_b > lo_b:
-            if hc.tier == "disk":
-                return None  # its bytes are in a file: copy again rather than read it back to compare
             # Writes through an alias with its own version counter (.data,
             # numpy, DLPack) are invisible to the version test: compare the
             # bytes (the copy is complete; this is cheaper than a new copy).
+            if hc.tier == "disk":  # the whole copy's bytes, against its staging or its CRC-32 (no read)
+                now = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), hc.lo, (hc.nbytes,), (1,))
+                return hc if self.tiers.disk.holds(hc.buf, now) else None
             now = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), lo_b, (hi_b - lo_b,), (1,))
             if not torch.equal(now, hc.buf.tensor[lo_b - hc.lo:hi_b - hc.lo]):
                 return None

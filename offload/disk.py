@@ -35,19 +35,8 @@ NOTE [ Disk tier ]
   directory and the parents of ``disk_dir`` the store made (only those, and
   only while empty); a finalizer does the same at interpreter exit or when
   the store is collected.
-- Life after ``close``: the next ``reserve`` opens a new run directory
-  (logged); records of the closed run raise ``DiskTierError`` if loaded. So
-  an engine used again (a second ``trainer.train()``) keeps its disk tier.
-- A ``disk_dir`` that cannot be written (read-only, no permission) is not
-  an error: the store opens without a run directory, warns once naming
-  ``disk_dir``, refuses every reserve (counted in ``refused_bytes``: the
-  copy falls through to ``on_host_budget``) and tries again once per step.
-- Only the process that made a run directory deletes anything in it. A child
-  made by ``fork()`` (``os.fork``, a fork-started pool) disowns the parent's
-  run at once (``os.register_at_fork``): no finalizer, no file deletion, its
-  copy of the lock closed, fresh locks and no threads; its own copies open a
-  run directory of its own. The finalizer also checks the pid, for forks
-  made outside Python.
+- Life after ``close``, a ``disk_dir`` that cannot be written, and ``fork()``:
+  NOTE [ Disk run life ] in ``offload/_disk_run.py``.
 """
 
 from __future__ import annotations
@@ -57,26 +46,22 @@ import shutil
 import threading
 import time
 import weakref
+import zlib
 from collections import deque
 from typing import Any, Callable
 
 import torch
 
 from . import _disk_record
-from ._disk_record import HEADER_BYTES, DiskRecord, RecordMismatch
+from ._disk_record import HEADER_BYTES, DiskRecord, DiskTierError, RecordMismatch
 from ._disk_run import _STORES, LOCK_NAME, RUN_PREFIX, RunLife
 from ._warn import warn_user
-from .errors import OffloadError
 from .pool import HostPool
 from .streams import _FAULTS
 
 __all__ = ["DiskStore", "DiskRecord", "DiskTierError", "RUN_PREFIX", "LOCK_NAME"]
 
 _GiB = 1 << 30
-
-
-class DiskTierError(OffloadError):
-    """A disk-tier file does not hold what was written (truncated, overwritten, foreign)."""
 
 
 class DiskStore(RunLife):
@@ -371,6 +356,23 @@ class DiskStore(RunLife):
         self._pending_bytes -= rec.nbytes
         self._cv.notify_all()
 
+    def holds(self, rec: DiskRecord, now: torch.Tensor) -> bool:
+        """Whether ``rec`` holds the bytes ``now`` (its storage's current bytes, flat uint8: Rule 7's
+        check of a shared copy): compared with the staged bytes while not yet written, else with the
+        CRC-32 written with them, so the file is not read back."""
+        with self._cv:
+            state = rec.state
+            if state == "in_memory":
+                return torch.equal(rec.memory, now)
+            if rec.run != self._run or self._closed:
+                return False
+            if state in ("staged", "queued") and rec.tensor is not None:
+                return torch.equal(rec.tensor, now)
+            if state != "on_disk":
+                return False
+            crc = rec.crc
+        return zlib.crc32(memoryview(now.numpy()).cast("B")) == crc
+
     # -- reads -----------------------------------------------------------------------
 
     def prefetch(self, rec: DiskRecord) -> bool:
@@ -418,19 +420,6 @@ class DiskStore(RunLife):
             self._read_s += secs
         self._time("read", secs, rec.nbytes)
         return out
-
-    def _closed_error(self, rec: DiskRecord | None = None) -> DiskTierError:
-        if rec is not None and rec.run[0] != os.getpid():
-            return DiskTierError(
-                f"offload disk tier: a saved tensor's file {rec.path!r} belongs to process {rec.run[0]}, "
-                f"which built this graph before this process (pid {os.getpid()}) was forked from it; the "
-                "child neither reads nor deletes the parent's files. Run backward in the process that "
-                "ran the forward.")
-        return DiskTierError(
-            f"offload disk tier: {os.path.dirname(rec.path) if rec is not None else self.run_dir!r} was "
-            "closed (ctx.close()) and its files deleted, so a backward through a graph built before "
-            "close() cannot get its saved tensors back. Run every backward before ctx.close()."
-        )
 
     def _corrupt(self, rec: DiskRecord, what: str) -> DiskTierError:
         return DiskTierError(

@@ -401,7 +401,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
     def close(self) -> None:
         """Delete the disk tier's files and run directory (also done at interpreter exit and when
         the engine is freed). Graphs built before cannot be backpropagated through afterwards;
-        the engine itself stays usable (later copies skip the disk tier)."""
+        the engine itself stays usable: its next copy that needs the disk opens a new run
+        directory (logged; NOTE [ Disk run life ] in offload/_disk_run.py)."""
         self.tiers.close()
 
     # -- context ---------------------------------------------------------------
