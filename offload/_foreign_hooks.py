@@ -13,12 +13,14 @@ there and are not reported.
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any
 
 from . import _torch_private
 from ._warn import warn_user
+from .errors import OffloadError
 
-__all__ = ["warn_if_inside_foreign_hooks", "hooks_owner"]
+__all__ = ["warn_if_inside_foreign_hooks", "hooks_owner", "check_exit", "hooks_removed_error"]
 
 _EXPECTED = ("torch.utils.checkpoint", "torch.distributed.algorithms._checkpoint", "offload.")
 """Modules whose hooks an engine is routinely entered inside (checkpointing, our own regions)."""
@@ -65,4 +67,37 @@ def warn_if_inside_foreign_hooks(engine: Any) -> None:
         f"{type(engine).__name__}: entered inside another saved-tensor hooks context ({owner}). Only the "
         "innermost hooks run, so this engine offloads what is saved inside it and the outer one sees "
         f"(and records) nothing of it. {_fix(owner)}"
+    )
+
+
+def check_exit(engine: Any, enter_depth: int) -> bool:
+    """Before an engine's ``__exit__`` pops hooks: it is entered on this thread (``enter_depth``) and
+    its hooks are the innermost (else popping would remove another context's). False when its hooks
+    are already gone (``hooks_removed_error`` after the engine's own bookkeeping)."""
+    if enter_depth == 0:
+        raise OffloadError(
+            f"{type(engine).__name__}: __exit__ without a matching __enter__ on this thread "
+            f"({threading.current_thread().name!r}). Enter the engine with `with ctx:` (or "
+            "ctx.attach(model)) and leave it on the thread that entered it, once per entry."
+        )
+    top = _torch_private.top_saved_tensors_hooks()
+    if top is None:
+        return False
+    if not engine._owns_pack_hook(top[0]):
+        raise OffloadError(
+            f"{type(engine).__name__}: left while the innermost saved-tensor hooks are another context's "
+            f"({hooks_owner(top[0])}): one entered inside the engine is still open, or one entered around "
+            "it was left first and took the engine's hooks with it. Leaving now would remove that "
+            "context's hooks, so nothing is popped. Leave contexts in the reverse order of entering them "
+            "(nest `with` blocks)."
+        )
+    return True
+
+
+def hooks_removed_error() -> OffloadError:
+    return OffloadError(
+        "OffloadActivations: this engine's saved-tensor hooks were removed by another context while "
+        "it was entered (a saved_tensors_hooks context entered around it was left before it), so "
+        "tensors saved since were neither offloaded nor recorded. Leave contexts in the reverse order "
+        "of entering them (nest `with` blocks)."
     )

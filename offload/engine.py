@@ -95,7 +95,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _torch_private, policy
-from ._foreign_hooks import warn_if_inside_foreign_hooks
+from ._foreign_hooks import check_exit, hooks_removed_error, warn_if_inside_foreign_hooks
 from ._backward import _Backward, _Pass
 from ._copies import _Copies
 from ._exclusion import RegionHandle, exclude_module, warn_unused_regions
@@ -485,8 +485,10 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
 
     def __exit__(self, *exc: Any) -> None:
         st = self._thread()
+        ours = check_exit(self, st.enter_depth)  # raises on an unmatched or misnested exit
         try:
-            super().__exit__(*exc)
+            if ours:
+                super().__exit__(*exc)
         finally:
             _pop_engine(self)
             if st.enter_depth > 0:
@@ -508,6 +510,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 # with the traceback. Release sources now rather than at the
                 # next backward that may never come.
                 self._drain_stash()
+        if not ours:
+            raise hooks_removed_error()
 
     def _close_finished_step(self) -> None:
         """Close the open ledger step if its graphs are all gone without a backward.

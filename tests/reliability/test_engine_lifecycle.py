@@ -199,3 +199,60 @@ def test_disk_shared_copy_is_not_used_after_a_hidden_write(tmp_path):
         assert ctx.ledger.summary()["kept_by_reason"].get("duplicate_storage", 0) == 0, drain
         del a, b
         ctx.close()
+
+
+# -- leaving the engine: unmatched, on another thread, misnested (item 9) ---------------------
+
+
+def _top_hooks():
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def test_exit_without_enter_is_a_named_error():
+    """ctx.__exit__ with no matching __enter__ on this thread (never entered, or entered on another
+    thread) raises OffloadError naming the misuse, never PyTorch's internal assert; the engine stays
+    usable and its hooks are left where they are."""
+    from offload import OffloadError
+
+    ctx = engine()
+    with pytest.raises(OffloadError, match="__exit__ without a matching __enter__"):
+        ctx.__exit__(None, None, None)
+    ctx.__enter__()
+    errors = []
+
+    def other_thread():
+        try:
+            ctx.__exit__(None, None, None)
+        except OffloadError as e:
+            errors.append(e)
+
+    t = __import__("threading").Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "on this thread" in str(errors[0])
+    assert ctx._owns_pack_hook(_top_hooks()[0]), "the other thread's exit removed nothing"
+    ctx.__exit__(None, None, None)
+    assert _top_hooks() is None
+    model = make_model()
+    ref = twin(model)
+    train_step(model, BATCH, ctx)
+    train_step(ref, BATCH)
+    assert_grads_equal(ref, model, "after the refused exits")
+
+
+def test_misnested_exit_removes_no_other_hooks():
+    """Leaving the engine while a saved-tensor hooks context entered inside it is still open raises
+    and pops nothing (before, it popped the inner context's hooks and left its own active); leaving
+    in order then works."""
+    from offload import OffloadError
+
+    ctx = engine()
+    inner = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    ctx.__enter__()
+    inner.__enter__()
+    with pytest.raises(OffloadError, match="nothing is popped"):
+        ctx.__exit__(None, None, None)
+    assert _top_hooks()[0] is not None and not ctx._owns_pack_hook(_top_hooks()[0])
+    inner.__exit__(None, None, None)
+    ctx.__exit__(None, None, None)
+    assert _top_hooks() is None
