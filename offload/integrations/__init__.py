@@ -18,6 +18,7 @@ framework.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from ..config import OffloadConfig, check_keywords
@@ -91,22 +92,24 @@ def _callback_config(owner: str, config: OffloadConfig | None, engine_kwargs: di
 
 class _StepReporter:
     """Hands out each closed ledger step's figures once (for a trainer's per-step log): those of
-    ``LOGGED_BY_DEFAULT``, or all of them with ``all_figures``."""
+    ``LOGGED_BY_DEFAULT``, or all of them with ``all_figures``. A step is known by its engine and its
+    number: a re-plan's new engine numbers its steps from 0 again."""
 
     def __init__(self, owner: str, all_figures: bool) -> None:
         if not isinstance(all_figures, bool):
             raise TypeError(f"{owner}: all_figures={all_figures!r} must be True (log every offload/* figure "
                             f"each step) or False (only {list(LOGGED_BY_DEFAULT)}).")
         self.all_figures = all_figures
-        self._reported = -1
+        self._reported: tuple[weakref.ref | None, int] = (None, -1)
 
     def new_figures(self, engine: OffloadActivations | None) -> dict[str, Any]:
         """Figures of the newest step closed since the last call, or {} when there is none."""
         if engine is None or not engine.ledger.step_totals:
             return {}
         last = engine.ledger.step_totals[-1]
-        if last.step == self._reported:
+        ref, step = self._reported
+        if ref is not None and ref() is engine and last.step == step:
             return {}
-        self._reported = last.step
+        self._reported = (weakref.ref(engine), last.step)
         figures = step_figures(last)
         return figures if self.all_figures else {k: figures[k] for k in LOGGED_BY_DEFAULT}

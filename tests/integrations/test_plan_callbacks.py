@@ -84,6 +84,8 @@ def test_hf_callback_plans_applies_replans_and_matches_gradients(tmp_path, caplo
     assert len(first) == 2 and "peak predicted" in first[0] and "measured" in first[0]
     assert any("planning again" in r.getMessage() for r in caplog.records)
     assert any(k == "offload/plan_predicted_peak_bytes" for entry in logs for k in entry)
+    steps = [entry for entry in logs if "loss" in entry]  # the re-planning step's log too (a new engine)
+    assert len(steps) == len(LENGTHS) and all("offload/offloaded_bytes" in entry for entry in steps), steps
     assert len(got) == len(want) == len(LENGTHS)
     for g, w in zip(got, want):
         for a, b in zip(g, w):
