@@ -402,9 +402,11 @@ class RamCeiling:
     false refusals.
     """
 
-    __slots__ = ("max_age_s", "slack_bytes", "samples", "_used", "_total", "_granted", "_t")
+    __slots__ = ("max_age_s", "slack_bytes", "samples", "pct", "_used", "_total", "_granted", "_t")
 
-    def __init__(self, max_age_s: float = 0.05, slack_bytes: int = 256 << 20) -> None:
+    def __init__(self, max_age_s: float = 0.05, slack_bytes: int = 256 << 20, pct: float = 100.0) -> None:
+        self.pct = pct
+        """The ceiling ``__call__`` applies (percent of system RAM)."""
         self.max_age_s = max_age_s
         """Oldest sample the gauge trusts, in seconds."""
         self.slack_bytes = slack_bytes
@@ -436,3 +438,7 @@ class RamCeiling:
                 return False
         self._granted += nbytes
         return True
+
+    def __call__(self, nbytes: int) -> bool:
+        """``allows(nbytes, self.pct)``: the gauge as a ``HostPool.grow_gate``."""
+        return self.allows(nbytes, self.pct)

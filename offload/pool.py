@@ -79,6 +79,7 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -180,6 +181,9 @@ class HostPool:
         engine moves it to its next host tier) instead of being made pageable."""
         self.last_pin_error = ""
         """The error of the latest failed pinned allocation ("" if none failed)."""
+        self.grow_gate: Callable[[int], bool] | None = None
+        """Asked before the pool takes new memory (a chunk of that many bytes; the engine's RAM
+        ceiling); a take served from memory the pool holds never asks."""
         self._device_type = device_type
         self._lock = threading.Lock()
         self._arena = _Arena()
@@ -210,6 +214,7 @@ class HostPool:
         self._allocations = self._reuses = self._pin_failures = self._evictions = 0
         self._received_bytes = self._trimmed = self._released_chunks = self._relayouts = 0
         self._refused = self._never_fit = self._overflow_bytes = self._overflow_count = 0
+        self._gate_refused = 0
         self._stepped = False  # a step that used the pool has ended
 
     # -- chunks -------------------------------------------------------------
@@ -276,7 +281,7 @@ class HostPool:
         size = self._growth_size(need)
         cap = self.capacity_bytes
         if cap is None:
-            return self._add_chunk(size) is not None
+            return self._grow(size)
         smallest = self._round(need)
         if smallest > cap:
             self._never_fit += 1  # could not fit even in an empty pool: fail fast, evict nothing
@@ -291,7 +296,15 @@ class HostPool:
                 self._release_chunk(c)
                 self._evictions += 1
         room = cap - self._reserved
-        return self._add_chunk(max(smallest, min(size, self._round_down(room)))) is not None
+        return self._grow(max(smallest, min(size, self._round_down(room))))
+
+    def _grow(self, nbytes: int) -> bool:
+        """Add a chunk of ``nbytes`` if ``grow_gate`` allows new memory (and it can be made)."""
+        gate = self.grow_gate
+        if gate is not None and not gate(nbytes):
+            self._gate_refused += 1
+            return False
+        return self._add_chunk(nbytes) is not None
 
     # -- take / give --------------------------------------------------------
 
@@ -578,6 +591,7 @@ class HostPool:
                 "relayouts": self._relayouts,
                 "refused": self._refused,
                 "never_fit": self._never_fit,
+                "ram_ceiling_refused": self._gate_refused,
                 "overflow_bytes": self._overflow_bytes,
                 "overflow_count": self._overflow_count,
             }

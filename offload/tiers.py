@@ -16,8 +16,12 @@ A copy tries the tiers in order and lands in the first with room:
 4. ``on_host_budget``: "keep" leaves the tensor on the device (reason
    ``host_budget``), "raise" raises ``OffloadError``.
 
-The pool and the pageable tier also stop at the RAM ceiling
-(``virtual_memory_safe_pct``). Every copied byte is in exactly one tier:
+The RAM ceiling (``virtual_memory_safe_pct``) gates what takes new host
+memory: the pool's growth (``HostPool.grow_gate``) and pageable buffers. A
+pool take served from memory the pool already holds allocates nothing and
+asks nothing, so a steady-state step above the ceiling still offloads into
+the held pool, and the common copy reads no clock. (The disk tier's staging
+buffers are bounded by ``disk_queue_bytes`` and not gated.) Every copied byte is in exactly one tier:
 ``d2h_bytes == pool received_bytes + pool overflow_bytes + disk
 received_bytes``, and the ledger counts the same bytes per tier
 (``PackRecord.tier``, ``summary()["tiers"]``).
@@ -55,7 +59,9 @@ class HostTiers:
         """What a copy that fits no tier gets."""
         self.virtual_memory_safe_pct = virtual_memory_safe_pct
         """System RAM use (percent) above which the pool and the pageable tier take nothing new."""
-        self._ram_gauge = RamCeiling()  # sampled: no system call per copy
+        ceiling = virtual_memory_safe_pct is not None and virtual_memory_safe_pct < 100
+        self._ram_gauge = RamCeiling(pct=virtual_memory_safe_pct if ceiling else 100.0)  # sampled
+        pool.grow_gate = self._ram_gauge if ceiling else None  # only new memory asks (NOTE)
         self._lock = threading.Lock()
         self._pageable_in_use = 0
         self._pageable_peak = 0
@@ -77,24 +83,22 @@ class HostTiers:
         raises ``OffloadError`` under "raise". ``note`` is "pin_failed" when pinning failed."""
         pool = self.pool
         note = ""
-        pct = self.virtual_memory_safe_pct  # the RAM ceiling: nbytes more stay under it
-        if pct is None or pct >= 100 or self._ram_gauge.allows(nbytes, pct):
-            failures = pool._pin_failures
-            buf = pool.take(nbytes)
-            if buf is not None:
-                return buf, "pool", ""
-            if pool._pin_failures != failures:
-                note = "pin_failed"
-                self._warn_pin(nbytes)
-            budget = self.pageable_budget_bytes
-            if budget != 0:
-                with self._lock:
-                    fits = budget is None or self._pageable_in_use + nbytes <= budget
-                    if fits:
-                        self._pageable_in_use += nbytes
-                        self._pageable_peak = max(self._pageable_peak, self._pageable_in_use)
+        failures = pool._pin_failures
+        buf = pool.take(nbytes)  # the RAM ceiling is asked only if the pool must grow (its grow_gate)
+        if buf is not None:
+            return buf, "pool", ""
+        if pool._pin_failures != failures:
+            note = "pin_failed"
+            self._warn_pin(nbytes)
+        budget = self.pageable_budget_bytes
+        if budget != 0 and (pool.grow_gate is None or self._ram_gauge(nbytes)):  # new memory: asks
+            with self._lock:
+                fits = budget is None or self._pageable_in_use + nbytes <= budget
                 if fits:
-                    return pool.overflow(nbytes), "pageable", note
+                    self._pageable_in_use += nbytes
+                    self._pageable_peak = max(self._pageable_peak, self._pageable_in_use)
+            if fits:
+                return pool.overflow(nbytes), "pageable", note
         disk = self.disk
         if disk is not None:
             rec = disk.reserve(nbytes)

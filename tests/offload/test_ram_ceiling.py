@@ -100,3 +100,39 @@ def test_real_psutil_still_enforced():
     y.backward()
     s = ctx.ledger.summary()
     assert s["offloaded_count"] == 0 and s["kept_count_by_reason"].get("host_budget", 0) >= 1
+
+
+def test_steady_step_above_the_ceiling_offloads_into_the_held_pool(fake_ram, monkeypatch):
+    """The RAM ceiling gates only new host memory (issue 35 item 10): once RAM is above it, a step that
+    fits the memory the pool already holds still offloads everything there (no host_budget keeps, no
+    new chunk), bitwise; a longer step that would need the pool to grow keeps the excess instead."""
+    import copy
+
+    clock = [0.0]
+    monkeypatch.setattr(policy.time, "monotonic", lambda: clock[0])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    ref = copy.deepcopy(model)
+    ctx = OffloadActivations(device="cpu", min_offload_size=0, virtual_memory_safe_pct=90)
+
+    def step(m, rows, engine=None):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        with engine if engine is not None else torch.enable_grad():
+            loss = m(x).square().mean()
+        loss.backward()
+
+    step(model, 32, ctx)  # warm-up: the pool grows to the step's size
+    fake_ram.used = 95 * GiB  # now above the ceiling
+    clock[0] += 1.0  # the next gauge read samples again
+    allocations = ctx.pool.stats()["allocations"]
+    step(model, 32, ctx)
+    t = ctx.ledger.step_totals[-1]
+    assert t.offloaded_bytes > 0 and not t.kept_by_reason.get("host_budget"), t.kept_by_reason
+    assert ctx.pool.stats()["allocations"] == allocations, "a held-pool step allocated"
+    step(model, 4096, ctx)  # needs more than the pool holds: growth is refused, the excess kept
+    assert ctx.ledger.step_totals[-1].kept_by_reason.get("host_budget", 0) > 0
+    assert ctx.pool.stats()["ram_ceiling_refused"] > 0
+    for rows in (32, 32, 4096):
+        step(ref, rows)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
