@@ -1,13 +1,31 @@
-"""Another saved-tensor hooks context around an engine: say so once, with the fix.
+"""Saved-tensor hooks nested with an engine: who sees what, and a warning exactly where something is lost.
 
-Only the innermost ``saved_tensors_hooks`` run. When an engine is entered
-inside another offloading context (TRL's ``SFTConfig(activation_offloading=True)``
-engine around each training step, ``save_on_cpu``, a second copy of torchtune's
-engine), this engine does the work for the tensors saved inside it and the
-outer one silently records almost nothing: two engines are configured and one
-is idle, and their ledgers disagree. Activation checkpointing's own hooks
-(``torch.utils.checkpoint``) and this package's own contexts are expected
-there and are not reported.
+NOTE [ Nested hooks ]
+Only the innermost ``saved_tensors_hooks`` run (pytorch/pytorch#70932). So:
+
+1. A tensor saved while an engine's hooks are innermost is packed by that
+   engine, and every pack observer on the thread sees it
+   (``offload.add_pack_observer``: ``PackedBytesTracker``, ``MemProfiler``),
+   whatever the nesting. An observer loses nothing, inside or around an engine.
+2. An engine entered inside another context's hooks leaves that context
+   nothing of what is saved inside the engine. Warned once per engine at its
+   outermost enter, when that context would have recorded or moved it: another
+   engine (its ledger stays empty for those tensors), TRL's engine,
+   ``save_on_cpu``, a tracker running user pack functions. Not warned where
+   nothing is lost: ``torch.utils.checkpoint``'s hooks, ``NoOpManager`` (identity
+   hooks, invisible to accounting by design: Rule 8), a ``PackedBytesTracker``
+   without user functions (it observes the engine's packs: rule 1).
+3. A context entered inside an engine takes the tensors saved inside it away
+   from the engine: not offloaded by it and not in its ledger. Its ``__enter__``
+   cannot be intercepted, so the engine watches at module calls: while it is
+   entered, each module call (``offload.modules``) checks that the innermost
+   hooks are still the ones it pushed (one C call and a comparison), and the
+   first call under another context's hooks warns once per engine, naming that
+   context and the module, unless the context is one of rule 2's expected ones.
+   Hooks entered and left with no module call between them are not seen.
+4. Leaving an engine checks the nesting first (``check_exit``): an exit with no
+   matching enter on this thread, or while another context's hooks are
+   innermost, raises ``OffloadError`` and pops nothing.
 """
 
 from __future__ import annotations
@@ -19,11 +37,13 @@ from typing import Any
 from . import _torch_private
 from ._warn import warn_user
 from .errors import OffloadError
+from .modules import _tls as _module_tls
 
-__all__ = ["warn_if_inside_foreign_hooks", "hooks_owner", "check_exit", "hooks_removed_error"]
+__all__ = ["warn_if_inside_foreign_hooks", "hooks_owner", "check_exit", "hooks_removed_error", "watch_inner_hooks",
+           "unwatch_inner_hooks"]
 
 _EXPECTED = ("torch.utils.checkpoint", "torch.distributed.algorithms._checkpoint", "offload.")
-"""Modules whose hooks an engine is routinely entered inside (checkpointing, our own regions)."""
+"""Modules whose hooks lose nothing around or inside an engine (checkpointing, our own regions)."""
 
 
 def hooks_owner(pack_hook: Any) -> str:
@@ -48,19 +68,49 @@ def _fix(owner: str) -> str:
     return "Enter only one of them."
 
 
+def _other_engine(engine: Any, hook: Any) -> Any:
+    """The engine entered on this thread (not ``engine``) that pushed ``hook``, or None."""
+    from ._observers import _engines  # an engine's native_hooks=True hook is a C++ object, ours all the same
+
+    return next((e for e in _engines() if e is not engine and e._owns_pack_hook(hook)), None)
+
+
+_HARMLESS_CODE: set[Any] = set()
+"""Code objects of pack hooks found to lose nothing (checkpointing's closures are new per call, their
+code is not): rule 3's check of a module call under them is one set lookup."""
+
+
+def _loses_nothing(hook: Any, owner: str) -> bool:
+    """Rule 2's expected contexts: checkpointing, our own, an observer of the engine's packs."""
+    if getattr(getattr(hook, "__self__", None), "sees_engine_packs", False):
+        return True  # a PackedBytesTracker without user functions: it observes the engine (rule 1)
+    if owner.startswith(_EXPECTED):
+        code = getattr(hook, "__code__", None)
+        if code is not None and len(_HARMLESS_CODE) < 256:
+            _HARMLESS_CODE.add(code)
+        return True
+    return False
+
+
 def warn_if_inside_foreign_hooks(engine: Any) -> None:
-    """Warn once per engine when the hooks around its outermost enter belong to another offloader."""
+    """Rule 2: warn once per engine when the hooks around its outermost enter lose what it saves."""
     if getattr(engine, "_warned_foreign_hooks", False):
         return
     top = _torch_private.top_saved_tensors_hooks()
     if top is None:
         return
-    owner = hooks_owner(top[0])
-    if owner.startswith(_EXPECTED):
+    outer = _other_engine(engine, top[0])
+    if outer is not None:
+        engine._warned_foreign_hooks = True
+        warn_user(
+            f"{type(engine).__name__}: entered inside another engine ({outer!r}). Only the innermost hooks "
+            "run, so this engine offloads and records what is saved inside it and the outer engine's "
+            "ledger records nothing of it. Use one engine: keep regions on the device with "
+            "ctx.exclude(module) or `with ctx.excluded():`, or leave one engine before entering the other."
+        )
         return
-    from ._observers import _engines  # an outer engine's native_hooks=True hook is a C++ object, ours all the same
-
-    if any(e is not engine and e._owns_pack_hook(top[0]) for e in _engines()):
+    owner = hooks_owner(top[0])
+    if _loses_nothing(top[0], owner):
         return
     engine._warned_foreign_hooks = True
     warn_user(
@@ -68,6 +118,47 @@ def warn_if_inside_foreign_hooks(engine: Any) -> None:
         "innermost hooks run, so this engine offloads what is saved inside it and the outer one sees "
         f"(and records) nothing of it. {_fix(owner)}"
     )
+
+
+# -- rule 3: contexts entered inside an engine, seen at module calls ---------------------------
+
+
+def watch_inner_hooks(engine: Any, hook: Any) -> Any:
+    """At an enter that pushed ``hook``: watch module calls for other hooks inside (rule 3). Returns
+    what ``unwatch_inner_hooks`` restores at the matching exit."""
+    prev = _module_tls.watch
+    if not getattr(engine, "_warned_inner_hooks", False):
+        _module_tls.watch = (hook, lambda top, module: _inner_hooks(engine, top, module))
+    return prev
+
+
+def unwatch_inner_hooks(prev: Any) -> None:
+    _module_tls.watch = prev
+
+
+def _inner_hooks(engine: Any, top: Any, module: Any) -> None:
+    """``module`` runs while ``top`` (not the hooks ``engine`` pushed) are innermost: warn once if they
+    lose what is saved inside them (rule 3); None means the engine's hooks are gone (its exit says so)."""
+    if top is None or getattr(top[0], "__code__", None) in _HARMLESS_CODE:
+        return
+    if _other_engine(engine, top[0]) is not None:
+        return  # an engine entered inside this one: it warned at its enter (rule 2)
+    owner = hooks_owner(top[0])
+    if _loses_nothing(top[0], owner):
+        return
+    from .modules import module_name
+
+    engine._warned_inner_hooks = True
+    _module_tls.watch = None  # said once: no more checks until the next enter (which skips them)
+    warn_user(
+        f"{type(engine).__name__}: another saved-tensor hooks context ({owner}) was entered inside this "
+        f"engine (seen when {module_name(module)} ran). Only the innermost hooks run, so "
+        "what is saved inside it bypasses the engine: not offloaded by it and not in its ledger. "
+        f"{_fix(owner)}"
+    )
+
+
+# -- rule 4: leaving an engine ---------------------------------------------------------------
 
 
 def check_exit(engine: Any, enter_depth: int) -> bool:

@@ -231,3 +231,7 @@ graph_task_id_c: Callable[[], int] = torch._C._current_graph_task_id
 """``graph_task_id`` without its Python frame."""
 profiler_enabled_c: Callable[[], bool] = torch._C._autograd._profiler_enabled
 """``profiler_enabled`` without its Python frame."""
+top_saved_tensors_hooks_c: Callable[[], "tuple[Callable, Callable] | None"] = functools.partial(
+    torch._C._autograd._top_saved_tensors_default_hooks, False)
+"""``top_saved_tensors_hooks`` without its Python frame (``offload.modules`` asks it at each module
+call while an engine is entered: NOTE [ Nested hooks ] in offload/_foreign_hooks.py)."""

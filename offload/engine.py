@@ -95,7 +95,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _torch_private, policy
-from ._foreign_hooks import check_exit, hooks_removed_error, warn_if_inside_foreign_hooks
+from ._foreign_hooks import (check_exit, hooks_removed_error, unwatch_inner_hooks, warn_if_inside_foreign_hooks,
+                             watch_inner_hooks)
 from ._backward import _Backward, _Pass
 from ._copies import _Copies
 from ._exclusion import RegionHandle, exclude_module, warn_unused_regions
@@ -105,6 +106,7 @@ from ._packing import _owner_lookup, _Packing
 from ._spans import SpanSet
 from ._warn import user_stacklevel
 from .attach import AttachHandle, attach
+from .compat import _positional_error
 from .compat._peer_attributes import PeerAttributes
 from .config import OffloadConfig, keywords_checked, resolve_device, settled_config
 from .sizes import SizeLike
@@ -127,7 +129,7 @@ class _ThreadState:
     """One thread's forward-side state of one engine (Rule 12)."""
 
     __slots__ = ("excluded_depth", "region_stack", "order", "after_head", "enter_depth",
-                 "modules_cms", "saved", "module_stack", "__weakref__")
+                 "modules_cms", "saved", "module_stack", "watches", "__weakref__")
 
     def __init__(self) -> None:
         self.excluded_depth = 0
@@ -140,6 +142,7 @@ class _ThreadState:
         """The output head's forward finished in the current model call (Rule 8)."""
         self.enter_depth = 0
         self.modules_cms: list[Any] = []
+        self.watches: list[Any] = []  # per entry: the module-call watch to restore (NOTE [ Nested hooks ])
         self.saved: tuple[int, int] = (0, 0)
         self.module_stack: list[nn.Module] | None = None
         """offload.modules' running-module stack of this thread while the engine is entered on it
@@ -161,19 +164,6 @@ def _load_native() -> Any:
             "Install a C++ compiler and ninja (pip install ninja), or pass native_hooks=False: the "
             "Python hook makes the same decisions, at more CPU time per saved tensor."
         ) from e
-
-
-def _positional_error(args: tuple) -> TypeError:
-    """More than two positional arguments: ambiguous between the peers (NOTE [ Positional peers ]
-    in offload/compat/__init__.py)."""
-    return TypeError(
-        f"OffloadActivations: got {len(args)} positional arguments {args!r}; only use_pin_memory and "
-        "use_streams may be positional. torchtune's OffloadActivations takes (..., max_fwd_stash_size, "
-        "min_offload_size) in that order and TRL's takes (..., min_offload_size, "
-        "max_fwd_stash_size), so a positional third or fourth value would be ambiguous. Pass "
-        "them by name (OffloadActivations(max_fwd_stash_size=5, min_offload_size=1024)), or "
-        "import the peer's positional order from offload.compat.torchtune or offload.compat.trl."
-    )
 
 
 def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
@@ -463,6 +453,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 # native_hooks: a builtin bound the same way, whose keep path is C++.
                 hook = self._pack if self._native is None or not self.enabled else self._native.hook_for(self, st)
             torch._C._autograd._push_saved_tensors_default_hooks(hook, self.unpack_hook)
+            st.watches.append(watch_inner_hooks(self, hook))
         except BaseException:
             # A failed enter (e.g. under torch.autograd.graph.disable_saved_tensors_hooks)
             # leaves nothing behind: not on the engine stack, module tracking off.
@@ -495,6 +486,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 st.enter_depth -= 1
             if st.modules_cms:
                 st.modules_cms.pop().__exit__(*exc)
+            if st.watches:
+                unwatch_inner_hooks(st.watches.pop())
             if st.enter_depth == 0:
                 st.module_stack = None
                 # Undo region state an interrupted forward left behind (an

@@ -65,11 +65,13 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from ._torch_private import top_saved_tensors_hooks_c as _top_hooks
 
 __all__ = ["track_modules", "current_module_name", "current_modules", "current_modules_view", "register_model",
            "module_name", "uninstall"]
@@ -93,6 +95,10 @@ class _Local(threading.local):
     """The running modules, outermost first, while a scope is open on this thread; else None."""
     depth = 0
     """``track_modules`` scopes open on this thread."""
+    watch: "tuple[object, Callable[[object, nn.Module], None]] | None" = None
+    """(the pack hook the innermost engine entered on this thread pushed, what to call with the
+    innermost hooks and the module about to run when they are not that hook): set by the engine while entered
+    (NOTE [ Nested hooks ] in offload/_foreign_hooks.py)."""
 
 
 _tls = _Local()
@@ -251,6 +257,11 @@ def _tracked_call(self: nn.Module, *args, **kwargs):
     stack = _tls.stack
     if stack is None:  # no scope open on this thread
         return _call(self, *args, **kwargs)
+    watch = _tls.watch
+    if watch is not None:  # an engine is entered: are its hooks still the innermost?
+        top = _top_hooks()
+        if top is None or top[0] is not watch[0]:
+            watch[1](top, self)
     i = len(stack)
     if not i and id(self) not in _names:
         _name_outermost(self)

@@ -151,6 +151,8 @@ class HostPool:
     """Trim keeps up to this multiple of the largest recent step peak."""
     replay = True
     """Give a repeated step the previous pure step's ranges without arena work (same placement)."""
+    grow_gate: Callable[[int], bool] | None = None
+    """Asked before a new chunk of that many bytes (the RAM ceiling); held memory never asks."""
 
     def __init__(
         self,
@@ -181,9 +183,6 @@ class HostPool:
         engine moves it to its next host tier) instead of being made pageable."""
         self.last_pin_error = ""
         """The error of the latest failed pinned allocation ("" if none failed)."""
-        self.grow_gate: Callable[[int], bool] | None = None
-        """Asked before the pool takes new memory (a chunk of that many bytes; the engine's RAM
-        ceiling); a take served from memory the pool holds never asks."""
         self._device_type = device_type
         self._lock = threading.Lock()
         self._arena = _Arena()
@@ -213,8 +212,7 @@ class HostPool:
         # Counters (stats()).
         self._allocations = self._reuses = self._pin_failures = self._evictions = 0
         self._received_bytes = self._trimmed = self._released_chunks = self._relayouts = 0
-        self._refused = self._never_fit = self._overflow_bytes = self._overflow_count = 0
-        self._gate_refused = 0
+        self._refused = self._never_fit = self._overflow_bytes = self._overflow_count = self._gate_refused = 0
         self._stepped = False  # a step that used the pool has ended
 
     # -- chunks -------------------------------------------------------------

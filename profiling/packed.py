@@ -255,6 +255,14 @@ class PackedBytesTracker:
         _tls.owner = previous_owner
 
     @property
+    def sees_engine_packs(self) -> bool:
+        """True: an engine entered inside this tracker's own hooks costs it nothing, since it observes
+        the engine's packs (Rule 1), so the engine does not warn; False with user pack/unpack
+        functions, which do not run for what the engine packs (NOTE [ Nested hooks ] in
+        offload/_foreign_hooks.py)."""
+        return self._user_pack is None
+
+    @property
     def active(self) -> bool:
         return self._stack is not None
 

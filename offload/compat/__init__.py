@@ -28,3 +28,16 @@ must be a bool and defaults to True, so TRL's keyword calls work unchanged);
 from __future__ import annotations
 
 __all__: list[str] = []
+
+
+def _positional_error(args: tuple) -> TypeError:
+    """More than two positional arguments: ambiguous between the peers (NOTE [ Positional peers ]
+    in offload/compat/__init__.py)."""
+    return TypeError(
+        f"OffloadActivations: got {len(args)} positional arguments {args!r}; only use_pin_memory and "
+        "use_streams may be positional. torchtune's OffloadActivations takes (..., max_fwd_stash_size, "
+        "min_offload_size) in that order and TRL's takes (..., min_offload_size, "
+        "max_fwd_stash_size), so a positional third or fourth value would be ambiguous. Pass "
+        "them by name (OffloadActivations(max_fwd_stash_size=5, min_offload_size=1024)), or "
+        "import the peer's positional order from offload.compat.torchtune or offload.compat.trl."
+    )

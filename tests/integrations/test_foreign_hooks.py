@@ -17,7 +17,8 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
 
 
-def _two_steps(outer, engine: OffloadActivations, model: torch.nn.Module) -> list[warnings.WarningMessage]:
+def _two_steps(outer, engine: OffloadActivations, model: torch.nn.Module,
+               about: str = "another saved-tensor hooks") -> list[warnings.WarningMessage]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
@@ -25,7 +26,7 @@ def _two_steps(outer, engine: OffloadActivations, model: torch.nn.Module) -> lis
                 with engine:
                     loss = model(torch.randn(4, 16)).sum()
             loss.backward()
-    return [w for w in caught if "another saved-tensor hooks" in str(w.message)]
+    return [w for w in caught if about in str(w.message)]
 
 
 def _trl_engine():
@@ -53,12 +54,73 @@ def test_inside_save_on_cpu_warns():
     assert "save_on_cpu" in str(w.message)
 
 
-@pytest.mark.parametrize("outer", ["nested_engine", "noop_manager", "none"])
-def test_expected_outer_contexts_do_not_warn(outer):
-    """Our own contexts around an engine are no reason to warn."""
-    ctx = {"nested_engine": lambda: OffloadActivations(device="cpu"), "noop_manager": NoOpManager,
-           "none": torch.enable_grad}[outer]()
-    assert _two_steps(ctx, OffloadActivations(device="cpu"), _model()) == []
+@pytest.mark.parametrize("outer", ["noop_manager", "tracker", "none"])
+def test_outer_contexts_that_lose_nothing_do_not_warn(outer):
+    """Contexts around an engine that lose nothing to it are no reason to warn (NOTE [ Nested hooks ]
+    rule 2): NoOpManager (invisible by design), a PackedBytesTracker (it observes the engine's packs,
+    and does record them)."""
+    from profiling import PackedBytesTracker
+
+    ctx = {"noop_manager": NoOpManager, "tracker": PackedBytesTracker, "none": torch.enable_grad}[outer]()
+    engine = OffloadActivations(device="cpu", min_offload_size=0)
+    assert _two_steps(ctx, engine, _model(), about="OffloadActivations") == []
+    if outer == "tracker":
+        assert ctx.summary()["packed_bytes"] == engine.ledger.summary()["packed_bytes"] > 0
+
+
+def test_inside_another_engine_warns_once():
+    """An engine entered inside another engine: the outer ledger records nothing of it, so one warning
+    (it was silent); the inner engine records everything."""
+    outer, inner = OffloadActivations(device="cpu"), OffloadActivations(device="cpu", min_offload_size=0)
+    msgs = [str(w.message) for w in _two_steps(outer, inner, _model(), about="inside another engine")]
+    assert len(msgs) == 1 and "outer engine's ledger records nothing" in msgs[0], msgs
+    assert outer.ledger.summary()["packed_count"] == 0 and inner.ledger.summary()["offloaded_bytes"] > 0
+
+
+def test_tracker_with_user_functions_around_an_engine_warns():
+    """A tracker whose user pack/unpack functions would run is shadowed by an engine inside it: warned."""
+    from profiling import PackedBytesTracker
+
+    tracker = PackedBytesTracker(pack_hook=lambda t: t, unpack_hook=lambda t: t)
+    (w,) = _two_steps(tracker, OffloadActivations(device="cpu"), _model())
+    assert "profiling.packed.PackedBytesTracker" in str(w.message)
+
+
+def _inside_engine(inner_factory, engine, model):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with engine:
+                with inner_factory():
+                    loss = model(torch.randn(4, 16)).sum()
+            loss.backward()
+    return [str(w.message) for w in caught if "inside this engine" in str(w.message)]
+
+
+def test_save_on_cpu_inside_the_engine_warns_once():
+    """save_on_cpu entered inside the engine takes what is saved inside it away from the engine (not
+    offloaded by it, not in its ledger): one warning, at the first module call under it (it was silent)."""
+    engine, model = OffloadActivations(device="cpu", min_offload_size=0), _model()
+    msgs = _inside_engine(torch.autograd.graph.save_on_cpu, engine, model)
+    assert len(msgs) == 1 and "save_on_cpu" in msgs[0] and "Sequential" in msgs[0], msgs
+    assert engine.ledger.summary()["packed_count"] == 0
+
+
+@pytest.mark.parametrize("inner", ["checkpoint", "noop_manager", "tracker", "same_engine"])
+def test_contexts_inside_the_engine_that_lose_nothing_do_not_warn(inner):
+    """Checkpointing, NoOpManager, a tracker (observes, installs no hooks) and the same engine again,
+    inside the engine: no warning."""
+    from profiling import PackedBytesTracker
+
+    engine, model = OffloadActivations(device="cpu", min_offload_size=0), _model()
+    if inner == "checkpoint":
+        def run(x):
+            return checkpoint.checkpoint(model, x, use_reentrant=False)
+        factory, m = torch.enable_grad, run
+    else:
+        factory = {"noop_manager": NoOpManager, "tracker": PackedBytesTracker, "same_engine": lambda: engine}[inner]
+        m = model
+    assert _inside_engine(factory, engine, m) == []
 
 
 def test_engine_inside_checkpoint_does_not_warn():
