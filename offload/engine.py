@@ -570,6 +570,12 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             # must not stop a later forward-only step from closing.
             self._step_ref = _dead
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "OffloadActivations cannot be copied or pickled: its host buffers, disk-tier run directory, "
+            "threads and hooks belong to this engine alone, and a copy would share them. Build another "
+            "with OffloadActivations.from_config(ctx.config) (an OffloadConfig copies and pickles).")
+
     def __repr__(self) -> str:
         return (
             f"OffloadActivations(device={self.device}, backend={self.backend}, "

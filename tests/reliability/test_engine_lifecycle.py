@@ -256,3 +256,22 @@ def test_misnested_exit_removes_no_other_hooks():
     inner.__exit__(None, None, None)
     ctx.__exit__(None, None, None)
     assert _top_hooks() is None
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_an_engine_is_not_duplicated(tmp_path, how):
+    """copy.copy (which silently shared the pool, the disk tier and the ledger), deepcopy and pickle
+    of an engine raise a TypeError that says how to build another; the engine is untouched."""
+    import copy
+    import pickle
+
+    ctx = engine(disk_dir=str(tmp_path))
+    dup = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+    with pytest.raises(TypeError, match=r"cannot be copied or pickled.*from_config\(ctx.config\)"):
+        dup(ctx)
+    model = make_model()
+    ref = twin(model)
+    train_step(model, BATCH, ctx)
+    train_step(ref, BATCH)
+    assert_grads_equal(ref, model, "after a refused copy")
+    ctx.close()
