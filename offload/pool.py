@@ -79,8 +79,7 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass, field
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -297,9 +296,8 @@ class HostPool:
         return self._grow(max(smallest, min(size, self._round_down(room))))
 
     def _grow(self, nbytes: int) -> bool:
-        """Add a chunk of ``nbytes`` if ``grow_gate`` allows new memory (and it can be made)."""
-        gate = self.grow_gate
-        if gate is not None and not gate(nbytes):
+        """Add a chunk of ``nbytes`` unless ``grow_gate`` refuses new memory (counted)."""
+        if self.grow_gate is not None and not self.grow_gate(nbytes):
             self._gate_refused += 1
             return False
         return self._add_chunk(nbytes) is not None
