@@ -82,8 +82,9 @@ code is not): rule 3's check of a module call under them is one set lookup."""
 
 def _loses_nothing(hook: Any, owner: str) -> bool:
     """Rule 2's expected contexts: checkpointing, our own, an observer of the engine's packs."""
-    if getattr(getattr(hook, "__self__", None), "sees_engine_packs", False):
-        return True  # a PackedBytesTracker without user functions: it observes the engine (rule 1)
+    sees = getattr(getattr(hook, "__self__", None), "sees_engine_packs", None)
+    if sees is not None:  # a PackedBytesTracker: it observes the engine (rule 1), its user functions do not
+        return bool(sees)
     if owner.startswith(_EXPECTED):
         code = getattr(hook, "__code__", None)
         if code is not None and len(_HARMLESS_CODE) < 256:

@@ -59,7 +59,7 @@ def test_outer_contexts_that_lose_nothing_do_not_warn(outer):
     """Contexts around an engine that lose nothing to it are no reason to warn (NOTE [ Nested hooks ]
     rule 2): NoOpManager (invisible by design), a PackedBytesTracker (it observes the engine's packs,
     and does record them)."""
-    from profiling import PackedBytesTracker
+    from offload.profiling import PackedBytesTracker
 
     ctx = {"noop_manager": NoOpManager, "tracker": PackedBytesTracker, "none": torch.enable_grad}[outer]()
     engine = OffloadActivations(device="cpu", min_offload_size=0)
@@ -79,7 +79,7 @@ def test_inside_another_engine_warns_once():
 
 def test_tracker_with_user_functions_around_an_engine_warns():
     """A tracker whose user pack/unpack functions would run is shadowed by an engine inside it: warned."""
-    from profiling import PackedBytesTracker
+    from offload.profiling import PackedBytesTracker
 
     tracker = PackedBytesTracker(pack_hook=lambda t: t, unpack_hook=lambda t: t)
     (w,) = _two_steps(tracker, OffloadActivations(device="cpu"), _model())
@@ -110,7 +110,7 @@ def test_save_on_cpu_inside_the_engine_warns_once():
 def test_contexts_inside_the_engine_that_lose_nothing_do_not_warn(inner):
     """Checkpointing, NoOpManager, a tracker (observes, installs no hooks) and the same engine again,
     inside the engine: no warning."""
-    from profiling import PackedBytesTracker
+    from offload.profiling import PackedBytesTracker
 
     engine, model = OffloadActivations(device="cpu", min_offload_size=0), _model()
     if inner == "checkpoint":
