@@ -21,6 +21,7 @@ import torch
 
 from . import _torch_private, _verify
 from ._copies import _span
+from ._fake import FAKE_TENSOR as _FAKE_TENSOR
 from ._handles import _HostCopy, _inplace_error, _Offloaded
 from .streams import Copy
 
@@ -114,7 +115,8 @@ class _Backward:
         """The unpack of an offloaded handle."""
         p = self._begin_backward_pass()
         tracker = h.tracker
-        now = tracker._version if type(tracker) is _Tensor else getattr(tracker(), "_version", h.version)
+        tensor = type(tracker) is _Tensor or type(tracker) is _FAKE_TENSOR  # (else a weak reference)
+        now = tracker._version if tensor else getattr(tracker(), "_version", h.version)
         if now != h.version:
             shape, _, _, dtype = h.layout[:4]
             raise _inplace_error(shape, dtype, now, h.version)

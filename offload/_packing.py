@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from . import _torch_private, policy
+from ._fake import FAKE_TENSOR as _FAKE_TENSOR
+from ._fake import fake_storage_id
 from ._handles import _HostCopy, _Offloaded, _saved_alias, _Step
 from ._observers import _notify, _observer_count, _tls
 from ._spans import SpanSet, byte_span
@@ -198,7 +200,9 @@ class _Packing:
         nbytes = t.numel() * es
         try:
             st = t.untyped_storage()
-            ptr, storage_nbytes = st.data_ptr(), st.nbytes()
+            # A fake tensor's storage has no address: its unique id stands in (offload._fake).
+            ptr = st.data_ptr() if type(t) is not _FAKE_TENSOR else fake_storage_id(st)
+            storage_nbytes = st.nbytes()
         except (RuntimeError, NotImplementedError, TypeError, AttributeError):
             ptr, storage_nbytes = None, nbytes  # no plain storage: zero tensors, wrappers
         ts = getattr(self._tls, "state", None) or self._thread()
@@ -338,7 +342,8 @@ class _Packing:
             return None
         if lo_b < hc.lo or hi_b > hc.lo + hc.nbytes or (lo_b - hc.lo) % es:
             return None
-        if hc.synchronous and device.type == "cpu" and hi_b > lo_b:
+        if hc.synchronous and device.type == "cpu" and hi_b > lo_b and type(t) is not _FAKE_TENSOR:
+            # (A fake tensor has no bytes to compare: the version test above is all there is.)
             # Writes through an alias with its own version counter (.data,
             # numpy, DLPack) are invisible to the version test: compare the
             # bytes (the copy is complete; this is cheaper than a new copy).

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from ._fake import FAKE_TENSOR as _FAKE_TENSOR
+
 logger = logging.getLogger("offload.pinned")
 
 __all__ = [
@@ -195,8 +197,12 @@ def version_tracker(t: torch.Tensor, device: torch.device | None = None) -> torc
         if device is None:
             device = t.device
         empty = _EMPTY.get(device)
-        if empty is None:
-            empty = _EMPTY[device] = torch.empty(0, device=device)
+        if empty is None or type(t) is _FAKE_TENSOR:
+            # A fake tensor (offload.predict) gets a fake empty of its own mode, never cached: a
+            # real tensor must not be given a fake one, nor a fake one from another mode.
+            empty = torch.empty(0, device=device)
+            if type(t) is not _FAKE_TENSOR:
+                _EMPTY[device] = empty
         tracker = t.detach()
         tracker.data = empty
     except (RuntimeError, TypeError, AttributeError, NotImplementedError):

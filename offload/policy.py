@@ -20,6 +20,8 @@ import psutil
 import torch
 from torch import nn
 
+from ._fake import FAKE_TENSOR as _FAKE_TENSOR
+from ._fake import fake_storage_id
 from ._torch_private import graph_task_id_c as _graph_task_id
 
 __all__ = [
@@ -133,8 +135,8 @@ def is_unsupported(t: torch.Tensor) -> bool:
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """Identity of the tensor's storage: (device, data pointer)."""
-    return (device_name(t.device), t.untyped_storage().data_ptr())
+    """Identity of the tensor's storage: (device, data pointer; a fake tensor's: its storage id)."""
+    return (device_name(t.device), storage_ptr(t) or 0)
 
 
 def span_elems(t: torch.Tensor) -> tuple[int, int]:
@@ -149,8 +151,11 @@ def span_elems(t: torch.Tensor) -> tuple[int, int]:
 
 
 def storage_ptr(t: torch.Tensor) -> int | None:
-    """Data pointer of ``t``'s storage, of its local shard for DTensor, or None."""
+    """Data pointer of ``t``'s storage, of its local shard for DTensor, or None. A fake tensor's
+    storage has no address: its unique id stands in (``offload._fake``)."""
     try:
+        if type(t) is _FAKE_TENSOR:
+            return fake_storage_id(t.untyped_storage())
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2 sharded parameters)
@@ -217,7 +222,7 @@ def storage_identity(t: torch.Tensor) -> tuple[tuple[Any, int], int]:
     nbytes = t.numel() * t.element_size()
     try:
         st = t.untyped_storage()
-        ptr, size = st.data_ptr(), st.nbytes()
+        ptr, size = (st.data_ptr() if type(t) is not _FAKE_TENSOR else fake_storage_id(st)), st.nbytes()
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
         return ("id", id(t)), nbytes
     if ptr == 0:
@@ -358,8 +363,15 @@ def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excl
                 return UNSUPPORTED_TYPE
     elif type(t) is _Parameter or is_static_tensor(t):
         return PARAMETER
-    else:
+    elif type(t) is not _FAKE_TENSOR:
         return UNSUPPORTED_TYPE  # a subclass
+    elif on_device is None:
+        # A fake tensor (offload.predict) follows the rules of the tensor it stands for: its
+        # parameter flag and base were read above (is_static_tensor); its storage id stands in for ptr.
+        if ptr is _UNREAD:
+            ptr = storage_ptr(t)
+        if ptr is None or t.layout != _STRIDED:
+            return UNSUPPORTED_TYPE
     if not (t.device == device if on_device is None else on_device):
         return OTHER_DEVICE
     if excluded:

@@ -76,6 +76,7 @@ keeps them).
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -96,6 +97,17 @@ _REC_LIMIT = 1 << 20
 """Most take/give events recorded for one step (the record is dropped beyond it)."""
 _ALIGN = 64
 """Every buffer starts on a 64-byte boundary (cache line; any dtype view is aligned)."""
+HOST_ALLOC_OBSERVERS: list[Callable[[torch.Tensor], None]] = []
+"""Called with every unpinned host chunk or overflow buffer the pools make (``offload.predict``'s
+capture tells host memory from device memory this way when both are CPU tensors); empty otherwise."""
+
+
+def _host_empty(nbytes: int) -> torch.Tensor:
+    """A new unpinned host buffer of ``nbytes`` (told to ``HOST_ALLOC_OBSERVERS``)."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    for fn in HOST_ALLOC_OBSERVERS:
+        fn(t)
+    return t
 
 
 @dataclass(eq=False)
@@ -239,7 +251,7 @@ class HostPool:
             self._pin_failures += 1
             if self.refuse_unpinned:
                 return None
-        return torch.empty(nbytes, dtype=torch.uint8), False, False
+        return _host_empty(nbytes), False, False
 
     def _add_chunk(self, nbytes: int) -> _Chunk | None:
         made = self._new_tensor(nbytes)
@@ -396,7 +408,7 @@ class HostPool:
         with self._lock:
             self._overflow_bytes += nbytes
             self._overflow_count += 1
-        return HostBuffer(torch.empty(nbytes, dtype=torch.uint8), nbytes, pinned=False, pooled=False)
+        return HostBuffer(_host_empty(nbytes), nbytes, pinned=False, pooled=False)
 
     def give(self, buf: HostBuffer) -> None:
         """Return a buffer taken with :meth:`take`; its bytes serve any later take."""
