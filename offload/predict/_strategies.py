@@ -1,0 +1,103 @@
+"""The strategies a prediction runs a step under, installed on the model the way a user (and the bench) runs them.
+
+- ``"none"``: nothing; every saved activation stays on the device.
+- ``"ac"``: each candidate block (``offload.planner.find_blocks``: the blocks of the model's largest
+  ``nn.ModuleList``) runs under non-reentrant ``torch.utils.checkpoint``, as the bench's ``ac`` does.
+- ``"offload"``: ``OffloadActivations`` built from ``config`` and attached to the model
+  (``engine.attach``: entered around the model's forward; the loss and backward run outside it, as
+  the bench's ``offload`` strategy and torchtune recipes run it).
+- ``"offload_ac"``: both (the bench's ``offload_ac``: the engine moves the checkpoint inputs).
+- a ``Plan``: ``plan.apply(model)``.
+
+Engines run on the capture's stand-in device: ``device="cpu"`` under the emulated accelerator
+(offload.testing), so the stream backend is the one a GPU run uses; the host RAM ceiling of *this*
+machine is switched off (``virtual_memory_safe_pct=None``: the target host's RAM is not known;
+``host_budget_bytes`` and the tier budgets still apply).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import OffloadConfig
+from ..engine import OffloadActivations
+from ..planner import Plan, find_blocks
+
+__all__ = ["STRATEGIES", "Applied", "apply_strategy", "strategy_name"]
+
+STRATEGIES = ("none", "ac", "offload", "offload_ac")
+"""Strategy names ``predict_step`` takes (or a ``Plan``)."""
+
+
+@dataclasses.dataclass
+class Applied:
+    """A strategy installed on a model: its engine (None without one) and how to undo it."""
+
+    engine: OffloadActivations | None
+    undo: list[Callable[[], None]]
+
+    def remove(self) -> None:
+        while self.undo:
+            self.undo.pop()()
+
+
+def strategy_name(strategy: str | Plan) -> str:
+    """The name a report shows for ``strategy``."""
+    return "plan" if isinstance(strategy, Plan) else str(strategy)
+
+
+def engine_config(config: OffloadConfig | None) -> OffloadConfig:
+    """``config`` for the capture's engine: on the stand-in device, no host RAM ceiling (see above)."""
+    cfg = config if config is not None else OffloadConfig()
+    if cfg.disk_dir is not None:
+        raise ValueError("offload.predict: config.disk_dir is set, but the disk tier cannot be predicted (a fake "
+                         "tensor has no bytes to write). Leave disk_dir=None and read host_bytes['pool'] and "
+                         "['pageable'] for what the host tiers would need.")
+    return dataclasses.replace(cfg, device="cpu", virtual_memory_safe_pct=None)
+
+
+def _checkpointed(blocks: list[tuple[str, nn.Module]]) -> Callable[[], None]:
+    """Run each block's forward under non-reentrant checkpoint; returns the undo."""
+    undo = []
+    for _name, mod in blocks:
+        orig = mod.forward
+        had = "forward" in mod.__dict__
+
+        def forward(*args: Any, _orig: Callable = orig, **kwargs: Any) -> Any:
+            return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
+
+        mod.forward = forward  # type: ignore[method-assign]
+        undo.append((mod, had, orig))
+
+    def restore() -> None:
+        for mod, had, orig in reversed(undo):
+            if had:
+                mod.forward = orig  # type: ignore[method-assign]
+            else:
+                del mod.forward
+
+    return restore
+
+
+def apply_strategy(model: nn.Module, strategy: str | Plan, config: OffloadConfig | None) -> Applied:
+    """Install ``strategy`` on ``model`` (see the module docstring)."""
+    if isinstance(strategy, Plan):
+        plan = dataclasses.replace(strategy, device="cpu",
+                                   engine_kwargs={**strategy.engine_kwargs, "virtual_memory_safe_pct": None})
+        handle = plan.apply(model)
+        return Applied(handle.engine, [handle.remove])
+    if strategy not in STRATEGIES:
+        raise ValueError(f"offload.predict: strategy={strategy!r} is not one of {STRATEGIES} or a Plan")
+    applied = Applied(None, [])
+    if strategy in ("ac", "offload_ac"):
+        applied.undo.append(_checkpointed(find_blocks(model)))
+    if strategy in ("offload", "offload_ac"):
+        engine = OffloadActivations(config=engine_config(config))
+        applied.engine = engine
+        applied.undo.append(engine.attach(model).remove)
+    return applied
