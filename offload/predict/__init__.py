@@ -5,12 +5,17 @@ result is replayed against a named GPU spec. Everything here is a prediction, la
 with the spec it assumed (DESIGN.md, "Prediction").
 """
 
+from ._capture import PredictError
+from ._predict import Prediction, max_context, predict_step
+from ._strategies import STRATEGIES
 from ._cost import HostCost
 from ._stalls import Stall
 from ._timeline import TimelineResult, simulate
 from .gpus import GPUS, GPUSpec, resolve_gpu
 
 __all__ = [
+    # predicting a step
+    "predict_step", "max_context", "Prediction", "PredictError", "STRATEGIES",
     # GPU specs
     "GPUS", "GPUSpec", "resolve_gpu",
     # the predicted timeline of a trace

@@ -53,6 +53,7 @@ from ..errors import OffloadError
 from ..modules import current_module_name, register_model, track_modules
 from ..testing import EmulatedAccelerator
 from ..testing._aten_ops import _EMPTY_OPS, _METADATA_OPS
+from ..planner import find_blocks
 from ._strategies import apply_strategy
 from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, Kernel, RecordEvent, RecordStream, Trace,
                      WaitEvent)
@@ -100,8 +101,8 @@ class Captured:
     """Peak host bytes per tier in the measured step (pool: reserved; pageable: in use)."""
     param_bytes: int
     """Bytes of the model's parameters and buffers as built (after ``dtype``)."""
-    blocks: dict[int, str] = field(default_factory=dict)
-    """Candidate block FQN by module name prefix, for grouping activations (``find_blocks``)."""
+    block_names: list[str] = field(default_factory=list)
+    """The model's candidate blocks (``offload.planner.find_blocks``), for grouping activations."""
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -353,12 +354,25 @@ def _capturing(cap: _Capture, fake: bool, lag: int):
         yield
 
 
+def _cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point parameters and buffers to ``dtype``, in place (``Module.to`` would swap fake
+    parameters, which refuses tensors that are weakly referenced)."""
+    with torch.no_grad():
+        for m in model.modules():
+            for p in m._parameters.values():
+                if p is not None and p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+            for k, b in m._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    m._buffers[k] = b.to(dtype)
+
+
 def _build(model_fn: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Module:
     model = model_fn()
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload.predict: model_fn() must return an nn.Module, got {type(model).__name__}")
     if dtype is not None:
-        model.to(dtype)  # floating-point parameters and buffers only
+        _cast(model, dtype)
     register_model(model)
     return model
 
@@ -397,6 +411,7 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
         state = [*model.parameters(), *model.buffers()]
         cap.mark(state, "parameter")
         param_bytes = sum(_nbytes(t) for t in state)
+        block_names = _block_names(model)
         applied = apply_strategy(model, strategy, config)
         try:
             opt = optimizer(model.parameters()) if optimizer is not None else None
@@ -413,7 +428,14 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
         finally:
             applied.remove()
     trace = _settle(cap)
-    return Captured(trace, summary, host, param_bytes)
+    return Captured(trace, summary, host, param_bytes, block_names)
+
+
+def _block_names(model: nn.Module) -> list[str]:
+    try:
+        return [n for n, _ in find_blocks(model)]
+    except ValueError:  # no nn.ModuleList: activations are grouped by module
+        return []
 
 
 def _begin_measured(cap: _Capture) -> None:
