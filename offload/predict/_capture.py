@@ -41,8 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
-                                           FakeTensorMode, UnsupportedOperatorException, disable_fake_tensor_cache)
+                                           FakeTensor, FakeTensorMode, UnsupportedOperatorException,
+                                           disable_fake_tensor_cache)
 from torch.utils import _pytree as pytree
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
@@ -103,6 +105,9 @@ class Captured:
     """Bytes of the model's parameters and buffers as built (after ``dtype``)."""
     block_names: list[str] = field(default_factory=list)
     """The model's candidate blocks (``offload.planner.find_blocks``), for grouping activations."""
+    records: list[tuple] = field(default_factory=list)
+    """The engine's decisions in the measured step, one per save: (nbytes, shape, dtype, module,
+    decision, reason, tier, copy_bytes)."""
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -159,6 +164,25 @@ class _Recorder(TorchDispatchMode):
             ) from e
         cap.on_op(func, args, kwargs, out)
         return out
+
+
+class _FakeDeepCopy(TorchFunctionMode):
+    """``copy.deepcopy`` of a fake tensor, in the running fake mode: torch's own makes the copy in a new
+    fake mode, which the running one then refuses ("Mixing fake modes"), e.g. ``nn.TransformerEncoder``
+    deep-copies its layer. Entered only while the model is built."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__deepcopy__ and type(args[0]) is FakeTensor:
+            t, memo = args
+            if id(t) not in memo:
+                with torch.no_grad():
+                    out = t.clone()
+                out = nn.Parameter(out, t.requires_grad) if getattr(t, "_is_param", False) else \
+                    out.requires_grad_(t.requires_grad)
+                memo[id(t)] = out
+            return memo[id(t)]
+        return func(*args, **kwargs)
 
 
 class _Accelerator(EmulatedAccelerator):
@@ -339,6 +363,33 @@ def _optimizer_state(opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
+def _hf_masks_as_real(stack: contextlib.ExitStack) -> None:
+    """Hugging Face's mask code treats a fake tensor as a sign of tracing and then builds an explicit
+    causal mask (B x 1 x S x S, and GQA keys and values expanded for it) where a real run passes
+    ``is_causal=True``. While capturing: a fake scalar (the query offset) is not "tracing", and
+    sequences are not packed (default position ids; packing cannot be read from fake values). A fake
+    padding mask still makes the explicit mask: its values are unknown (an assumption the prediction
+    states)."""
+    import sys
+
+    mu = sys.modules.get("transformers.masking_utils")
+    orig = getattr(mu, "is_tracing", None)
+    packed = getattr(mu, "find_packed_sequence_indices", None)
+    if orig is None or packed is None:
+        return
+
+    def is_tracing(tensor: Any = None) -> bool:
+        return orig(None) if type(tensor) is FakeTensor and tensor.dim() == 0 else orig(tensor)
+
+    def find_packed_sequence_indices(position_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        return None if type(position_ids) is FakeTensor else packed(position_ids, *args, **kwargs)
+
+    for name, fn, old in (("is_tracing", is_tracing, orig),
+                          ("find_packed_sequence_indices", find_packed_sequence_indices, packed)):
+        setattr(mu, name, fn)
+        stack.callback(setattr, mu, name, old)
+
+
 @contextlib.contextmanager
 def _capturing(cap: _Capture, fake: bool, lag: int):
     """The emulated accelerator, fake mode (when ``fake``), the recorder, module tracking and the host
@@ -351,7 +402,7 @@ def _capturing(cap: _Capture, fake: bool, lag: int):
         stack.enter_context(track_modules(owner=cap))
         _pool.HOST_ALLOC_OBSERVERS.append(cap.host_alloc)
         stack.callback(_pool.HOST_ALLOC_OBSERVERS.remove, cap.host_alloc)
-        yield
+        yield stack
 
 
 def _cast(model: nn.Module, dtype: torch.dtype) -> None:
@@ -367,8 +418,9 @@ def _cast(model: nn.Module, dtype: torch.dtype) -> None:
                     m._buffers[k] = b.to(dtype)
 
 
-def _build(model_fn: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Module:
-    model = model_fn()
+def _build(model_fn: Callable[[], nn.Module], dtype: torch.dtype | None, fake: bool) -> nn.Module:
+    with _FakeDeepCopy() if fake else contextlib.nullcontext():
+        model = model_fn()
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload.predict: model_fn() must return an nn.Module, got {type(model).__name__}")
     if dtype is not None:
@@ -406,8 +458,10 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
     runs the same on real CPU tensors (the tests' reference)."""
     cap = _Capture()
     cap.pinned = config.use_pin_memory if config is not None else True
-    with _capturing(cap, fake, lag):
-        model = _build(model_fn, dtype)
+    with _capturing(cap, fake, lag) as stack:
+        model = _build(model_fn, dtype, fake)
+        if fake:
+            _hf_masks_as_real(stack)  # (after the build: the model's import brings masking_utils)
         state = [*model.parameters(), *model.buffers()]
         cap.mark(state, "parameter")
         param_bytes = sum(_nbytes(t) for t in state)
@@ -424,11 +478,13 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
             cap.recording = False
             engine = applied.engine
             summary = engine.ledger.summary() if engine is not None else None
+            records = [(r.nbytes, r.shape, r.dtype, r.module, r.decision, r.reason, r.tier, r.copy_bytes)
+                       for r in engine.ledger.records] if engine is not None else []
             host = _host_bytes(engine)
         finally:
             applied.remove()
     trace = _settle(cap)
-    return Captured(trace, summary, host, param_bytes, block_names)
+    return Captured(trace, summary, host, param_bytes, block_names, records)
 
 
 def _block_names(model: nn.Module) -> list[str]:

@@ -77,9 +77,10 @@ class DeviceMemory:
         """Peak of allocated + held bytes."""
         self.peak_allocated_bytes = 0
         self.peak_time: float | None = None
-        self.peak_index = -1
-        """Number of events (alloc/free/advance) seen when the peak was reached."""
-        self._events = 0
+        self.cursor = -1
+        """The caller's position (``replay``: the trace item being applied), remembered at the peak."""
+        self.peak_item = -1
+        """``cursor`` when the peak was reached (``replay``: the index of the item that reached it)."""
         self._now = 0.0
         self._by_cat = dict.fromkeys(CATEGORIES, 0)
         self._act_by_module: dict[str, int] = {}
@@ -104,7 +105,6 @@ class DeviceMemory:
         self._by_cat[category] += size
         if category == "activation":
             self._act_by_module[module] = self._act_by_module.get(module, 0) + size
-        self._events += 1
         self._note_peak()
         return size
 
@@ -133,7 +133,6 @@ class DeviceMemory:
             self.held_bytes += b.size
         else:
             self._release(block, b)
-        self._events += 1
         self._note_peak()
 
     def hold(self, block: int) -> None:
@@ -172,7 +171,7 @@ class DeviceMemory:
         if total > self.peak_bytes:
             self.peak_bytes = total
             self.peak_time = self._now
-            self.peak_index = self._events
+            self.peak_item = self.cursor
             acts = {m: n for m, n in self._act_by_module.items() if n}
             self._peak_snapshot = (dict(self._by_cat), acts, self.held_bytes)
 
@@ -194,7 +193,8 @@ def replay(trace: Trace | list[Item], memory: DeviceMemory | None = None) -> Dev
     mem = memory if memory is not None else DeviceMemory()
     items = trace.items if isinstance(trace, Trace) else trace
     held: dict[int, set[int]] = {}
-    for it in items:
+    for i, it in enumerate(items):
+        mem.cursor = i
         t = type(it)
         if t is Alloc:
             mem.alloc(it.block, it.nbytes, category=it.category, module=it.module, stream=it.stream)
