@@ -30,8 +30,8 @@ def _hf_step(model: nn.Module) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
-def toy(n_layers: int = 2, dim: int = 64) -> Case:
-    cfg = ToyLlamaConfig(vocab_size=V, dim=dim, n_layers=n_layers, n_heads=4, max_seq_len=64)
+def toy(n_layers: int = 2, dim: int = 64, max_seq_len: int = 64) -> Case:
+    cfg = ToyLlamaConfig(vocab_size=V, dim=dim, n_layers=n_layers, n_heads=4, max_seq_len=max_seq_len)
 
     def model_fn() -> nn.Module:
         torch.manual_seed(0)
