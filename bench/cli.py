@@ -41,6 +41,7 @@ from bench.strategies import DEFAULT_ORDER, STRATEGIES
 from bench.targets import evaluate_targets
 from bench.workloads import PRESETS, Workload, resolve_dtype
 from offload.sizes import to_bytes
+from offload.predict.presets import PRESETS as _PRESETS
 
 __all__ = ["main", "parse_args", "config_from_args"]
 
@@ -112,8 +113,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true", help="planner frontier vs fixed strategies (bench/plan.py)")
     p.add_argument("--max-seq", action="store_true", help="longest sequence per arm under one budget (bench/plan.py)")
     p.add_argument("--budgets", default="0.25,0.5,0.75", help="--plan: budgets as fractions of activation memory")
-    p.add_argument("--model", default="toy", choices=("toy", "encoder", "hf_llama", "hf_gpt2"),
-                   help="--plan: the model planned (bench/plan_models.py; shaped by --dim/--layers/--seq/...)")
+    p.add_argument("--predict", action="store_true",
+                   help="predict a --model preset's step on --gpu per strategy, without a GPU (bench/predict.py)")
+    p.add_argument("--gpu", default="h100-sxm", help="--predict: a GPU of offload.predict.GPUS")
+    p.add_argument("--no-max-context", action="store_true", help="--predict: skip the longest-context search")
+    p.add_argument("--no-predict", action="store_true", help="CPU main job: skip the 'predicted on an H100' section")
+    p.add_argument("--model", default="toy", choices=("toy", "encoder", "hf_llama", "hf_gpt2", *_PRESETS),
+                   help="--plan: the model planned (bench/plan_models.py; shaped by --dim/--layers/--seq/...); "
+                        "--predict: a preset (offload.predict.presets)")
     p.add_argument("--budget-mib", dest="budget_bytes", type=_mib_or_size("--budget-mib"), default=None, metavar="SIZE",
                    help="--max-seq: device budget, a number of MiB (512) or a size with a unit ('2GB', '1.5GiB'); "
                         "default: the no-plan peak at --seq")
@@ -253,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print(_list())
         return 0
+    if args.predict:
+        from bench.predict import main_predict
+
+        return main_predict(args, argv)
     try:
         cfg = config_from_args(args)
     except ValueError as e:
@@ -326,5 +337,17 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None) -> 
     result = run_bench(cfg, meta, ceiling, on_update=writer.partial)
     result.targets = to_jsonable(evaluate_targets(result))
     print(format_tables(result, full=args.full))
+    _predicted_section(cfg, args)
     writer.final(result)
     return result
+
+
+def _predicted_section(cfg: BenchConfig, args: argparse.Namespace) -> str:
+    """On CPU: what the same strategies would need on an H100 at a realistic size, PREDICTED (a few seconds)."""
+    if cfg.device != "cpu" or args.no_predict:
+        return ""
+    from bench.predict import main_job_section
+
+    section = main_job_section()
+    print(section)
+    return section

@@ -1,0 +1,133 @@
+"""``python -m bench --predict``: what a training step would need on a named GPU, per strategy, PREDICTED.
+
+    python -m bench --predict --gpu h100-sxm --model llama3-8b --seq 8192
+    python -m bench --predict --gpu a100-40gb --model qwen2.5-7b --seq 4096 --no-max-context
+    python -m bench --predict --model llama3-8b --layers 4     # a quick look: 4 of its 32 blocks
+
+For each strategy (none, ac, offload, offload_ac): predicted peak device memory, whether it fits the
+GPU's usable memory, bytes offloaded per step, host bytes per tier, the longest context that fits,
+and how long the prediction took on this machine. Writes ``predict_<model>_<gpu>_s<seq>.json`` and
+``.md`` into ``--out`` (default: a fresh ``./bench_runs/<time>_predict_<model>/``). Nothing runs on a
+GPU: the step runs through the real engine on fake tensors (``offload.predict``). Batch 1, AdamW,
+bf16 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.env import default_run_dir
+
+__all__ = ["STRATEGIES", "predict_rows", "main_predict", "format_markdown", "main_job_section"]
+
+STRATEGIES = ("none", "ac", "offload", "offload_ac")
+_GiB = 1 << 30
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-5)
+
+
+def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torch.dtype, strategies=STRATEGIES,
+                 max_context_limit: int | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    """One row per strategy: the prediction at ``seq`` and (with ``max_context_limit``) the longest context."""
+    from offload.predict import max_context, predict_step
+
+    rows = []
+    for strategy in strategies:
+        if progress:
+            print(f"[predict] {strategy} at s={seq}", file=sys.stderr)
+        t0 = time.perf_counter()
+        p = predict_step(model_fn, lambda m: step_fn(m, seq), gpu=gpu, strategy=strategy, optimizer=_adamw,
+                         dtype=dtype)
+        row = {**p.to_dict(), "seq": seq, "predict_seconds": round(time.perf_counter() - t0, 2)}
+        if max_context_limit:
+            t1 = time.perf_counter()
+            row["max_context"] = max_context(model_fn, step_fn, gpu=gpu, strategy=strategy, optimizer=_adamw,
+                                             dtype=dtype, start=min(seq, max_context_limit), multiple=512,
+                                             limit=max_context_limit)
+            row["max_context_seconds"] = round(time.perf_counter() - t1, 1)
+        rows.append(row)
+    return rows
+
+
+def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
+    """A markdown table of the rows, labelled as a prediction."""
+    lines = [f"### {title}", "",
+             "| strategy | predicted peak GiB | fits | offloaded GiB/step | host pool GiB | host pageable GiB "
+             "| largest context that fits | prediction took s |",
+             "|---|---:|:---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        mc = r.get("max_context")
+        lines.append(f"| {r['strategy']} | {r['peak_bytes'] / _GiB:.2f} | {'yes' if r['fits'] else 'no'} | "
+                     f"{r['offloaded_bytes'] / _GiB:.2f} | {r['host_bytes']['pool'] / _GiB:.2f} | "
+                     f"{r['host_bytes']['pageable'] / _GiB:.2f} | {mc if mc is not None else 'n/a'} | "
+                     f"{r['predict_seconds']:.1f} |")
+    if rows:
+        lines += ["", f"PREDICTED, not measured: {rows[0]['gpu_spec']}; usable "
+                      f"{rows[0]['usable_bytes'] / _GiB:.2f} GiB. Assumptions:", ""]
+        seen = dict.fromkeys(a for r in rows for a in r["assumptions"])
+        lines += [f"- {a}" for a in seen]
+    return "\n".join(lines) + "\n"
+
+
+def main_predict(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--predict``: presets only (``--model``), one GPU (``--gpu``)."""
+    from offload.predict.presets import PRESETS, max_positions, preset_config, preset_model_fn, preset_step_fn
+
+    if args.model not in PRESETS:
+        print(f"python -m bench --predict: --model {args.model!r} is not a preset; choose one of {PRESETS}",
+              file=sys.stderr)
+        return 2
+    seq = args.seq or 8192
+    limit = max_positions(args.model)
+    if seq > limit:
+        print(f"python -m bench --predict: --seq {seq} is beyond {args.model}'s {limit} positions", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16
+    cfg = preset_config(args.model)
+    model_fn = preset_model_fn(args.model, layers=args.layers)
+    step_fn = preset_step_fn(cfg.vocab_size, batch=args.batch or 1)
+    rows = predict_rows(model_fn, step_fn, gpu=args.gpu, seq=seq, dtype=dtype,
+                        max_context_limit=None if args.no_max_context else limit, progress=not args.quiet)
+    layers = f", {args.layers} blocks" if args.layers else ""
+    title = (f"PREDICTED on {args.gpu}: {args.model}{layers}, s={seq}, b={args.batch or 1}, {dtype}, AdamW "
+             "(offload.predict; no GPU used)")
+    md = format_markdown(rows, title)
+    print(md)
+    if not args.no_write:
+        stem = f"predict_{args.model}_{args.gpu}_s{seq}"
+        out = args.out if args.out is not None else default_run_dir("predict", args.model)
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+        (out / f"{stem}.json").write_text(json.dumps({"kind": "predicted", "command": cmd, "title": title,
+                                                      "rows": rows}, indent=1, default=str))
+        (out / f"{stem}.md").write_text(f"{md}\nMade by `{cmd}`.\n")
+        print(f"wrote {out / (stem + '.json')}\nwrote {out / (stem + '.md')}")
+    return 0
+
+
+def main_job_section(*, gpu: str = "h100-sxm", layers: int = 4, seq: int = 8192) -> str:
+    """The CPU main job's short "predicted on an H100" section: the bench's ToyLlama at Llama-3-8B width
+    (h=4096, FFN 14336, vocab 128256), ``layers`` blocks, s=8192, b=1, bf16, AdamW, per strategy."""
+    import torch.nn.functional as F
+
+    from bench.model import ToyLlama, ToyLlamaConfig
+
+    cfg = ToyLlamaConfig(vocab_size=128256, dim=4096, n_layers=layers, n_heads=32, ffn_dim=14336, max_seq_len=seq,
+                         rope_theta=500000.0)
+
+    def step_fn(model: torch.nn.Module, s: int) -> torch.Tensor:
+        tokens = torch.randint(0, cfg.vocab_size, (1, s))
+        return F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
+
+    rows = predict_rows(lambda: ToyLlama(cfg), step_fn, gpu=gpu, seq=seq, dtype=torch.bfloat16, progress=False)
+    return format_markdown(rows, f"PREDICTED on {gpu} (not measured): ToyLlama at Llama-3-8B width, {layers} "
+                                 f"blocks, s={seq}, b=1, bf16, AdamW")
