@@ -365,13 +365,8 @@ def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excl
         return PARAMETER
     elif type(t) is not _FAKE_TENSOR:
         return UNSUPPORTED_TYPE  # a subclass
-    elif on_device is None:
-        # A fake tensor (offload.predict) follows the rules of the tensor it stands for: its
-        # parameter flag and base were read above (is_static_tensor); its storage id stands in for ptr.
-        if ptr is _UNREAD:
-            ptr = storage_ptr(t)
-        if ptr is None or t.layout != _STRIDED:
-            return UNSUPPORTED_TYPE
+    elif on_device is None and ((ptr := storage_ptr(t) if ptr is _UNREAD else ptr) is None or t.layout != _STRIDED):
+        return UNSUPPORTED_TYPE  # (offload.predict's fake tensors follow the rules of what they stand for)
     if not (t.device == device if on_device is None else on_device):
         return OTHER_DEVICE
     if excluded:
