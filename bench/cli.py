@@ -320,9 +320,12 @@ class _Writer:
             result.targets = to_jsonable(evaluate_targets(result))
             write_all(result, self._dir(result), plot=False)
 
-    def final(self, result: BenchResult) -> None:
+    def final(self, result: BenchResult, extra_markdown: str = "") -> None:
+        """The last write; ``extra_markdown`` (the predicted-on-H100 section) ends the markdown file."""
         if not self.args.no_write:
             for path in write_all(result, self._dir(result), plot=not self.args.no_plot):
+                if extra_markdown and path.suffix == ".md":
+                    path.write_text(path.read_text() + "\n" + extra_markdown)
                 print(f"wrote {path}")
 
 
@@ -337,17 +340,20 @@ def _run(cfg: BenchConfig, args: argparse.Namespace, argv: list[str] | None) -> 
     result = run_bench(cfg, meta, ceiling, on_update=writer.partial)
     result.targets = to_jsonable(evaluate_targets(result))
     print(format_tables(result, full=args.full))
-    _predicted_section(cfg, args)
-    writer.final(result)
+    predicted = _predicted_section(cfg, args)
+    if predicted:
+        result.meta["predicted_on_h100"] = predicted[1]
+    writer.final(result, predicted[0] if predicted else "")
     return result
 
 
-def _predicted_section(cfg: BenchConfig, args: argparse.Namespace) -> str:
-    """On CPU: what the same strategies would need on an H100 at a realistic size, PREDICTED (a few seconds)."""
+def _predicted_section(cfg: BenchConfig, args: argparse.Namespace) -> tuple[str, dict] | None:
+    """On CPU: what the same strategies would need on an H100 at a realistic size, PREDICTED (a few seconds):
+    (markdown, JSON rows); the markdown goes to the run's .md, the rows to its JSON's meta."""
     if cfg.device != "cpu" or args.no_predict:
-        return ""
+        return None
     from bench.predict import main_job_section
 
     section = main_job_section()
-    print(section)
+    print(section[0])
     return section

@@ -114,9 +114,10 @@ def main_predict(args: argparse.Namespace, argv: list[str] | None) -> int:
     return 0
 
 
-def main_job_section(*, gpu: str = "h100-sxm", layers: int = 4, seq: int = 8192) -> str:
+def main_job_section(*, gpu: str = "h100-sxm", layers: int = 4, seq: int = 8192) -> tuple[str, dict[str, Any]]:
     """The CPU main job's short "predicted on an H100" section: the bench's ToyLlama at Llama-3-8B width
-    (h=4096, FFN 14336, vocab 128256), ``layers`` blocks, s=8192, b=1, bf16, AdamW, per strategy."""
+    (h=4096, FFN 14336, vocab 128256), ``layers`` blocks, s=8192, b=1, bf16, AdamW, per strategy; as
+    (markdown, JSON-ready dict)."""
     import torch.nn.functional as F
 
     from bench.model import ToyLlama, ToyLlamaConfig
@@ -129,5 +130,5 @@ def main_job_section(*, gpu: str = "h100-sxm", layers: int = 4, seq: int = 8192)
         return F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
 
     rows = predict_rows(lambda: ToyLlama(cfg), step_fn, gpu=gpu, seq=seq, dtype=torch.bfloat16, progress=False)
-    return format_markdown(rows, f"PREDICTED on {gpu} (not measured): ToyLlama at Llama-3-8B width, {layers} "
-                                 f"blocks, s={seq}, b=1, bf16, AdamW")
+    title = f"PREDICTED on {gpu} (not measured): ToyLlama at Llama-3-8B width, {layers} blocks, s={seq}, b=1, bf16, AdamW"
+    return format_markdown(rows, title), {"kind": "predicted", "title": title, "rows": rows}

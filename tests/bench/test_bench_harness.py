@@ -303,3 +303,14 @@ def test_gpu_probe_pinned_beats_pageable():
     r = run_probe("cuda", (16,))
     assert r.pinned_d2h_gb_s and r.pinned_h2d_gb_s and r.best("h2d", "pageable")
     assert r.best("d2h", "pinned", under_matmul=True) and r.matmul_tflops_alone
+
+
+def test_cpu_main_job_ends_with_a_labelled_h100_prediction(micro_run):
+    """The CPU main job's JSON and markdown carry a PREDICTED-on-H100 row per engine-free and engine strategy."""
+    out, data = micro_run
+    pred = data["meta"]["predicted_on_h100"]
+    assert pred["kind"] == "predicted" and "PREDICTED on h100-sxm" in pred["title"]
+    assert [r["strategy"] for r in pred["rows"]] == ["none", "ac", "offload", "offload_ac"]
+    assert all(r["kind"] == "predicted" and r["peak_bytes"] > 0 for r in pred["rows"])
+    md = (out / f"{data['workload']['run_id']}.md").read_text()
+    assert "PREDICTED on h100-sxm" in md
