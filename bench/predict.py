@@ -54,6 +54,7 @@ def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torc
                                              dtype=dtype, start=min(seq, max_context_limit), multiple=512,
                                              limit=max_context_limit)
             row["max_context_seconds"] = round(time.perf_counter() - t1, 1)
+            row["max_context_limit"] = max_context_limit
         rows.append(row)
     return rows
 
@@ -66,6 +67,8 @@ def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
              "|---|---:|:---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mc = r.get("max_context")
+        if mc is not None and mc == r.get("max_context_limit"):
+            mc = f">= {mc} (the model's position limit)"
         lines.append(f"| {r['strategy']} | {r['peak_bytes'] / _GiB:.2f} | {'yes' if r['fits'] else 'no'} | "
                      f"{r['offloaded_bytes'] / _GiB:.2f} | {r['host_bytes']['pool'] / _GiB:.2f} | "
                      f"{r['host_bytes']['pageable'] / _GiB:.2f} | {mc if mc is not None else 'n/a'} | "
