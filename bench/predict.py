@@ -59,19 +59,24 @@ def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torc
     return rows
 
 
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
     """A markdown table of the rows, labelled as a prediction."""
     lines = [f"### {title}", "",
              "| strategy | predicted peak GiB | fits | offloaded GiB/step | host pool GiB | host pageable GiB "
-             "| largest context that fits | prediction took s |",
-             "|---|---:|:---:|---:|---:|---:|---:|---:|"]
+             "| predicted step s | copies exposed s | largest context that fits | prediction took s |",
+             "|---|---:|:---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mc = r.get("max_context")
         if mc is not None and mc == r.get("max_context_limit"):
             mc = f">= {mc} (the model's position limit)"
         lines.append(f"| {r['strategy']} | {r['peak_bytes'] / _GiB:.2f} | {'yes' if r['fits'] else 'no'} | "
                      f"{r['offloaded_bytes'] / _GiB:.2f} | {r['host_bytes']['pool'] / _GiB:.2f} | "
-                     f"{r['host_bytes']['pageable'] / _GiB:.2f} | {mc if mc is not None else 'n/a'} | "
+                     f"{r['host_bytes']['pageable'] / _GiB:.2f} | {_num(r.get('step_seconds'))} | "
+                     f"{_num(r.get('exposed_copy_seconds'))} | {mc if mc is not None else 'n/a'} | "
                      f"{r['predict_seconds']:.1f} |")
     if rows:
         lines += ["", f"PREDICTED, not measured: {rows[0]['gpu_spec']}; usable "

@@ -6,10 +6,10 @@ with the spec it assumed (DESIGN.md, "Prediction").
 """
 
 from ._capture import PredictError
-from ._predict import Prediction, max_context, predict_step
-from ._strategies import STRATEGIES
 from ._cost import HostCost
+from ._predict import Prediction, max_context, predict_step
 from ._stalls import Stall
+from ._strategies import STRATEGIES
 from ._timeline import TimelineResult, simulate
 from .gpus import GPUS, GPUSpec, resolve_gpu
 

@@ -333,8 +333,9 @@ class _Capture:
         dev = dst if src.host else src
         if direction == "h2d":
             dev.category = "copy"
+        host = src if src.host else dst
         self.raw.append(Copy(self.current_stream(), direction, nbytes, self.pinned, current_module_name(),
-                             self._phase(), (dev.id,)))
+                             self._phase(), (dev.id,), host.id))
 
     def _phase(self) -> str:
         if _graph_task_id() >= 0:

@@ -21,6 +21,7 @@ from ..planner import Plan
 from ._capture import NEVER, Captured, capture
 from ._memory import DeviceMemory, replay
 from ._strategies import strategy_name
+from ._timeline import TimelineResult, simulate
 from ._trace import Trace
 from .gpus import GPUSpec, resolve_gpu
 
@@ -58,6 +59,18 @@ class Prediction:
     """Wall time this prediction took on this machine."""
     trace: Trace = field(repr=False)
     """The captured step (input to a timeline replay)."""
+    timeline: TimelineResult | None = field(default=None, repr=False)
+    """The step replayed on ``gpu``'s clock (``offload.predict.simulate``): time, stalls, Chrome trace."""
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Predicted step time on ``gpu`` (the timeline's; None without one)."""
+        return self.timeline.step_seconds if self.timeline is not None else None
+
+    @property
+    def exposed_copy_seconds(self) -> float | None:
+        """Predicted time compute waits on copies (the timeline's; None without one)."""
+        return self.timeline.exposed_copy_seconds if self.timeline is not None else None
 
     @property
     def fits(self) -> bool:
@@ -82,6 +95,8 @@ class Prediction:
                 "breakdown_at_peak": dict(self.breakdown_at_peak),
                 "activations_at_peak": dict(self.activations_at_peak),
                 "offloaded_bytes": self.offloaded_bytes, "host_bytes": dict(self.host_bytes),
+                "step_seconds": self.step_seconds, "exposed_copy_seconds": self.exposed_copy_seconds,
+                "stall_causes": dict(self.timeline.stall_causes) if self.timeline is not None else None,
                 "ledger_summary": self.ledger_summary, "assumptions": list(self.assumptions),
                 "capture_seconds": round(self.capture_seconds, 3)}
 
@@ -92,6 +107,8 @@ class Prediction:
                  f"{self.gpu.usable_bytes / _GiB:.2f} GiB usable -> {'fits' if self.fits else 'does NOT fit'}",
                  "  at the peak: " + ", ".join(f"{k} {v / _GiB:.2f} GiB" for k, v in self.breakdown_at_peak.items()
                                               if v),
+                 f"  step {self.step_seconds * 1e3:.1f} ms, copies exposed {self.exposed_copy_seconds * 1e3:.1f} ms"
+                 if self.timeline is not None else "  step time: not replayed",
                  f"  offloaded per step {self.offloaded_bytes / _GiB:.2f} GiB; host "
                  + ", ".join(f"{k} {v / _GiB:.2f} GiB" for k, v in self.host_bytes.items())]
         lines += [f"  assumes: {a}" for a in self.assumptions]
@@ -100,6 +117,7 @@ class Prediction:
     def __repr__(self) -> str:
         return (f"Prediction(PREDICTED on {self.gpu.name}, strategy={self.strategy!r}, "
                 f"peak={self.peak_bytes / _GiB:.2f} GiB, fits={self.fits}, "
+                + (f"step={self.step_seconds * 1e3:.1f} ms, " if self.timeline is not None else "") +
                 f"offloaded={self.offloaded_bytes / _GiB:.2f} GiB/step)")
 
 
@@ -159,7 +177,7 @@ def _prediction(cap: Captured, spec: GPUSpec, strategy: str | Plan, optimizer: O
                       ledger_summary=cap.ledger_summary, host_bytes=cap.host_bytes,
                       assumptions=_assumptions(spec, strategy_name(strategy), optimizer, dtype,
                                                cap.ledger_summary is not None),
-                      capture_seconds=seconds, trace=cap.trace)
+                      capture_seconds=seconds, trace=cap.trace, timeline=simulate(cap.trace, spec))
 
 
 def max_context(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module, int], torch.Tensor], *,

@@ -26,6 +26,7 @@ def test_prediction_is_labelled_and_fits_by_the_usable_memory():
     assert p.offloaded_bytes > 0 and p.host_bytes["pool"] >= p.offloaded_bytes // 2
     assert p.ledger_summary["offloaded_bytes"] == p.offloaded_bytes and p.to_dict()["kind"] == "predicted"
     assert any("attention" in a for a in p.assumptions)
+    assert p.step_seconds > 0 and p.exposed_copy_seconds >= 0  # the timeline replayed the captured step
     small = dataclasses.replace(GPUS["h100-sxm"], memory_bytes=p.peak_bytes, reserve_bytes=1)
     assert not predict_step(model_fn, step_fn, gpu=small, strategy="offload", optimizer=adamw).fits
 
