@@ -98,8 +98,7 @@ _REC_LIMIT = 1 << 20
 _ALIGN = 64
 """Every buffer starts on a 64-byte boundary (cache line; any dtype view is aligned)."""
 HOST_ALLOC_OBSERVERS: list[Callable[[torch.Tensor], None]] = []
-"""Called with every unpinned host chunk or overflow buffer the pools make (``offload.predict``'s
-capture tells host memory from device memory this way when both are CPU tensors); empty otherwise."""
+"""Told every unpinned host chunk or overflow buffer made (offload.predict's capture: host vs device)."""
 
 
 def _host_empty(nbytes: int) -> torch.Tensor:
