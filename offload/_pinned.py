@@ -8,6 +8,7 @@ allocator are powers of two.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -15,7 +16,7 @@ from . import _torch_private
 from ._arena import _PAGE
 
 __all__ = ["PIN_ALLOCATORS", "pinned_chunk", "unregister_when_dropped", "return_pinned_cache",
-           "host_allocator_bytes"]
+           "host_allocator_bytes", "HOST_ALLOC_OBSERVERS", "host_empty"]
 
 PIN_ALLOCATORS = ("caching", "exact")
 """How pinned chunks are made: "caching" = torch.empty(pin_memory=True) (PyTorch's
@@ -62,3 +63,16 @@ def host_allocator_bytes() -> int | None:
         return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     except Exception:
         return None
+
+
+HOST_ALLOC_OBSERVERS: list[Callable[[torch.Tensor], None]] = []
+"""Called with every unpinned host buffer the pools make (``host_empty``): ``offload.predict``'s capture
+tells host memory from device memory this way when both are CPU tensors. Empty otherwise."""
+
+
+def host_empty(nbytes: int) -> torch.Tensor:
+    """A new unpinned host buffer of ``nbytes`` (told to ``HOST_ALLOC_OBSERVERS``)."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    for fn in HOST_ALLOC_OBSERVERS:
+        fn(t)
+    return t

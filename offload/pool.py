@@ -76,7 +76,6 @@ keeps them).
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -97,16 +96,6 @@ _REC_LIMIT = 1 << 20
 """Most take/give events recorded for one step (the record is dropped beyond it)."""
 _ALIGN = 64
 """Every buffer starts on a 64-byte boundary (cache line; any dtype view is aligned)."""
-HOST_ALLOC_OBSERVERS: list[Callable[[torch.Tensor], None]] = []
-"""Told every unpinned host chunk or overflow buffer made (offload.predict's capture: host vs device)."""
-
-
-def _host_empty(nbytes: int) -> torch.Tensor:
-    """A new unpinned host buffer of ``nbytes`` (told to ``HOST_ALLOC_OBSERVERS``)."""
-    t = torch.empty(nbytes, dtype=torch.uint8)
-    for fn in HOST_ALLOC_OBSERVERS:
-        fn(t)
-    return t
 
 
 @dataclass(eq=False)
@@ -250,7 +239,7 @@ class HostPool:
             self._pin_failures += 1
             if self.refuse_unpinned:
                 return None
-        return _host_empty(nbytes), False, False
+        return _pinned.host_empty(nbytes), False, False
 
     def _add_chunk(self, nbytes: int) -> _Chunk | None:
         made = self._new_tensor(nbytes)
@@ -407,7 +396,7 @@ class HostPool:
         with self._lock:
             self._overflow_bytes += nbytes
             self._overflow_count += 1
-        return HostBuffer(_host_empty(nbytes), nbytes, pinned=False, pooled=False)
+        return HostBuffer(_pinned.host_empty(nbytes), nbytes, pinned=False, pooled=False)
 
     def give(self, buf: HostBuffer) -> None:
         """Return a buffer taken with :meth:`take`; its bytes serve any later take."""

@@ -17,7 +17,7 @@ NOTE [ Capture ]
    ``torch.utils.flop_counter``, bytes read and written); copies between device and host memory
    (``Copy``); event records, waits and host synchronizations of the emulated streams; and
    ``record_stream``. Host memory (the engine's pool chunks and pageable buffers, announced by
-   ``offload.pool.HOST_ALLOC_OBSERVERS``) is left out of the device trace and counted per tier.
+   ``offload._pinned.HOST_ALLOC_OBSERVERS``) is left out of the device trace and counted per tier.
 4. The measured step's trace opens with an ``Alloc`` for every device block alive when it starts
    (parameters, optimizer state, buffers), so a replay starts from the right state.
 5. Categories are settled when the step ends: the storages of ``p.grad`` after backward are
@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import pool as _pool
+from .. import _pinned
 from .._torch_private import graph_task_id_c as _graph_task_id
 from ..errors import OffloadError
 from ..modules import current_module_name, register_model, track_modules
@@ -278,7 +278,7 @@ class _Capture:
             self.raw.append(("free", b))
 
     def host_alloc(self, t: torch.Tensor) -> None:
-        """A host buffer the engine's pool made (``offload.pool.HOST_ALLOC_OBSERVERS``)."""
+        """A host buffer the engine's pool made (``offload._pinned.HOST_ALLOC_OBSERVERS``)."""
         b = self.block_of(t)
         if b is not None:
             b.host = True
@@ -401,8 +401,8 @@ def _capturing(cap: _Capture, fake: bool, lag: int):
             cap.fake_mode = stack.enter_context(FakeTensorMode())
         stack.enter_context(_Recorder(cap))
         stack.enter_context(track_modules(owner=cap))
-        _pool.HOST_ALLOC_OBSERVERS.append(cap.host_alloc)
-        stack.callback(_pool.HOST_ALLOC_OBSERVERS.remove, cap.host_alloc)
+        _pinned.HOST_ALLOC_OBSERVERS.append(cap.host_alloc)
+        stack.callback(_pinned.HOST_ALLOC_OBSERVERS.remove, cap.host_alloc)
         yield stack
 
 
