@@ -85,6 +85,7 @@ def _choices(cost: CostModel, *, offloading: bool = True,
     prefetch bytes; ``fixed`` pins blocks to one decision (a block called more than once). None when a
     position is left without options."""
     ahead = cost.prefetch_bytes if offloading else 0
+    keep_only = cost.keep_only
     out = []
     for b in cost.blocks:
         opts = []
@@ -94,6 +95,8 @@ def _choices(cost: CostModel, *, offloading: bool = True,
             if fixed is not None and b.name in fixed and d != fixed[b.name]:
                 continue
             if d in RECOMPUTE and b.name in cost.no_recompute:
+                continue
+            if d != "keep" and b.name in keep_only:
                 continue
             opts.append(Choice(d, o.retained, max(o.event, o.bwd_event + ahead), o.seconds))
         if not opts:

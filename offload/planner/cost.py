@@ -74,6 +74,10 @@ _MB = 1 << 20
 OFFLOADING = ("offload", "recompute_offload")
 """Decisions that copy to the host."""
 
+NO_BACKWARD = ("nothing it returns needs a gradient (its parameters are frozen and its input needs none), so "
+               "backward never reaches it and nothing it saves outlives its forward")
+"""Why a block is planned as keep with nothing to decide (``CostModel.keep_only``)."""
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -174,6 +178,8 @@ class BlockCost:
     options: dict[str, Option] = field(default_factory=dict)
     call: int = 0
     """Which call of the block this is (0 for the first)."""
+    no_backward: bool = False
+    """Backward never reaches this call (``BlockStats.no_backward``): nothing to decide."""
 
 
 @dataclass
@@ -199,6 +205,12 @@ class CostModel:
     noise_s: float = 0.0
     """The timing's noise band (``noise_band``): plans predicted within it of each other are equally
     fast, and the solver breaks the tie by a rule that reads no time (``choose``)."""
+
+    @property
+    def keep_only(self) -> dict[str, str]:
+        """Blocks planned as keep with nothing to decide, and why: backward reaches none of their calls."""
+        names = {b.name for b in self.blocks} - {b.name for b in self.blocks if not b.no_backward}
+        return {n: NO_BACKWARD for n in self.names if n in names}
 
     @property
     def names(self) -> list[str]:
@@ -334,7 +346,7 @@ def _block_costs(profile: StepProfile) -> list[BlockCost]:
     blocks = []
     for p, i in enumerate(keep.calls):
         blocks.append(BlockCost(profile.names[i], keep.blocks[p].saved_bytes, keep.blocks[p].in_bytes,
-                                call=seen.get(i, 0)))
+                                call=seen.get(i, 0), no_backward=keep.blocks[p].no_backward))
         seen[i] = seen.get(i, 0) + 1
     return blocks
 
@@ -363,6 +375,9 @@ def _options(d: str, prof: DecisionProfile, keep: DecisionProfile, compute: dict
     """Decision ``d``'s option at every call position, from its profile ``prof``: its events are
     measured above the step's base and what the earlier positions truly held under ``d`` (``_charges``)."""
     n = len(prof.blocks)
+    # The head's window ends where backward starts, the end of backward's begins where the earliest
+    # call with a backward has its own: calls without one (frozen lower layers) have neither.
+    live = [k for k, s in enumerate(prof.blocks) if not s.no_backward] or [0, n - 1]
     out = []
     for k, (s, (retained, prefix)) in enumerate(zip(prof.blocks, _charges(prof, elsewhere))):
         keep_c = compute["keep"][k]
@@ -384,12 +399,14 @@ def _options(d: str, prof: DecisionProfile, keep: DecisionProfile, compute: dict
                      host_bytes=s.copy_bytes + s.shared_bytes,
                      fwd_event=s.fwd_peak - prof.base - prefix, bwd_event=s.bwd_peak - prof.base - prefix,
                      fwd_s_all=list(s.fwd_s_all), bwd_s_all=list(s.bwd_s_all))
-        if k == n - 1:
+        if k == live[-1]:
             opt.head_event = prof.head_peak - prof.base - prefix
         if k == 0:
-            # The windows before the first call and after the first call's backward: no other
-            # block holds anything then, so they depend on the first block's decision only.
+            # The window before the first call: no block holds anything then.
             opt.pre_event = max(1, prof.pre_peak - prof.base)
+        if k == live[0]:
+            # After the earliest backward's start: the calls before it hold nothing for backward, so it
+            # depends on this call's decision only.
             opt.post_event = max(1, prof.post_peak - prof.base)
         opt.event = max(opt.fwd_event, opt.bwd_event, opt.head_event, opt.pre_event, opt.post_event)
         out.append(opt)

@@ -33,7 +33,7 @@ from ..errors import OffloadError
 from ..sizes import SizeLike, to_budget
 from .blocks import find_blocks
 from .choose import choose
-from .cost import CostModel, build_cost_model, measure_hardware
+from .cost import NO_BACKWARD, CostModel, build_cost_model, measure_hardware
 from .host import TIER_SETTINGS, tier_bytes
 from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install
 from .meter import StepMeasurement, measure_step
@@ -184,6 +184,8 @@ class Plan:
                 f"{n}: " + ", ".join(f"{t} {format_bytes(b)}" for t, b in row.items()) for n, row in self.host_tiers.items()))
         for name, why in (self.cost.no_recompute if self.cost is not None else {}).items():
             lines.append(f"never recomputed: {name} ({why})")
+        if self.cost is not None and self.cost.keep_only:  # frozen lower layers: not refused, not decided
+            lines.append(f"keep, nothing to decide: {', '.join(self.cost.keep_only)} ({NO_BACKWARD})")
         return "\n".join(lines)
 
     def _legend(self) -> list[str]:
@@ -227,6 +229,7 @@ class Plan:
             "rest_seconds": self.cost.rest_s,
             "noise_seconds": self.cost.noise_s,
             "never_recomputed": dict(self.cost.no_recompute),
+            "keep_only": dict(self.cost.keep_only),
             "modules": self._rows(),
         }
 
@@ -411,6 +414,8 @@ def _cost_model(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[t
     cost.no_recompute = no_recompute
     for n, why in no_recompute.items():
         log.info("offload.plan: %s is never recomputed: %s", n, why)
+    for n in cost.keep_only:
+        log.info("offload.plan: %s is kept, nothing to decide: %s", n, NO_BACKWARD)
     return cost
 
 

@@ -122,6 +122,10 @@ class BlockStats:
     shared_bytes: int = 0
     """Bytes this block saved that an earlier block had already copied (the engine copies a storage
     once per step): its own copy when that earlier block does not offload (``host``)."""
+    no_backward: bool = False
+    """No output of the call needs a gradient (its parameters frozen, its input needing none: frozen lower
+    layers of a LoRA model): backward never reaches it and nothing it saves outlives its forward, so
+    there is nothing to decide: it is planned as keep (``CostModel.keep_only``)."""
 
 
 @dataclass
@@ -207,6 +211,7 @@ class Probe:
         self.base = 0
         self._bwd_seen: set[int] = set()
         self._has_input_marker: set[int] = set()
+        self._no_backward: set[int] = set()
         self._active: int | None = None
         self.position = -1
         """The position whose forward is running (-1 outside every candidate)."""
@@ -278,7 +283,18 @@ class Probe:
             s.out_bytes = _storage_bytes(leaves[k])
             leaves[k] = _Marker.apply(leaves[k], lambda p=pos: self.bwd_start(p))
             out = tree_unflatten(leaves, spec)
+        elif not any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves):
+            # Nothing it returns needs a gradient: backward never reaches it, and nothing it saved
+            # outlives its forward (autograd recorded no graph, or one nothing refers to any more).
+            s.no_backward, s.retains_input = True, False
+            self._no_backward.add(pos)
+            j = _first_grad_tensor(leaves, need_grad=False)
+            s.out_bytes = _storage_bytes(leaves[j]) if j >= 0 else 0
         return out
+
+    def _last_with_backward(self) -> int:
+        """The last position that backward reaches (the head's window ends at its backward)."""
+        return max((p for p in range(len(self.calls)) if p not in self._no_backward), default=-1)
 
     def fwd_abort(self) -> None:
         """The block's forward raised: no position is active any more."""
@@ -287,7 +303,7 @@ class Probe:
     def bwd_start(self, pos: int) -> None:
         self.t[("bwd0", pos)] = self.clock.now()
         w = self._window()
-        if pos == len(self.calls) - 1:
+        if pos == self._last_with_backward():
             self.windows["head"] = w
         else:
             self.stats[pos].bwd_peak = max(self.stats[pos].bwd_peak, w)  # gap after the next call's backward
@@ -318,7 +334,8 @@ class Probe:
         return fwd, bwd, c.seconds(self.t.get(("step", 0)), end)
 
     def check(self) -> None:
-        """Every candidate ran, and backward reached every call (errors name the blocks)."""
+        """Every candidate ran, and backward reached every call that returned a tensor needing a gradient
+        (errors name the blocks); a call that returned none has no backward (``BlockStats.no_backward``)."""
         never = [self.names[i] for i in range(self.n) if i not in self.calls]
         if never:
             raise ValueError(
@@ -326,7 +343,8 @@ class Probe:
                 "an nn.ModuleList, or a module the forward does not call). Pass blocks=[...] naming modules "
                 "the step calls."
             )
-        missing = sorted({self.names[self.calls[p]] for p in range(len(self.calls)) if p not in self._bwd_seen})
+        missing = sorted({self.names[self.calls[p]] for p in range(len(self.calls))
+                          if p not in self._bwd_seen and p not in self._no_backward})
         if missing:
             raise ValueError(
                 f"offload.plan: backward never reached candidate block(s) {missing[:5]}: their outputs do not "

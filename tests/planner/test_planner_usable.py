@@ -8,12 +8,14 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import offload
 from offload.planner import plan_from_cost
 from offload.planner.profile import run_step, zero_grads_
 
-from planner_testkit import hf_causal_lm, make_model_and_step
+from bench.model import make_batch
+from planner_testkit import CFG, hf_causal_lm, make_model_and_step
 
 _KW = dict(timed=1, bandwidth_gb_s=10.0)
 
@@ -167,3 +169,57 @@ def test_every_figure_of_the_report_says_what_it_is(frozen) -> None:
         plan_from_cost(p0.cost, p0.min_peak_bytes - 1, model=model, device="cpu",
                        unplanned_peak=p0.unplanned_peak_bytes, unplanned_s=p0.unplanned_step_seconds)
     assert f"Raise budget_bytes to at least {p0.min_peak_bytes}, or shrink the step" in str(e.value)
+
+
+# -- frozen lower blocks: backward never reaches them (issue 31 item 1 sibling) ----------------------------
+
+
+def _toy_frozen_first_blocks():
+    """The toy Llama with its embedding and first two blocks frozen (their input needs no grad), a step
+    maker for it and a twin, and the frozen blocks."""
+    model, _ = make_model_and_step()
+    for m in (model.tok_embeddings, model.layers[0], model.layers[1]):
+        m.requires_grad_(False)
+    tokens, targets = make_batch(CFG, 2, 64)
+    return model, lambda m: lambda: F.cross_entropy(m(tokens).flatten(0, 1), targets.flatten()), [
+        "layers.0", "layers.1"]
+
+
+def _lora_upper_layer():
+    """A peft LoRA model whose adapters are only in its top layer (``layers_to_transform``)."""
+    peft = pytest.importorskip("peft")
+    model, _ = hf_causal_lm("llama")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                       layers_to_transform=[2]))
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    return model, lambda m: lambda: m(input_ids=ids, labels=ids).loss, [
+        f"base_model.model.model.layers.{i}" for i in (0, 1)]
+
+
+@pytest.mark.parametrize("make", [_toy_frozen_first_blocks, _lora_upper_layer], ids=["toy", "lora_upper"])
+def test_frozen_lower_blocks_planned_as_keep_within_budget_with_equal_grads(make) -> None:
+    """Blocks backward never reaches (frozen, input needing no grad) are planned as keep with the reason in
+    the report, not refused; the plan's measured peak is within its budget and its gradients equal a
+    no-offload twin's bitwise."""
+    torch.set_num_threads(1)
+    model, step_of, frozen_blocks = make()
+    twin, step = copy.deepcopy(model), step_of(model)
+    p0 = offload.plan(model, step, budget_bytes=1 << 40, **_KW)
+    assert list(p0.cost.keep_only) == frozen_blocks, p0.report()
+    assert "keep, nothing to decide: " + ", ".join(frozen_blocks) in p0.report()
+    assert set(p0.to_dict()["keep_only"]) == set(frozen_blocks)
+    budget = _mid(p0, 0.3)
+    p = offload.plan(model, step, budget_bytes=budget, **_KW)
+    assert all(p.decisions[n] == "keep" for n in frozen_blocks)
+    assert set(p.decisions.values()) != {"keep"}, p.report()  # the blocks with a backward were decided
+    assert p.measured_peak_bytes <= budget, p.report()
+    handle = p.apply(model)
+    try:
+        zero_grads_(model)
+        run_step(step)
+    finally:
+        handle.remove()
+    run_step(step_of(twin))
+    got, want = _grads(model), _grads(twin)
+    assert any(g is None for g in got) and any(g is not None for g in got)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
