@@ -182,6 +182,17 @@ class RunLife:
     _threads: list[threading.Thread]
     _warn_once: Callable[[str, int, str], None]
     _start_threads: Callable[[], None]
+    _staging: HostPool
+
+    @property
+    def grow_gate(self) -> Callable[[int], bool] | None:
+        """Asked before staging takes new host memory (a new staging chunk, a one-off buffer): the RAM
+        ceiling, set by ``HostTiers``; staging the store already holds never asks (NOTE [ Host tiers ])."""
+        return self._staging.grow_gate
+
+    @grow_gate.setter
+    def grow_gate(self, gate: Callable[[int], bool] | None) -> None:
+        self._staging.grow_gate = gate
 
     def _open(self) -> bool:
         """Make a run directory (and missing parents of it), lock it and start the threads; False,
@@ -239,7 +250,8 @@ class RunLife:
         self._cv = threading.Condition()
         self._open_lock = threading.Lock()
         self._queue, self._reads, self._threads = deque(), deque(), []
-        self._staging = HostPool(pin=self._pin, capacity_bytes=self.queue_bytes)
+        gate, self._staging = self.grow_gate, HostPool(pin=self._pin, capacity_bytes=self.queue_bytes)
+        self._staging.grow_gate = gate
         self._pending_bytes = self._prefetched = self._live_file_bytes = self._files = 0
         self._forked_from = self._run[0]
         self._closed, self._retry = True, True

@@ -18,7 +18,8 @@ NOTE [ Disk tier ]
   from a private pool capped at ``queue_bytes``: a reserve waits while the
   bytes not yet written would exceed it (the stated bound on host RAM that
   pending writes hold; one request bigger than the bound gets a one-off
-  buffer of its own, after the queue has drained).
+  buffer of its own, after the queue has drained). Staging that needs new
+  host memory asks ``grow_gate``, the RAM ceiling (NOTE [ Host tiers ]).
 - ``submit`` queues the record for a writer thread (a small pool), which
   waits for the copy, computes a CRC-32, writes a header (magic, this
   store's token, the record's sequence number, its size, the CRC) and the
@@ -60,6 +61,9 @@ from .pool import HostPool
 from .streams import _FAULTS
 
 __all__ = ["DiskStore", "DiskRecord", "DiskTierError", "RUN_PREFIX", "LOCK_NAME"]
+
+_REFUSED = object()
+"""What ``_take_staging`` returns when the RAM ceiling refuses the new host memory staging needs."""
 
 _GiB = 1 << 30
 
@@ -121,7 +125,8 @@ class DiskStore(RunLife):
         self._received = self._written = self._read = self._prefetched = self._memory_bytes = 0
         self._refused_bytes = 0
         # Counts, and seconds spent writing, reading and waiting.
-        self._files = self._count = self._refused = self._write_failures = self._cancelled = self._oversize = 0
+        self._files = self._count = self._refused = self._write_failures = self._cancelled = 0
+        self._oversize = self._ram_refused = 0
         self._write_s = self._read_s = self._wait_s = 0.0
         self._last_error = ""
         self._undeleted: list[str] = []
@@ -193,31 +198,32 @@ class DiskStore(RunLife):
             self._refuse(nbytes, "not enough free space (the tier keeps a margin of min(1 GiB, 5% of the "
                          "file system) free)" if self.budget_bytes is None else None)
             return None
+        t0 = time.perf_counter()
         with self._cv:
+            buf = self._take_staging(nbytes)  # first: staging the RAM ceiling refuses makes no file
             seq = self._seq
             self._seq += 1
             run, run_dir = self._run, self.run_dir
-        path = os.path.join(run_dir, f"{seq:012d}.bin")
+        waited = time.perf_counter() - t0
+        if buf is _REFUSED:
+            self._refuse(nbytes, None)  # counted in ram_ceiling_refused, as the pool counts its own
+            return None
+        rec = DiskRecord(seq, nbytes, path=os.path.join(run_dir, f"{seq:012d}.bin"), run=run)
+        rec.tensor = torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf.tensor
+        rec.pooled_staging = buf
         try:
-            _disk_record.allocate(path, nbytes)
+            _disk_record.allocate(rec.path, nbytes)
         except OSError as e:
+            with self._cv:
+                self._unstage(rec)
             self._refuse(nbytes, f"{os.strerror(e.errno) if e.errno else e}")
             return None
-        rec = DiskRecord(seq, nbytes, path, run)
-        t0 = time.perf_counter()
         with self._cv:
             self._live_file_bytes += need
             self._peak_file_bytes = max(self._peak_file_bytes, self._live_file_bytes)
             self._files += 1
             self._received += nbytes
             self._count += 1
-            buf = self._take_staging(nbytes)
-        waited = time.perf_counter() - t0
-        if buf is None:
-            rec.tensor = torch.empty(nbytes, dtype=torch.uint8)
-        else:
-            rec.tensor = buf.tensor
-            rec.pooled_staging = buf
         if waited > 1e-4:
             with self._cv:
                 self._wait_s += waited
@@ -235,13 +241,18 @@ class DiskStore(RunLife):
     def _take_staging(self, nbytes: int) -> Any:
         """A staging buffer of ``nbytes`` from the private pool, once the bytes not yet written
         leave room under ``queue_bytes``; None for a one-off buffer (a request bigger than the
-        bound, taken once the queue drained). ``_cv`` held."""
+        bound, taken once the queue drained); ``_REFUSED`` when that needs new host memory and
+        ``grow_gate`` (the RAM ceiling) refuses it. ``_cv`` held."""
         while True:
             if self._pending_bytes == 0 or self._pending_bytes + nbytes <= self.queue_bytes:
                 buf = self._staging.take(nbytes)
                 if buf is not None:
                     break
                 if self._pending_bytes == 0:
+                    gate = self._staging.grow_gate  # a one-off buffer is new host memory: asks
+                    if gate is not None and not gate(nbytes):
+                        self._ram_refused += 1
+                        return _REFUSED
                     buf = None  # bigger than the bound (or fragmented): a one-off buffer
                     self._oversize += 1
                     break
@@ -579,6 +590,7 @@ class DiskStore(RunLife):
                 "staging_reserved_bytes": self._staging.reserved_bytes,
                 "refused": self._refused,
                 "refused_bytes": self._refused_bytes,
+                "ram_ceiling_refused": self._ram_refused,
                 "write_failures": self._write_failures,
                 "memory_bytes": self._memory_bytes,
                 "cancelled": self._cancelled,

@@ -17,11 +17,13 @@ A copy tries the tiers in order and lands in the first with room:
    ``host_budget``), "raise" raises ``OffloadError``.
 
 The RAM ceiling (``virtual_memory_safe_pct``) gates what takes new host
-memory: the pool's growth (``HostPool.grow_gate``) and pageable buffers. A
-pool take served from memory the pool already holds allocates nothing and
-asks nothing, so a steady-state step above the ceiling still offloads into
-the held pool, and the common copy reads no clock. (The disk tier's staging
-buffers are bounded by ``disk_queue_bytes`` and not gated.) Every copied byte is in exactly one tier:
+memory: the pool's growth (``HostPool.grow_gate``), pageable buffers and the
+disk tier's staging (its staging pool's growth and one-off buffers:
+``DiskStore.grow_gate``; refused, the copy goes to ``on_host_budget``, counted
+in the disk stats' ``ram_ceiling_refused``). A take served from memory the
+pool (or the staging pool) already holds allocates nothing and asks nothing,
+so a steady-state step above the ceiling still offloads into the held pool,
+and the common copy reads no clock. Every copied byte is in exactly one tier:
 ``d2h_bytes == pool received_bytes + pool overflow_bytes + disk
 received_bytes``, and the ledger counts the same bytes per tier
 (``PackRecord.tier``, ``summary()["tiers"]``).
@@ -58,10 +60,12 @@ class HostTiers:
         self.final = "raise" if on_host_budget == "raise" else "keep"
         """What a copy that fits no tier gets."""
         self.virtual_memory_safe_pct = virtual_memory_safe_pct
-        """System RAM use (percent) above which the pool and the pageable tier take nothing new."""
+        """System RAM use (percent) above which no tier takes new host memory (pool, pageable, disk staging)."""
         ceiling = virtual_memory_safe_pct is not None and virtual_memory_safe_pct < 100
         self._ram_gauge = RamCeiling(pct=virtual_memory_safe_pct if ceiling else 100.0)  # sampled
         pool.grow_gate = self._ram_gauge if ceiling else None  # only new memory asks (NOTE)
+        if disk is not None:
+            disk.grow_gate = pool.grow_gate  # so does disk staging (a held staging range never asks)
         self._lock = threading.Lock()
         self._pageable_in_use = 0
         self._pageable_peak = 0

@@ -136,3 +136,51 @@ def test_steady_step_above_the_ceiling_offloads_into_the_held_pool(fake_ram, mon
         step(ref, rows)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_disk_staging_above_the_ceiling_reuses_held_staging_and_refuses_new(fake_ram, monkeypatch, tmp_path):
+    """Disk staging is new host memory too (issue 35 item 10): above the RAM ceiling a step whose disk
+    copies fit the staging the tier already holds still goes to disk; one that would need new staging
+    keeps the excess on the device (reason host_budget), counted in the disk stats' ram_ceiling_refused,
+    and leaves no file; gradients equal a no-offload twin's bitwise."""
+    import copy
+
+    clock = [0.0]
+    monkeypatch.setattr(policy.time, "monotonic", lambda: clock[0])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    ref = copy.deepcopy(model)
+    ctx = OffloadActivations(device="cpu", min_offload_size=0, virtual_memory_safe_pct=90,
+                             host_budget_bytes="16KiB", disk_dir=str(tmp_path / "disk"))
+
+    def step(m, rows, engine=None):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        with engine if engine is not None else torch.enable_grad():
+            loss = m(x).square().mean()
+        loss.backward()
+
+    def disk():
+        ctx.tiers.disk.drain()
+        return ctx.tiers.stats()["disk"]
+
+    step(model, 64, ctx)  # warm-up: the pool and the disk tier's staging grow to the step's size
+    assert disk()["received_bytes"] > 0
+    fake_ram.used = 95 * GiB  # now above the ceiling
+    clock[0] += 1.0  # the next gauge read samples again
+    before = disk()
+    step(model, 64, ctx)
+    t, after = ctx.ledger.step_totals[-1], disk()
+    assert not t.kept_by_reason.get("host_budget"), t.kept_by_reason
+    assert after["received_bytes"] > before["received_bytes"] and after["ram_ceiling_refused"] == 0
+    assert after["staging_reserved_bytes"] == before["staging_reserved_bytes"]
+    step(model, 4096, ctx)  # needs more staging than the tier holds: refused, the excess kept
+    t, last = ctx.ledger.step_totals[-1], disk()
+    assert t.kept_by_reason.get("host_budget", 0) > 0, t.kept_by_reason
+    assert last["ram_ceiling_refused"] > 0 and last["refused"] >= last["ram_ceiling_refused"]
+    assert last["staging_reserved_bytes"] == before["staging_reserved_bytes"]
+    for rows in (64, 64, 4096):
+        step(ref, rows)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    ctx.close()
+    assert not [f for f in tmp_path.rglob("*") if f.is_file()]
