@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import offload
 
 _PLAN_KW = dict(timed=1, bandwidth_gb_s=10.0)
-LENGTHS = (16, 16, 32)  # the third batch is longer: a re-plan
+LENGTHS = (16, 32, 32)  # the second batch is longer: a re-plan, whose new engine numbers its first step as
+# the first engine numbered its only one (issue 35 item 7: the step reporter must tell them apart)
 
 
 def _budget(model: torch.nn.Module, step) -> int:
