@@ -84,6 +84,7 @@ SFX=${LABEL:+_$LABEL}
 
 # name: estimate and cap in seconds on an H100 (estimates from ../shared/research/gpu-readiness-2026-11.md),
 # then in --dry-run. The estimate decides whether a phase starts; the cap bounds how long it may run.
+# GPU_RUN_EST_<phase> (e.g. GPU_RUN_EST_8b_8k=400) overrides an estimate.
 declare -A EST=(
   [env]="10 40 5 60" [tests]="200 240 15 120" [probe]="40 75 8 60" [1b]="75 120 15 120"
   [sanitizer]="90 150 15 120" [8b]="160 240 15 120" [predict]="30 60 2 30" [3b]="150 240 15 120"
@@ -220,7 +221,7 @@ CHILD="" PACKER="" CURRENT="" CUR_T0=0 CUR_EST=0 CUR_LIMIT=""
 on_signal() {
   trap - TERM INT
   [ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null && wait "$CHILD" 2>/dev/null
-  [ -n "$PACKER" ] && kill "$PACKER" 2>/dev/null
+  [ -n "$PACKER" ] && { kill "$PACKER" 2>/dev/null; wait "$PACKER" 2>/dev/null; }
   if [ -n "$CURRENT" ]; then
     record "$CURRENT" killed "" "$((SECONDS - CUR_T0))" "$CUR_EST" "$CUR_LIMIT" "the script got SIG$1 during this phase"
   fi
@@ -240,6 +241,8 @@ status=0
 for ph in "${phases[@]}"; do
   read -r est cap dest dcap <<<"${EST[$ph]}"
   [ -n "$DRY" ] && est=$dest cap=$dcap
+  # GPU_RUN_EST_<phase>=SECONDS overrides a phase's estimate (tuning after a measured run; tests)
+  ov="GPU_RUN_EST_${ph//-/_}"; [ -n "${!ov:-}" ] && est=${!ov}
   limit=$cap
   if [ -n "$BUDGET" ]; then
     left=$((BUDGET - (SECONDS - T0) - RESERVE))
@@ -264,7 +267,13 @@ for ph in "${phases[@]}"; do
   tees=("${LOGS[@]}")
   case "$ph" in tests) tees+=("$RES/gpu_tests.txt") ;; sanitizer) tees+=("$RES/sanitizer.txt") ;; esac
   if [ -n "${OUT:-}" ]; then
-    ( trap - TERM INT; while sleep "$PACK_EVERY"; do pack; done ) &
+    # TERM from the phase's end lets a pack in progress finish (its tar and mv), so no half-written
+    # .part file is left in $OUT: the trap only sets a flag, checked between packs.
+    ( stop=0; trap 'stop=1' TERM; trap - INT
+      while [ "$stop" = 0 ]; do
+        sleep "$PACK_EVERY" & wait $! 2>/dev/null; kill $! 2>/dev/null
+        [ "$stop" = 0 ] && pack
+      done ) &
     PACKER=$!
   fi
   timeout --foreground --signal=TERM --kill-after=15 "$limit" "${CMD[@]}" > >(tee -a "${tees[@]}") 2>&1 &
