@@ -15,7 +15,8 @@ object and ``plan()``).
 from .cost import CostModel, Hardware
 from .install import DECISIONS, Installed
 from .meter import MemoryMeter, StepMeasurement, measure_step
-from .planning import Plan, find_blocks, plan, plan_from_cost, plan_steps
+from .entry import plan
+from .planning import Plan, find_blocks, plan_from_cost, plan_steps
 
 __all__ = [
     "plan",

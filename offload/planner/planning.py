@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .._format import format_bytes
-from ..config import SIZE_FIELDS, size_setting
+from ..config import size_setting
 from ..errors import OffloadError
 from ..sizes import SizeLike, to_budget
 from .blocks import find_blocks
@@ -37,6 +37,7 @@ from .cost import NO_BACKWARD, CostModel, build_cost_model, measure_hardware
 from .host import TIER_SETTINGS, tier_bytes
 from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install
 from .meter import StepMeasurement, measure_step
+from .settings import engine_settings, synchronous
 from .profile import StepProfile, profile_step, run_step, zero_grads_
 
 __all__ = ["Plan", "plan", "find_blocks", "plan_steps"]
@@ -82,6 +83,12 @@ class Plan:
     measured_step_seconds_all: list[float] = field(default_factory=list)
     host_tiers: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per offloading block: bytes per host tier its copies land in (``offload.planner.host``)."""
+    target: Any = None
+    """The ``GPUSpec`` a plan made with ``target=`` is PREDICTED for (None: profiled on this machine)."""
+    verified_peak_bytes: int | None = None
+    """A target plan: the peak ``predict_step`` predicts for the whole planned step on ``target``."""
+    verified_step_seconds: float | None = None
+    """A target plan: the step time ``predict_step`` predicts for it on ``target``."""
 
     # -- applying ---------------------------------------------------------------
 
@@ -152,9 +159,11 @@ class Plan:
     def report(self) -> str:
         """Per module: decision, saved bytes, recompute cost, copy cost, hidden or exposed; totals."""
         hw = self.cost.hardware
+        where = (f"PREDICTED for {self.target.describe()}, not measured" if self.target is not None
+                 else f"device {self.device}")
         lines = [
             f"offload plan: budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B), solver {self.solver}, "
-            f"device {self.device}",
+            f"{where}",
             f"link: D2H {hw.d2h_gb_s:.1f} GB/s, H2D {hw.h2d_gb_s:.1f} GB/s ({hw.source}); copies "
             + ("synchronous: their time is exposed" if hw.synchronous else "on side streams: hidden behind the next block's compute when they fit"),
             f"{'module':<24} {'decision':<18} {'saved':>11} {'retained':>11} {'recompute':>10} {'copy':>11} "
@@ -172,11 +181,17 @@ class Plan:
         meas_t = "not timed" if not self.measured_step_seconds else (
             f"measured {self.measured_step_seconds * 1e3:.1f} ms "
             f"({100 * (self.predicted_step_seconds / self.measured_step_seconds - 1):+.1f}%)")
+        if self.target is not None:
+            meas_p = ("whole step not predicted" if self.verified_peak_bytes is None else
+                      f"whole step predicted by predict_step {format_bytes(self.verified_peak_bytes)}")
+            meas_t = ("" if self.verified_step_seconds is None else
+                      f"whole step predicted by predict_step {self.verified_step_seconds * 1e3:.1f} ms")
         lines += [
             f"peak: predicted {format_bytes(self.predicted_peak_bytes)} at {self.binding}; {meas_p}",
             f"step: predicted {self.predicted_step_seconds * 1e3:.1f} ms; {meas_t}",
             f"without a plan: peak {format_bytes(self.unplanned_peak_bytes)}, step {self.unplanned_step_seconds * 1e3:.1f} ms "
-            f"(measured); smallest peak any plan reaches: {format_bytes(self.min_peak_bytes)} (predicted)",
+            f"({'predicted' if self.target is not None else 'measured'}); smallest peak any plan reaches: "
+            f"{format_bytes(self.min_peak_bytes)} (predicted)",
         ]
         lines += self._legend()
         if self.host_tiers:  # issue 25: which host tier each offloading block's copies land in
@@ -222,6 +237,10 @@ class Plan:
             "host_tiers": {n: dict(r) for n, r in self.host_tiers.items()},
             "solver": self.solver,
             "device": self.device,
+            "target": None if self.target is None else {"kind": "predicted", "gpu": self.target.name,
+                                                        "gpu_spec": self.target.describe()},
+            "verified_peak_bytes": self.verified_peak_bytes,
+            "verified_step_seconds": self.verified_step_seconds,
             "hardware": {"d2h_gb_s": hw.d2h_gb_s, "h2d_gb_s": hw.h2d_gb_s, "synchronous": hw.synchronous,
                          "source": hw.source},
             "base_bytes": self.cost.base,
@@ -320,7 +339,7 @@ def plan(
                       min_offload_size=min_offload_size, use_streams=use_streams, bandwidth_gb_s=bandwidth_gb_s,
                       solver=solver, engine_kwargs=engine_kwargs, verify=verify)
     budget_bytes = budget_on_device("offload.plan", "budget_bytes", budget_bytes, dev)
-    ekw = _engine_settings(engine_kwargs, host_budget_bytes, min_offload_size, use_streams, dev)
+    ekw = engine_settings(engine_kwargs, host_budget_bytes, min_offload_size, use_streams, dev)
     return _plan_checked(model, step, find_blocks(model, blocks), budget_bytes, dev, ekw, warmup=warmup, timed=timed,
                          bandwidth_gb_s=bandwidth_gb_s, solver=solver, verify=verify)
 
@@ -347,45 +366,6 @@ def _plan_checked(model: nn.Module, step: Callable[[], torch.Tensor], cand: list
                               solver=solver, step=step if verify else None, warmup=max(1, warmup))
 
 
-def _engine_settings(engine_kwargs: dict[str, Any] | None, host_budget_bytes: SizeLike | None,
-                     min_offload_size: SizeLike, use_streams: bool, dev: torch.device) -> dict[str, Any]:
-    """The settings of the plan's ``OffloadActivations``: ``engine_kwargs`` and the arguments of
-    :func:`plan` that are engine settings, sizes in bytes (the host tiers' limits are read from them)."""
-    ekw = {k: size_setting(k, v, owner="offload.plan", label=f"engine_kwargs[{k!r}]") if k in SIZE_FIELDS
-           else v for k, v in (engine_kwargs or {}).items()}
-    ekw = _parsed(ekw)  # names and values checked as the engine checks them (did you mean)
-    min_offload_size = size_setting("min_offload_size", min_offload_size, owner="offload.plan")
-    if host_budget_bytes is not None:  # issue 25: the plan's copies must fit the host tiers
-        host_budget_bytes = size_setting("host_budget_bytes", host_budget_bytes, owner="offload.plan")
-        if "host_budget_bytes" in ekw:
-            raise ValueError("offload.plan: host_budget_bytes given both as an argument and in engine_kwargs.")
-        ekw["host_budget_bytes"] = host_budget_bytes
-    ekw.setdefault("min_offload_size", min_offload_size)
-    ekw.setdefault("use_streams", use_streams)
-    if _synchronous(dev, ekw):
-        # Synchronous copies gain nothing from loading ahead, and a prefetch reaches
-        # across blocks (into the previous offloaded block), which no per-block cost has.
-        ekw.setdefault("prefetch_bytes", 0)
-    return ekw
-
-
-def _parsed(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``engine_kwargs`` as the engine reads them (issue 31): checked and parsed by ``OffloadConfig``
-    (sizes with units such as "64KiB" become ints, a typo gets "did you mean"), before any step runs."""
-    from ..config import OffloadConfig
-
-    try:
-        cfg = OffloadConfig(**engine_kwargs)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"offload.plan: engine_kwargs: {e}") from None
-    return {k: getattr(cfg, k) for k in engine_kwargs}
-
-
-def _synchronous(dev: torch.device, ekw: dict[str, Any]) -> bool:
-    """Whether the plan's engine copies synchronously (on CPU, or without side streams)."""
-    return dev.type == "cpu" or not ekw["use_streams"]
-
-
 def _cost_model(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[tuple[str, nn.Module]],
                 dev: torch.device, ekw: dict[str, Any], no_recompute: dict[str, str], unplanned: StepMeasurement,
                 *, warmup: int, timed: int, bandwidth_gb_s: tuple[float, float] | float | None) -> CostModel:
@@ -394,7 +374,7 @@ def _cost_model(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[t
     from ..engine import OffloadActivations
 
     names = [n for n, _ in cand]
-    synchronous = _synchronous(dev, ekw)
+    synchronous = synchronous(dev, ekw)
 
     def make_engine() -> OffloadActivations:
         # Profiled without host bounds (they decide what stays, which the plan decides).
@@ -472,7 +452,8 @@ class _Preserved:
 
 def plan_from_cost(cost: CostModel, budget_bytes: SizeLike, *, model: nn.Module | None, device: str,
                    unplanned_peak: int, unplanned_s: float, solver: str = "auto",
-                   step: Callable[[], torch.Tensor] | None = None, warmup: int = 1, rounds: int = 3) -> Plan:
+                   step: Callable[[], torch.Tensor] | None = None, warmup: int = 1, rounds: int = 3,
+                   check: Callable[[Plan], int] | None = None, checked_by: str = "measured") -> Plan:
     """Solve an already built cost model for ``budget_bytes`` (the bench re-solves one profile per budget).
 
     The promise, checked here on every plan returned: every peak the cost model knows (each block's
@@ -485,7 +466,8 @@ def plan_from_cost(cost: CostModel, budget_bytes: SizeLike, *, model: nn.Module 
     candidates, e.g. modules finer than residual blocks whose savings interact) lowers the solver's cap
     by the overshoot and solves again, up to ``rounds`` times; then :class:`OffloadError`. The returned
     plan's ``measured_peak_bytes`` is then set and within the budget. ``budget_bytes`` takes what
-    :func:`plan`'s does.
+    :func:`plan`'s does. ``check(plan) -> peak`` replaces the measurement (a target plan's peak is
+    predicted: NOTE [ Planning on a target ]); ``checked_by`` says how in errors.
     """
     _check_solver(solver)
     budget_bytes = budget_on_device("offload.plan_from_cost", "budget_bytes", budget_bytes, torch.device(device))
@@ -494,17 +476,17 @@ def plan_from_cost(cost: CostModel, budget_bytes: SizeLike, *, model: nn.Module 
     for _ in range(rounds + 1):
         p = _solve(cost, budget_bytes, margin, model=model, device=device, unplanned_peak=unplanned_peak,
                    unplanned_s=unplanned_s, solver=solver, tried=tried)
-        if step is None or model is None or p.solver.startswith("none needed"):
+        if (check is None and (step is None or model is None)) or p.solver.startswith("none needed"):
             return p
-        peak, _ = p.measure(model, step, warmup=warmup, timed=0)
+        peak = check(p) if check is not None else p.measure(model, step, warmup=warmup, timed=0)[0]
         if peak <= budget_bytes:
             return p
-        tried.append(f"{format_bytes(p.predicted_peak_bytes)} predicted, {format_bytes(peak)} measured")
-        log.info("offload.plan: %s measured %d B > budget_bytes=%d (predicted %d B); solving again with a "
-                 "margin", p.decisions, peak, budget_bytes, p.predicted_peak_bytes)
+        tried.append(f"{format_bytes(p.predicted_peak_bytes)} predicted, {format_bytes(peak)} {checked_by}")
+        log.info("offload.plan: %s %s %d B > budget_bytes=%d (predicted %d B); solving again with a "
+                 "margin", p.decisions, checked_by, peak, budget_bytes, p.predicted_peak_bytes)
         margin = max(margin + peak - budget_bytes, peak - p.predicted_peak_bytes)
     raise OffloadError(
-        f"offload.plan: budget_bytes={budget_bytes} ({format_bytes(budget_bytes)}) was not met by a measured plan in "
+        f"offload.plan: budget_bytes={budget_bytes} ({format_bytes(budget_bytes)}) was not met by a plan ({checked_by}) in "
         f"{rounds + 1} tries ({'; '.join(tried)}): the cost model does not describe these candidate blocks "
         "well. Pass blocks=[...] naming whole residual blocks (the children of the model's layer list), or "
         "raise budget_bytes."

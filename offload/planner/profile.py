@@ -27,10 +27,11 @@ Warm-up steps run first, so the host pool is filled and lazy state exists.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,11 +39,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..policy import DUPLICATE_STORAGE
+from ..policy import DUPLICATE_STORAGE, storage_ptr
 from .install import DECISIONS, Installed
 from .meter import MemoryMeter, host_clock
 
-__all__ = ["BlockStats", "DecisionProfile", "StepProfile", "Probe", "profile_step"]
+__all__ = ["BlockStats", "DecisionProfile", "StepProfile", "Probe", "Tracked", "tracked", "profile_step"]
 
 
 class _Marker(torch.autograd.Function):
@@ -67,10 +68,9 @@ def _first_grad_tensor(leaves: list[Any], need_grad: bool = True) -> int:
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return id(t)
+    """The storage's key as the engine reads it (a fake tensor's unique id stands in for its address)."""
+    ptr = storage_ptr(t)
+    return ptr if ptr is not None else id(t)
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -417,6 +417,26 @@ def _tracked_step(inst: Installed, step: Callable, model: nn.Module, device: tor
                   decision: str) -> DecisionProfile:
     """One step with memory tracked: the peaks of every window, and per call position the bytes
     saved and copied, from the engine's own records (seconds come from :func:`_timed_steps`)."""
+    with tracked(inst, model, names, decision, MemoryMeter(device, [inst.engine.pool]), _Clock(device)) as out:
+        run_step(step)
+    return out.profile
+
+
+@dataclass
+class Tracked:
+    """What :func:`tracked` produced: the profile (set when the step is done) and its probe."""
+
+    probe: Probe
+    profile: DecisionProfile | None = None
+
+
+@contextlib.contextmanager
+def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, meter: Any,
+            clock: Any) -> Iterator[Tracked]:
+    """Watch the step run inside the ``with`` block: ``meter`` (``level()``, ``window()``, ``peak``,
+    ``tracking(model)``) gives the levels and peaks of every window, ``clock`` the boundary times, and
+    the engine's own records the bytes saved and copied per call position. A measured step
+    (:func:`_tracked_step`) and a predicted one (``offload.planner.predicted``) share it."""
     engine = inst.engine
     saved: dict[int, int] = defaultdict(int)
     copied: dict[int, int] = defaultdict(int)
@@ -424,8 +444,8 @@ def _tracked_step(inst: Installed, step: Callable, model: nn.Module, device: tor
     biggest: dict[int, int] = defaultdict(int)
     shared: dict[int, int] = defaultdict(int)
     copier: dict[int, int] = {}  # storage data pointer -> the position that copied it
-    meter = MemoryMeter(device, [engine.pool])
-    probe = Probe(len(names), _Clock(device), meter, names)
+    probe = Probe(len(names), clock, meter, names)
+    out = Tracked(probe)
 
     def on_pack(ev: Any) -> None:
         p = probe.position  # which call is packing
@@ -451,7 +471,7 @@ def _tracked_step(inst: Installed, step: Callable, model: nn.Module, device: tor
             try:
                 zero_grads_(model)
                 probe.begin()
-                run_step(step)
+                yield out
                 probe.end()
             finally:
                 inst.probe = None
@@ -465,7 +485,7 @@ def _tracked_step(inst: Installed, step: Callable, model: nn.Module, device: tor
     for p, s in enumerate(prof.blocks):
         s.saved_bytes, s.copy_bytes, s.copies, s.max_copy = saved[p], copied[p], copies[p], biggest[p]
         s.shared_bytes = shared[p]
-    return prof
+    out.profile = prof
 
 
 def _timed_steps(inst: Installed, step: Callable, model: nn.Module, device: torch.device, names: list[str],

@@ -28,6 +28,9 @@ NOTE [ Capture ]
    before "done" (default: never, until something waits for it): the stash then holds as many
    in-flight sources as ``max_fwd_stash_size`` and ``max_inflight_bytes`` allow, an upper bound on
    what copy latency adds to the peak.
+7. A real model (``offload.plan(..., target=)``): its parameters and buffers are swapped for fake ones
+   while the capture runs (``fake_parameters``), and the real tensors the step closes over (token ids)
+   become fake when an op first reads them (``real_inputs``), each a device block from then on.
 """
 
 from __future__ import annotations
@@ -55,12 +58,12 @@ from ..errors import OffloadError
 from ..modules import current_module_name, register_model, track_modules
 from ..testing import EmulatedAccelerator
 from ..testing._aten_ops import _EMPTY_OPS, _METADATA_OPS
-from ..planner import find_blocks
+from ..planner.blocks import find_blocks
 from ._strategies import apply_strategy
 from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, Kernel, RecordEvent, RecordStream, Trace,
                      WaitEvent)
 
-__all__ = ["PredictError", "Captured", "capture"]
+__all__ = ["PredictError", "Captured", "capture", "settled", "fake_parameters"]
 
 aten = torch.ops.aten
 NEVER = 1 << 30
@@ -148,6 +151,8 @@ class _Recorder(TorchDispatchMode):
         if func is aten.record_stream.default:
             cap.record_stream(args[0], args[1])
             return None
+        if cap.real_inputs:
+            args, kwargs = cap.as_fake((args, kwargs))
         try:
             if func in _STORAGE_ARG_OPS and cap.fake_mode is not None:
                 with disable_fake_tensor_cache(cap.fake_mode):
@@ -230,6 +235,21 @@ class _Capture:
         self.phase = "other"
         self.pinned = True
         """Host copies are page-locked (``use_pin_memory``)."""
+        self.real_inputs = False
+        """Real tensors the step reads (inputs it closes over) become fake ones, counted as device blocks."""
+
+    def as_fake(self, tree: Any) -> Any:
+        """``tree`` with every real tensor as its fake twin (memoized by the fake mode, so one real tensor
+        is one block for the whole capture); the twin's storage is a device block (``other``), as the
+        input of a real step lives on the device (NOTE [ Capture ] item 7)."""
+        def conv(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or self.fake_mode is None:
+                return t
+            f = self.fake_mode.from_tensor(t)
+            if self.block_of(f) is None:
+                self._new_block(f.untyped_storage(), "other")
+            return f
+        return pytree.tree_map(conv, tree)
 
     # -- streams --------------------------------------------------------------------------
 
@@ -398,7 +418,7 @@ def _capturing(cap: _Capture, fake: bool, lag: int):
     with contextlib.ExitStack() as stack:
         cap.acc = stack.enter_context(_Accelerator(cap, lag))
         if fake:
-            cap.fake_mode = stack.enter_context(FakeTensorMode())
+            cap.fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=cap.real_inputs))
         stack.enter_context(_Recorder(cap))
         stack.enter_context(track_modules(owner=cap))
         _pinned.HOST_ALLOC_OBSERVERS.append(cap.host_alloc)
@@ -454,11 +474,15 @@ def _step(cap: _Capture, model: nn.Module, step_fn: Callable[[nn.Module], torch.
 def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], torch.Tensor], *,
             strategy: Any = "none", config: Any = None,
             optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, dtype: torch.dtype | None = None,
-            fake: bool = True, lag: int = NEVER, steps: int = 2) -> Captured:
+            fake: bool = True, lag: int = NEVER, steps: int = 2, real_inputs: bool = False,
+            measured: Callable[["_Capture"], Any] | None = None) -> Captured:
     """Run ``steps`` training steps (NOTE [ Capture ]) and return the last one's trace. ``fake=False``
-    runs the same on real CPU tensors (the tests' reference)."""
+    runs the same on real CPU tensors (the tests' reference). ``strategy`` may also be a callable
+    ``strategy(model) -> Applied``; ``measured(cap)`` a context manager entered around the measured step;
+    ``real_inputs``: see NOTE [ Capture ] item 7."""
     cap = _Capture()
     cap.pinned = config.use_pin_memory if config is not None else True
+    cap.real_inputs = real_inputs and fake
     with _capturing(cap, fake, lag) as stack:
         model = _build(model_fn, dtype, fake)
         if fake:
@@ -475,7 +499,10 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
                     if applied.engine is not None:
                         applied.engine.ledger.reset()
                     _begin_measured(cap)
-                _step(cap, model, step_fn, opt)
+                    with measured(cap) if measured is not None else contextlib.nullcontext():
+                        _step(cap, model, step_fn, opt)
+                else:
+                    _step(cap, model, step_fn, opt)
             cap.recording = False
             engine = applied.engine
             summary = engine.ledger.summary() if engine is not None else None
@@ -513,14 +540,46 @@ def _settle(cap: _Capture) -> Trace:
     """The raw items as a ``Trace``: allocations and frees of device blocks with their settled categories."""
     trace = Trace(streams=dict(cap.stream_names))
     for it in cap.raw:
-        if type(it) is tuple:
-            kind, b = it
-            if b.host or not b.nbytes:  # host memory, or an empty request (no device block)
-                continue
-            if kind == "alloc":
-                trace.append(Alloc(b.id, b.nbytes, b.stream, b.category, b.module))
-            else:
-                trace.append(Free(b.id))
-        else:
-            trace.append(it)
+        item = settled(it)
+        if item is not None:
+            trace.append(item)
     return trace
+
+
+def settled(it: Any) -> Any:
+    """One raw item of a capture as a trace item (None for host memory or an empty request: no device
+    block). Categories are read now: settle after the step for the final ones."""
+    if type(it) is not tuple:
+        return it
+    kind, b = it
+    if b.host or not b.nbytes:
+        return None
+    return Alloc(b.id, b.nbytes, b.stream, b.category, b.module) if kind == "alloc" else Free(b.id)
+
+
+@contextlib.contextmanager
+def fake_parameters(model: nn.Module):
+    """While inside (and inside a capture, whose fake mode makes them): ``model``'s parameters and buffers
+    are fake ones of the same shape, stride, dtype and ``requires_grad`` (a tied weight stays one tensor);
+    the real ones are put back on exit, untouched (NOTE [ Capture ] item 7)."""
+    memo: dict[int, torch.Tensor] = {}
+    undo: list[tuple[dict, str, Any]] = []
+
+    def twin(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in memo:
+            with torch.no_grad():
+                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            memo[id(t)] = nn.Parameter(f, t.requires_grad) if param else f
+        return memo[id(t)]
+
+    try:
+        for m in model.modules():
+            for table, param in ((m._parameters, True), (m._buffers, False)):
+                for k, t in list(table.items()):
+                    if t is not None:
+                        undo.append((table, k, t))
+                        table[k] = twin(t, param)
+        yield model
+    finally:
+        for table, k, t in reversed(undo):
+            table[k] = t

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from ._trace import Alloc, Free, HostSync, Item, RecordStream, Trace
 
-__all__ = ["MIN_BLOCK_BYTES", "CATEGORIES", "block_bytes", "DeviceMemory", "replay"]
+__all__ = ["MIN_BLOCK_BYTES", "CATEGORIES", "block_bytes", "DeviceMemory", "replay", "Replay"]
 
 MIN_BLOCK_BYTES = 512
 """The caching allocator's rounding (``kMinBlockSize``): every block is a multiple of it."""
@@ -190,11 +190,24 @@ def replay(trace: Trace | list[Item], memory: DeviceMemory | None = None) -> Dev
     """Run a trace's allocations and frees in program order (no clock): see NOTE [ Device memory model ]
     item 3. A block freed while another stream is recorded on it is held until a host synchronization
     that covers that stream (or the device)."""
-    mem = memory if memory is not None else DeviceMemory()
-    items = trace.items if isinstance(trace, Trace) else trace
-    held: dict[int, set[int]] = {}
-    for i, it in enumerate(items):
-        mem.cursor = i
+    r = Replay(memory)
+    for item in trace.items if isinstance(trace, Trace) else trace:
+        r.feed(item)
+    return r.memory
+
+
+class Replay:
+    """:func:`replay` one item at a time (the planner reads levels while a capture runs)."""
+
+    def __init__(self, memory: DeviceMemory | None = None) -> None:
+        self.memory = memory if memory is not None else DeviceMemory()
+        self.held: dict[int, set[int]] = {}
+        self.index = -1
+
+    def feed(self, it: Item) -> None:
+        mem, held = self.memory, self.held
+        self.index += 1
+        mem.cursor = self.index
         t = type(it)
         if t is Alloc:
             mem.alloc(it.block, it.nbytes, category=it.category, module=it.module, stream=it.stream)
@@ -212,4 +225,3 @@ def replay(trace: Trace | list[Item], memory: DeviceMemory | None = None) -> Dev
                 if it.kind == "device" or (it.kind == "stream" and it.target in streams and len(streams) == 1):
                     mem.release(block)
                     del held[block]
-    return mem

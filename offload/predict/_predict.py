@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..config import OffloadConfig
-from ..planner import Plan
+from ..planner.planning import Plan
 from ._capture import NEVER, Captured, capture
 from ._memory import DeviceMemory, replay
 from ._strategies import strategy_name

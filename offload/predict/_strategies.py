@@ -26,7 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import OffloadConfig
 from ..engine import OffloadActivations
-from ..planner import Plan, find_blocks
+from ..planner.blocks import find_blocks
+from ..planner.planning import Plan
 
 __all__ = ["STRATEGIES", "Applied", "apply_strategy", "strategy_name"]
 
@@ -85,7 +86,10 @@ def _checkpointed(blocks: list[tuple[str, nn.Module]]) -> Callable[[], None]:
 
 
 def apply_strategy(model: nn.Module, strategy: str | Plan, config: OffloadConfig | None) -> Applied:
-    """Install ``strategy`` on ``model`` (see the module docstring)."""
+    """Install ``strategy`` on ``model`` (see the module docstring); a callable is called with ``model``
+    and returns its own ``Applied`` (the planner's per-decision profiles, ``offload.planner.predicted``)."""
+    if callable(strategy) and not isinstance(strategy, Plan):
+        return strategy(model)
     if isinstance(strategy, Plan):
         plan = dataclasses.replace(strategy, device="cpu",
                                    engine_kwargs={**strategy.engine_kwargs, "virtual_memory_safe_pct": None})

@@ -250,6 +250,11 @@ class TimelineResult:
         """Predicted (seconds, bytes allocated in this step) at every change."""
         return [(t / 1e9, b) for t, b in self._sim.memory()]
 
+    def item_end_seconds(self, index: int) -> float:
+        """Predicted: when trace item ``index`` ended on its stream (issued, for a host item)."""
+        sim = self._sim
+        return (sim.end[index] if sim.end[index] >= 0 else sim.issue[index]) / 1e9
+
     def memory_ns(self) -> list[tuple[int, int]]:
         """``memory`` in exact integer nanoseconds."""
         return self._sim.memory()
