@@ -8,8 +8,10 @@ Modules: ``blocks`` (the candidate blocks), ``meter`` (peak of one step, host
 buffers left out), ``profile`` (one step per decision), ``cost`` (the cost
 model and its assumptions), ``solve`` (exact Pareto DP, greedy fallback),
 ``choose`` (from a cost model to the decisions for a budget), ``host`` (the
-host tiers' limits), ``install`` (applying decisions), ``planning`` (the Plan
-object and ``plan()``).
+host tiers' limits), ``install`` (applying decisions), ``settings`` (the plan's
+engine settings), ``planning`` (the Plan object and the measured ``plan()``),
+``predicted`` (a plan for a target GPU, from ``offload.predict``) and ``entry``
+(``offload.plan``, either of the two).
 """
 
 from .cost import CostModel, Hardware

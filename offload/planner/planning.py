@@ -215,8 +215,10 @@ class Plan:
             "device from its forward to its backward under its decision; recompute = seconds its forward "
             "re-runs in backward; copy = bytes copied to the host and back; copy time = those bytes over the "
             f"link (D2H + H2D); exposed = seconds the copies add to the step: {exposed}",
-            f"times are medians of the timed steps; plans predicted within {cost.noise_s * 1e3:.2f} ms (the noise "
-            "band: the widest spread of the timed steps) are equally fast, and the fewest non-keep decisions, "
+            ("times are the target's predicted timeline (offload.predict.simulate), one step per decision; "
+             if self.target is not None else "times are medians of the timed steps; ")
+            + f"plans predicted within {cost.noise_s * 1e3:.2f} ms (the noise "
+            "band: the widest spread of the timed steps, at least 2% of the step) are equally fast, and the fewest non-keep decisions, "
             "then the cheaper decision (keep, offload, recompute, recompute_offload) at the earliest block, "
             "decide",
         ]
