@@ -376,7 +376,7 @@ def _cost_model(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[t
     from ..engine import OffloadActivations
 
     names = [n for n, _ in cand]
-    synchronous = synchronous(dev, ekw)
+    sync_copies = synchronous(dev, ekw)
 
     def make_engine() -> OffloadActivations:
         # Profiled without host bounds (they decide what stays, which the plan decides).
@@ -391,8 +391,8 @@ def _cost_model(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[t
     finally:
         inst.remove()
     prof = StepProfile(names=names, device=str(dev), by_decision=by_dec, unplanned_peak=unplanned.peak_bytes,
-                       unplanned_step_s=unplanned.step_seconds, synchronous_copies=synchronous)
-    cost = build_cost_model(prof, measure_hardware(dev, synchronous, bandwidth_gb_s), ekw)
+                       unplanned_step_s=unplanned.step_seconds, synchronous_copies=sync_copies)
+    cost = build_cost_model(prof, measure_hardware(dev, sync_copies, bandwidth_gb_s), ekw)
     cost.no_recompute = no_recompute
     for n, why in no_recompute.items():
         log.info("offload.plan: %s is never recomputed: %s", n, why)
