@@ -59,6 +59,7 @@ from ..modules import current_module_name, register_model, track_modules
 from ..testing import EmulatedAccelerator
 from ..testing._aten_ops import _EMPTY_OPS, _METADATA_OPS
 from ..planner.blocks import find_blocks
+from ._fsdp import fake_process_group, fsdp_categories, local, shard
 from ._strategies import apply_strategy
 from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, Kernel, RecordEvent, RecordStream, Trace,
                      WaitEvent)
@@ -111,10 +112,15 @@ class Captured:
     records: list[tuple] = field(default_factory=list)
     """The engine's decisions in the measured step, one per save: (nbytes, shape, dtype, module,
     decision, reason, tier, copy_bytes)."""
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes of model state one rank holds in the measured step: ``parameter`` (and buffers),
+    ``gradient`` (after backward), ``optimizer`` (after its step); sharded state by its local shard."""
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+    """The tensors in ``x``; a ``DTensor`` as its local shard (this mode does not see the ops DTensor
+    runs on its shards, so its op stands for them: NOTE [ One FSDP2 rank ] item 3)."""
+    return [local(t) for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -235,6 +241,10 @@ class _Capture:
         self.phase = "other"
         self.pinned = True
         """Host copies are page-locked (``use_pin_memory``)."""
+        self.override: str | None = None
+        """The category of new storages while set (FSDP2's buffers: NOTE [ One FSDP2 rank ] item 3)."""
+        self.state_bytes: dict[str, int] = {}
+        """Bytes of the model state one rank holds in the measured step (``Captured.state_bytes``)."""
         self.real_inputs = False
         """Real tensors the step reads (inputs it closes over) become fake ones, counted as device blocks."""
 
@@ -274,7 +284,7 @@ class _Capture:
 
     def block_of(self, t: torch.Tensor) -> _Block | None:
         try:
-            st = t.untyped_storage()
+            st = local(t).untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
             return None
         return self.blocks.get(st)
@@ -289,6 +299,25 @@ class _Capture:
         if self.recording:
             self.raw.append(("alloc", b))
         return b
+
+    def resized(self, st: torch.UntypedStorage) -> None:
+        """``st`` was resized in place (FSDP2 frees and re-allocates unsharded parameters so): its old
+        block is freed and, unless now empty, a new one allocated (NOTE [ One FSDP2 rank ] item 2)."""
+        b = self.blocks.get(st)
+        if b is None or b.nbytes == st.nbytes():
+            return
+        if b.alive:
+            self._freed(b)
+        self._new_block(st, b.category if self.override is None else self.override)
+
+    @contextlib.contextmanager
+    def category(self, category: str | None) -> Any:
+        """New storages take ``category`` inside the block."""
+        prev, self.override = self.override, category
+        try:
+            yield
+        finally:
+            self.override = prev
 
     def _freed(self, b: _Block) -> None:
         b.alive = False
@@ -318,6 +347,8 @@ class _Capture:
     # -- ops -----------------------------------------------------------------------------------
 
     def _category(self) -> str:
+        if self.override is not None:
+            return self.override
         if self.phase == "optimizer":
             return "other"
         if self.phase == "forward" or current_module_name():
@@ -374,6 +405,11 @@ def _io_bytes(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
     return sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs if id(t) not in seen)
 
 
+def _local_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of ``tensors`` on this rank (a DTensor by its local shard)."""
+    return sum(_nbytes(local(t)) for t in tensors)
+
+
 def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
@@ -423,7 +459,26 @@ def _capturing(cap: _Capture, fake: bool, lag: int):
         stack.enter_context(track_modules(owner=cap))
         _pinned.HOST_ALLOC_OBSERVERS.append(cap.host_alloc)
         stack.callback(_pinned.HOST_ALLOC_OBSERVERS.remove, cap.host_alloc)
+        stack.enter_context(_seeing_resizes(cap))
         yield stack
+
+
+@contextlib.contextmanager
+def _seeing_resizes(cap: _Capture):
+    """``UntypedStorage.resize_`` tells the capture (no dispatch mode sees it; torch's MemTracker patches it
+    the same way): NOTE [ One FSDP2 rank ] item 2."""
+    orig = torch.UntypedStorage.resize_
+
+    def resize_(st: torch.UntypedStorage, size: int) -> Any:
+        out = orig(st, size)
+        cap.resized(st)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = orig  # type: ignore[method-assign]
 
 
 def _cast(model: nn.Module, dtype: torch.dtype) -> None:
@@ -461,10 +516,13 @@ def _step(cap: _Capture, model: nn.Module, step_fn: Callable[[nn.Module], torch.
     loss.backward()
     del loss
     cap.mark(_grads(model), "gradient")
+    cap.state_bytes = {"parameter": _local_bytes([*model.parameters(), *model.buffers()]),
+                       "gradient": _local_bytes(_grads(model)), "optimizer": 0}
     if opt is not None:
         cap.phase = "optimizer"
         opt.step()
         cap.mark(_optimizer_state(opt), "optimizer")
+        cap.state_bytes["optimizer"] = _local_bytes(_optimizer_state(opt))
         opt.zero_grad(set_to_none=True)
     else:
         model.zero_grad(set_to_none=True)
@@ -475,22 +533,18 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
             strategy: Any = "none", config: Any = None,
             optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, dtype: torch.dtype | None = None,
             fake: bool = True, lag: int = NEVER, steps: int = 2, real_inputs: bool = False,
-            measured: Callable[["_Capture"], Any] | None = None) -> Captured:
+            measured: Callable[["_Capture"], Any] | None = None, world_size: int = 1) -> Captured:
     """Run ``steps`` training steps (NOTE [ Capture ]) and return the last one's trace. ``fake=False``
     runs the same on real CPU tensors (the tests' reference). ``strategy`` may also be a callable
     ``strategy(model) -> Applied``; ``measured(cap)`` a context manager entered around the measured step;
-    ``real_inputs``: see NOTE [ Capture ] item 7."""
+    ``real_inputs``: see NOTE [ Capture ] item 7. ``world_size > 1``: the step of rank 0 of FSDP2 over
+    that many GPUs (NOTE [ One FSDP2 rank ] in offload/predict/_fsdp.py)."""
     cap = _Capture()
     cap.pinned = config.use_pin_memory if config is not None else True
     cap.real_inputs = real_inputs and fake
-    with _capturing(cap, fake, lag) as stack:
-        model = _build(model_fn, dtype, fake)
-        if fake:
-            _hf_masks_as_real(stack)  # (after the build: the model's import brings masking_utils)
-        state = [*model.parameters(), *model.buffers()]
-        cap.mark(state, "parameter")
-        param_bytes = sum(_nbytes(t) for t in state)
-        block_names = _block_names(model)
+    with (fake_process_group(world_size) if world_size > 1 else contextlib.nullcontext()) as mesh, \
+            _capturing(cap, fake, lag) as stack:
+        model, param_bytes, block_names = _prepare(cap, stack, model_fn, dtype, fake, mesh)
         applied = apply_strategy(model, strategy, config)
         try:
             opt = optimizer(model.parameters()) if optimizer is not None else None
@@ -512,7 +566,25 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
         finally:
             applied.remove()
     trace = _settle(cap)
-    return Captured(trace, summary, host, param_bytes, block_names, records)
+    return Captured(trace, summary, host, param_bytes, block_names, records, dict(cap.state_bytes))
+
+
+def _prepare(cap: _Capture, stack: contextlib.ExitStack, model_fn: Callable[[], nn.Module],
+             dtype: torch.dtype | None, fake: bool, mesh: Any) -> tuple[nn.Module, int, list[str]]:
+    """Build the model, settle its state as ``parameter`` and (with a ``mesh``) shard it: the model, its
+    unsharded parameter and buffer bytes, and its candidate blocks."""
+    model = _build(model_fn, dtype, fake)
+    if fake:
+        _hf_masks_as_real(stack)  # (after the build: the model's import brings masking_utils)
+    state = [*model.parameters(), *model.buffers()]
+    param_bytes = sum(_nbytes(t) for t in state)
+    block_names = _block_names(model)
+    if mesh is not None:
+        shard(model, mesh, block_names)
+        stack.enter_context(fsdp_categories(cap.category, cap.mark))
+        state = [*model.parameters(), *model.buffers()]
+    cap.mark(state, "parameter")
+    return model, param_bytes, block_names
 
 
 def _block_names(model: nn.Module) -> list[str]:

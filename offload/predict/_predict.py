@@ -19,6 +19,7 @@ from torch import nn
 from ..config import OffloadConfig
 from ..planner.planning import Plan
 from ._capture import NEVER, Captured, capture
+from ._fsdp import check_world_size
 from ._memory import DeviceMemory, replay
 from ._strategies import strategy_name
 from ._timeline import TimelineResult, simulate
@@ -61,6 +62,11 @@ class Prediction:
     """The captured step (input to a timeline replay)."""
     timeline: TimelineResult | None = field(default=None, repr=False)
     """The step replayed on ``gpu``'s clock (``offload.predict.simulate``): time, stalls, Chrome trace."""
+    world_size: int = 1
+    """GPUs FSDP2 shards over; every number above is then one rank's (rank 0: NOTE [ One FSDP2 rank ])."""
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """Model state this rank holds: ``parameter`` (and buffers), ``gradient``, ``optimizer`` (sharded
+    over ``world_size``; the unsharded parameters FSDP2 all-gathers around a block are not in it)."""
 
     @property
     def step_seconds(self) -> float | None:
@@ -90,6 +96,7 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, labelled as a prediction."""
         return {"kind": "predicted", "gpu": self.gpu.name, "gpu_spec": self.gpu.describe(), "strategy": self.strategy,
+                "world_size": self.world_size, "state_bytes": dict(self.state_bytes),
                 "peak_bytes": self.peak_bytes, "peak_allocated_bytes": self.peak_allocated_bytes,
                 "usable_bytes": self.gpu.usable_bytes, "fits": self.fits,
                 "breakdown_at_peak": dict(self.breakdown_at_peak),
@@ -102,7 +109,7 @@ class Prediction:
 
     def report(self) -> str:
         """A few lines for a terminal, labelled as a prediction."""
-        lines = [f"PREDICTED for {self.gpu.describe()}",
+        lines = [f"PREDICTED for {self.gpu.describe()}" + self._per_rank(),
                  f"  strategy {self.strategy}: peak {self.peak_bytes / _GiB:.2f} GiB of "
                  f"{self.gpu.usable_bytes / _GiB:.2f} GiB usable -> {'fits' if self.fits else 'does NOT fit'}",
                  "  at the peak: " + ", ".join(f"{k} {v / _GiB:.2f} GiB" for k, v in self.breakdown_at_peak.items()
@@ -114,8 +121,11 @@ class Prediction:
         lines += [f"  assumes: {a}" for a in self.assumptions]
         return "\n".join(lines)
 
+    def _per_rank(self) -> str:
+        return f", one rank of FSDP2 over {self.world_size} GPUs" if self.world_size > 1 else ""
+
     def __repr__(self) -> str:
-        return (f"Prediction(PREDICTED on {self.gpu.name}, strategy={self.strategy!r}, "
+        return (f"Prediction(PREDICTED on {self.gpu.name}{self._per_rank()}, strategy={self.strategy!r}, "
                 f"peak={self.peak_bytes / _GiB:.2f} GiB, fits={self.fits}, "
                 + (f"step={self.step_seconds * 1e3:.1f} ms, " if self.timeline is not None else "") +
                 f"offloaded={self.offloaded_bytes / _GiB:.2f} GiB/step)")
@@ -132,7 +142,7 @@ def _by_block(acts: dict[str, int], blocks: list[str]) -> dict[str, int]:
 
 
 def _assumptions(gpu: GPUSpec, strategy: str, optimizer: OptimizerFactory | None, dtype: torch.dtype | None,
-                 engine: bool) -> tuple[str, ...]:
+                 engine: bool, world_size: int = 1) -> tuple[str, ...]:
     out = [f"GPU: {gpu.describe()}; usable = memory - reserve {gpu.reserve_bytes / _GiB:.2f} GiB "
            "(CUDA context, cuBLAS workspace, allocator slack)",
            "attention: shapes of CPU flash SDPA (no S x S score matrix), as flash / memory-efficient attention "
@@ -146,12 +156,17 @@ def _assumptions(gpu: GPUSpec, strategy: str, optimizer: OptimizerFactory | None
                 "budgets in the config apply",
                 "in-flight copies: the engine's polls see its copies not yet done, so the stash holds up to "
                 "max_fwd_stash_size sources / max_inflight_bytes (an upper bound)"]
+    if world_size > 1:
+        out += [f"FSDP2 over {world_size} GPUs, rank 0 (the largest shard): fully_shard on each block and the root "
+                "with its defaults; collectives on a fake process group, so communication time and NCCL buffers "
+                "are not counted"]
     return tuple(out)
 
 
 def predict_step(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], torch.Tensor], *,
                  gpu: str | GPUSpec, strategy: str | Plan = "offload", config: OffloadConfig | None = None,
-                 optimizer: OptimizerFactory | None = None, dtype: torch.dtype | None = None) -> Prediction:
+                 optimizer: OptimizerFactory | None = None, dtype: torch.dtype | None = None,
+                 world_size: int = 1) -> Prediction:
     """Predict one training step's device memory on ``gpu``, without a GPU.
 
     ``model_fn()`` builds the model (called under fake tensors: no weights are materialised);
@@ -159,41 +174,46 @@ def predict_step(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module
     (when an optimizer factory is given, e.g. ``lambda p: torch.optim.AdamW(p)``) and zeroing the
     gradients are run here. ``strategy``: "none", "ac", "offload", "offload_ac" or a ``Plan``
     (see offload/predict/_strategies.py); ``config`` the ``OffloadConfig`` of the engine strategies;
-    ``dtype`` the floating-point dtype the model's parameters are cast to.
+    ``dtype`` the floating-point dtype the model's parameters are cast to. ``world_size=N > 1`` predicts
+    one rank of FSDP2 over N GPUs (each block and the root ``fully_shard``-ed, on a fake process group:
+    NOTE [ One FSDP2 rank ] in offload/predict/_fsdp.py); 1 predicts a single GPU.
     """
     spec = resolve_gpu(gpu)
+    world_size = check_world_size(world_size)
     t0 = time.perf_counter()
     cap = capture(model_fn, step_fn, strategy=strategy, config=config, optimizer=optimizer, dtype=dtype,
-                  fake=True, lag=NEVER)
-    return _prediction(cap, spec, strategy, optimizer, dtype, time.perf_counter() - t0)
+                  fake=True, lag=NEVER, world_size=world_size)
+    return _prediction(cap, spec, strategy, optimizer, dtype, time.perf_counter() - t0, world_size)
 
 
 def _prediction(cap: Captured, spec: GPUSpec, strategy: str | Plan, optimizer: OptimizerFactory | None,
-                dtype: torch.dtype | None, seconds: float) -> Prediction:
+                dtype: torch.dtype | None, seconds: float, world_size: int = 1) -> Prediction:
     mem = replay(cap.trace, DeviceMemory())
     return Prediction(gpu=spec, strategy=strategy_name(strategy), peak_bytes=mem.peak_bytes,
                       peak_allocated_bytes=mem.peak_allocated_bytes, breakdown_at_peak=mem.breakdown_at_peak(),
                       activations_at_peak=_by_block(mem.activations_at_peak(), cap.block_names),
                       ledger_summary=cap.ledger_summary, host_bytes=cap.host_bytes,
                       assumptions=_assumptions(spec, strategy_name(strategy), optimizer, dtype,
-                                               cap.ledger_summary is not None),
-                      capture_seconds=seconds, trace=cap.trace, timeline=simulate(cap.trace, spec))
+                                               cap.ledger_summary is not None, world_size),
+                      capture_seconds=seconds, trace=cap.trace, timeline=simulate(cap.trace, spec),
+                      world_size=world_size, state_bytes=cap.state_bytes)
 
 
 def max_context(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module, int], torch.Tensor], *,
                 gpu: str | GPUSpec, strategy: str | Plan = "offload", config: OffloadConfig | None = None,
                 optimizer: OptimizerFactory | None = None, dtype: torch.dtype | None = None,
-                start: int = 1024, multiple: int = 256, limit: int = 1 << 20) -> int:
+                start: int = 1024, multiple: int = 256, limit: int = 1 << 20, world_size: int = 1) -> int:
     """The longest sequence length (a multiple of ``multiple``, at most ``limit``) whose step is predicted
     to fit on ``gpu``; 0 when not even ``multiple`` fits. ``step_fn(model, seq_len)`` runs the forward at
-    that length. Doubling from ``start`` then bisecting: about ``2 log2(limit / multiple)`` captures."""
+    that length. Doubling from ``start`` then bisecting: about ``2 log2(limit / multiple)`` captures.
+    ``world_size``: per rank of FSDP2 (``predict_step``)."""
     if multiple < 1 or start < multiple or limit < multiple:
         raise ValueError(f"offload.predict.max_context: need 1 <= multiple <= start and multiple <= limit; got "
                          f"multiple={multiple}, start={start}, limit={limit}")
 
     def fits(seq: int) -> bool:
         return predict_step(model_fn, lambda m: step_fn(m, seq), gpu=gpu, strategy=strategy, config=config,
-                            optimizer=optimizer, dtype=dtype).fits
+                            optimizer=optimizer, dtype=dtype, world_size=world_size).fits
 
     lo, hi = 0, None  # lo fits (0: nothing known to fit), hi does not
     s = min(start // multiple * multiple, limit // multiple * multiple)
