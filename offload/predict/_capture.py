@@ -113,7 +113,7 @@ class Captured:
     """The engine's decisions in the measured step, one per save: (nbytes, shape, dtype, module,
     decision, reason, tier, copy_bytes)."""
     state_bytes: dict[str, int] = field(default_factory=dict)
-    """Bytes of model state one rank holds in the measured step: ``parameter`` (and buffers),
+    """Bytes of model state one rank holds in the measured step: ``parameter``, ``buffer`` (not sharded),
     ``gradient`` (after backward), ``optimizer`` (after its step); sharded state by its local shard."""
 
 
@@ -516,7 +516,7 @@ def _step(cap: _Capture, model: nn.Module, step_fn: Callable[[nn.Module], torch.
     loss.backward()
     del loss
     cap.mark(_grads(model), "gradient")
-    cap.state_bytes = {"parameter": _local_bytes([*model.parameters(), *model.buffers()]),
+    cap.state_bytes = {"parameter": _local_bytes(list(model.parameters())), "buffer": _local_bytes(list(model.buffers())),
                        "gradient": _local_bytes(_grads(model)), "optimizer": 0}
     if opt is not None:
         cap.phase = "optimizer"

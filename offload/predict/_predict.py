@@ -65,8 +65,8 @@ class Prediction:
     world_size: int = 1
     """GPUs FSDP2 shards over; every number above is then one rank's (rank 0: NOTE [ One FSDP2 rank ])."""
     state_bytes: dict[str, int] = field(default_factory=dict)
-    """Model state this rank holds: ``parameter`` (and buffers), ``gradient``, ``optimizer`` (sharded
-    over ``world_size``; the unsharded parameters FSDP2 all-gathers around a block are not in it)."""
+    """Model state this rank holds: ``parameter``, ``buffer``, ``gradient``, ``optimizer`` (all but buffers
+    sharded over ``world_size``; the unsharded parameters FSDP2 all-gathers around a block are not in it)."""
 
     @property
     def step_seconds(self) -> float | None:
