@@ -116,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--predict", action="store_true",
                    help="predict a --model preset's step on --gpu per strategy, without a GPU (bench/predict.py)")
     p.add_argument("--gpu", default="h100-sxm", help="--predict: a GPU of offload.predict.GPUS")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="--predict: one rank of FSDP2 over this many GPUs (1: a single GPU)")
     p.add_argument("--no-max-context", action="store_true", help="--predict: skip the longest-context search")
     p.add_argument("--no-predict", action="store_true", help="CPU main job: skip the 'predicted on an H100' section")
     p.add_argument("--model", default="toy", choices=("toy", "encoder", "hf_llama", "hf_gpt2", *_PRESETS),

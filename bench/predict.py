@@ -3,6 +3,7 @@
     python -m bench --predict --gpu h100-sxm --model llama3-8b --seq 8192
     python -m bench --predict --gpu a100-40gb --model qwen2.5-7b --seq 4096 --no-max-context
     python -m bench --predict --model llama3-8b --layers 4     # a quick look: 4 of its 32 blocks
+    python -m bench --predict --model llama3-8b --world-size 8 # one rank of FSDP2 over 8 GPUs
 
 For each strategy (none, ac, offload, offload_ac): predicted peak device memory, whether it fits the
 GPU's usable memory, bytes offloaded per step, host bytes per tier, the longest context that fits,
@@ -36,8 +37,10 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
 
 
 def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torch.dtype, strategies=STRATEGIES,
-                 max_context_limit: int | None = None, progress: bool = True) -> list[dict[str, Any]]:
-    """One row per strategy: the prediction at ``seq`` and (with ``max_context_limit``) the longest context."""
+                 max_context_limit: int | None = None, progress: bool = True,
+                 world_size: int = 1) -> list[dict[str, Any]]:
+    """One row per strategy: the prediction at ``seq`` and (with ``max_context_limit``) the longest context;
+    ``world_size > 1``: of one rank of FSDP2 over that many GPUs."""
     from offload.predict import max_context, predict_step
 
     rows = []
@@ -46,13 +49,13 @@ def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torc
             print(f"[predict] {strategy} at s={seq}", file=sys.stderr)
         t0 = time.perf_counter()
         p = predict_step(model_fn, lambda m: step_fn(m, seq), gpu=gpu, strategy=strategy, optimizer=_adamw,
-                         dtype=dtype)
+                         dtype=dtype, world_size=world_size)
         row = {**p.to_dict(), "seq": seq, "predict_seconds": round(time.perf_counter() - t0, 2)}
         if max_context_limit:
             t1 = time.perf_counter()
             row["max_context"] = max_context(model_fn, step_fn, gpu=gpu, strategy=strategy, optimizer=_adamw,
                                              dtype=dtype, start=min(seq, max_context_limit), multiple=512,
-                                             limit=max_context_limit)
+                                             limit=max_context_limit, world_size=world_size)
             row["max_context_seconds"] = round(time.perf_counter() - t1, 1)
             row["max_context_limit"] = max_context_limit
         rows.append(row)
@@ -103,15 +106,21 @@ def main_predict(args: argparse.Namespace, argv: list[str] | None) -> int:
     cfg = preset_config(args.model)
     model_fn = preset_model_fn(args.model, layers=args.layers)
     step_fn = preset_step_fn(cfg.vocab_size, batch=args.batch or 1)
+    world_size = getattr(args, "world_size", 1)
+    if world_size < 1:
+        print(f"python -m bench --predict: --world-size {world_size} must be >= 1", file=sys.stderr)
+        return 2
     rows = predict_rows(model_fn, step_fn, gpu=args.gpu, seq=seq, dtype=dtype,
-                        max_context_limit=None if args.no_max_context else limit, progress=not args.quiet)
+                        max_context_limit=None if args.no_max_context else limit, progress=not args.quiet,
+                        world_size=world_size)
     layers = f", {args.layers} blocks" if args.layers else ""
-    title = (f"PREDICTED on {args.gpu}: {args.model}{layers}, s={seq}, b={args.batch or 1}, {dtype}, AdamW "
+    ranks = f", one rank of FSDP2 over {world_size} GPUs" if world_size > 1 else ""
+    title = (f"PREDICTED on {args.gpu}{ranks}: {args.model}{layers}, s={seq}, b={args.batch or 1}, {dtype}, AdamW "
              "(offload.predict; no GPU used)")
     md = format_markdown(rows, title)
     print(md)
     if not args.no_write:
-        stem = f"predict_{args.model}_{args.gpu}_s{seq}"
+        stem = f"predict_{args.model}_{args.gpu}_s{seq}" + (f"_x{world_size}" if world_size > 1 else "")
         out = args.out if args.out is not None else default_run_dir("predict", args.model)
         out.mkdir(parents=True, exist_ok=True)
         cmd = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])

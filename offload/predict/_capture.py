@@ -516,7 +516,8 @@ def _step(cap: _Capture, model: nn.Module, step_fn: Callable[[nn.Module], torch.
     loss.backward()
     del loss
     cap.mark(_grads(model), "gradient")
-    cap.state_bytes = {"parameter": _local_bytes(list(model.parameters())), "buffer": _local_bytes(list(model.buffers())),
+    cap.state_bytes = {"parameter": _local_bytes(list(model.parameters())),
+                       "buffer": _local_bytes(list(model.buffers())),
                        "gradient": _local_bytes(_grads(model)), "optimizer": 0}
     if opt is not None:
         cap.phase = "optimizer"

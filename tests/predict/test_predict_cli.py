@@ -27,3 +27,16 @@ def test_predict_cli_refuses_a_model_that_is_not_a_preset(capsys):
     """--predict with a non-preset --model exits 2 naming the presets."""
     assert cli.main(["--predict", "--model", "toy", "--no-write"]) == 2
     assert "llama3-8b" in capsys.readouterr().err
+
+
+def test_predict_cli_world_size_predicts_one_rank(tmp_path, capsys):
+    """--world-size 4 predicts one FSDP2 rank: labelled so, written under its own name, a smaller peak than 1 GPU."""
+    base = ["--predict", "--model", "gpt2-xl", "--layers", "2", "--seq", "128", "--no-max-context", "--quiet",
+            "--out", str(tmp_path)]
+    assert cli.main(base) == 0 and cli.main(base + ["--world-size", "4"]) == 0
+    assert "one rank of FSDP2 over 4 GPUs" in capsys.readouterr().out
+    one = json.loads((tmp_path / "predict_gpt2-xl_h100-sxm_s128.json").read_text())["rows"]
+    four = json.loads((tmp_path / "predict_gpt2-xl_h100-sxm_s128_x4.json").read_text())["rows"]
+    assert all(r["world_size"] == 4 for r in four) and all(r["world_size"] == 1 for r in one)
+    for a, b in zip(one, four):
+        assert b["peak_bytes"] < a["peak_bytes"], (a["strategy"], a["peak_bytes"], b["peak_bytes"])
