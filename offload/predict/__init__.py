@@ -5,7 +5,7 @@ result is replayed against a named GPU spec. Everything here is a prediction, la
 with the spec it assumed (DESIGN.md, "Prediction").
 """
 
-from ._capture import PredictError
+from ._errors import PredictError
 from ._cost import HostCost
 from ._predict import Prediction, max_context, predict_step
 from ._stalls import Stall

@@ -54,11 +54,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _pinned
 from .._torch_private import graph_task_id_c as _graph_task_id
-from ..errors import OffloadError
 from ..modules import current_module_name, register_model, track_modules
 from ..testing import EmulatedAccelerator
 from ..testing._aten_ops import _EMPTY_OPS, _METADATA_OPS
 from ..planner.blocks import find_blocks
+from ._errors import PredictError
 from ._fsdp import fake_process_group, fsdp_categories, local, shard
 from ._strategies import apply_strategy
 from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, Kernel, RecordEvent, RecordStream, Trace,
@@ -77,10 +77,6 @@ _CPU_SDPA = {getattr(aten, n).default for n in ("_scaled_dot_product_flash_atten
              if hasattr(aten, n)}
 _CPU_SDPA_BWD = {getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention_for_cpu_backward",)
                  if hasattr(aten, n)}
-
-
-class PredictError(OffloadError):
-    """A step that cannot be predicted (an op the fake run cannot handle, a bad argument)."""
 
 
 @dataclass(eq=False, slots=True)

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._errors import PredictError
+
 __all__ = ["check_world_size", "fake_process_group", "shard", "fsdp_categories"]
 
 
@@ -61,8 +63,6 @@ def fake_process_group(world_size: int) -> Iterator[Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    from ._capture import PredictError
 
     if dist.is_initialized():
         raise PredictError(
