@@ -47,19 +47,18 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            FakeTensor, FakeTensorMode, UnsupportedOperatorException,
                                            disable_fake_tensor_cache)
 from torch.utils import _pytree as pytree
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _pinned
 from .._torch_private import graph_task_id_c as _graph_task_id
-from ..modules import current_module_name, register_model, track_modules
+from ..modules import current_module_name, track_modules
 from ..testing import EmulatedAccelerator
 from ..testing._aten_ops import _EMPTY_OPS, _METADATA_OPS
-from ..planner.blocks import find_blocks
 from ._errors import PredictError
 from ._fsdp import fake_process_group, fsdp_categories, local, shard
+from ._model import _block_names, _build, _hf_masks_as_real, fake_parameters
 from ._strategies import apply_strategy
 from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, Kernel, RecordEvent, RecordStream, Trace,
                      WaitEvent)
@@ -171,25 +170,6 @@ class _Recorder(TorchDispatchMode):
             ) from e
         cap.on_op(func, args, kwargs, out)
         return out
-
-
-class _FakeDeepCopy(TorchFunctionMode):
-    """``copy.deepcopy`` of a fake tensor, in the running fake mode: torch's own makes the copy in a new
-    fake mode, which the running one then refuses ("Mixing fake modes"), e.g. ``nn.TransformerEncoder``
-    deep-copies its layer. Entered only while the model is built."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.__deepcopy__ and type(args[0]) is FakeTensor:
-            t, memo = args
-            if id(t) not in memo:
-                with torch.no_grad():
-                    out = t.clone()
-                out = nn.Parameter(out, t.requires_grad) if getattr(t, "_is_param", False) else \
-                    out.requires_grad_(t.requires_grad)
-                memo[id(t)] = out
-            return memo[id(t)]
-        return func(*args, **kwargs)
 
 
 class _Accelerator(EmulatedAccelerator):
@@ -416,33 +396,6 @@ def _optimizer_state(opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
-def _hf_masks_as_real(stack: contextlib.ExitStack) -> None:
-    """Hugging Face's mask code treats a fake tensor as a sign of tracing and then builds an explicit
-    causal mask (B x 1 x S x S, and GQA keys and values expanded for it) where a real run passes
-    ``is_causal=True``. While capturing: a fake scalar (the query offset) is not "tracing", and
-    sequences are not packed (default position ids; packing cannot be read from fake values). A fake
-    padding mask still makes the explicit mask: its values are unknown (an assumption the prediction
-    states)."""
-    import sys
-
-    mu = sys.modules.get("transformers.masking_utils")
-    orig = getattr(mu, "is_tracing", None)
-    packed = getattr(mu, "find_packed_sequence_indices", None)
-    if orig is None or packed is None:
-        return
-
-    def is_tracing(tensor: Any = None) -> bool:
-        return orig(None) if type(tensor) is FakeTensor and tensor.dim() == 0 else orig(tensor)
-
-    def find_packed_sequence_indices(position_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        return None if type(position_ids) is FakeTensor else packed(position_ids, *args, **kwargs)
-
-    for name, fn, old in (("is_tracing", is_tracing, orig),
-                          ("find_packed_sequence_indices", find_packed_sequence_indices, packed)):
-        setattr(mu, name, fn)
-        stack.callback(setattr, mu, name, old)
-
-
 @contextlib.contextmanager
 def _capturing(cap: _Capture, fake: bool, lag: int):
     """The emulated accelerator, fake mode (when ``fake``), the recorder, module tracking and the host
@@ -475,30 +428,6 @@ def _seeing_resizes(cap: _Capture):
         yield
     finally:
         torch.UntypedStorage.resize_ = orig  # type: ignore[method-assign]
-
-
-def _cast(model: nn.Module, dtype: torch.dtype) -> None:
-    """Floating-point parameters and buffers to ``dtype``, in place (``Module.to`` would swap fake
-    parameters, which refuses tensors that are weakly referenced)."""
-    with torch.no_grad():
-        for m in model.modules():
-            for p in m._parameters.values():
-                if p is not None and p.is_floating_point() and p.dtype != dtype:
-                    p.data = p.data.to(dtype)
-            for k, b in m._buffers.items():
-                if b is not None and b.is_floating_point() and b.dtype != dtype:
-                    m._buffers[k] = b.to(dtype)
-
-
-def _build(model_fn: Callable[[], nn.Module], dtype: torch.dtype | None, fake: bool) -> nn.Module:
-    with _FakeDeepCopy() if fake else contextlib.nullcontext():
-        model = model_fn()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"offload.predict: model_fn() must return an nn.Module, got {type(model).__name__}")
-    if dtype is not None:
-        _cast(model, dtype)
-    register_model(model)
-    return model
 
 
 def _step(cap: _Capture, model: nn.Module, step_fn: Callable[[nn.Module], torch.Tensor],
@@ -584,13 +513,6 @@ def _prepare(cap: _Capture, stack: contextlib.ExitStack, model_fn: Callable[[], 
     return model, param_bytes, block_names
 
 
-def _block_names(model: nn.Module) -> list[str]:
-    try:
-        return [n for n, _ in find_blocks(model)]
-    except ValueError:  # no nn.ModuleList: activations are grouped by module
-        return []
-
-
 def _begin_measured(cap: _Capture) -> None:
     """Start recording: the blocks alive now open the trace (NOTE [ Capture ] item 4)."""
     cap.raw = [("alloc", b) for b in sorted(cap.live.values(), key=lambda b: b.id)]
@@ -626,29 +548,3 @@ def settled(it: Any) -> Any:
     return Alloc(b.id, b.nbytes, b.stream, b.category, b.module) if kind == "alloc" else Free(b.id)
 
 
-@contextlib.contextmanager
-def fake_parameters(model: nn.Module):
-    """While inside (and inside a capture, whose fake mode makes them): ``model``'s parameters and buffers
-    are fake ones of the same shape, stride, dtype and ``requires_grad`` (a tied weight stays one tensor);
-    the real ones are put back on exit, untouched (NOTE [ Capture ] item 7)."""
-    memo: dict[int, torch.Tensor] = {}
-    undo: list[tuple[dict, str, Any]] = []
-
-    def twin(t: torch.Tensor, param: bool) -> torch.Tensor:
-        if id(t) not in memo:
-            with torch.no_grad():
-                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-            memo[id(t)] = nn.Parameter(f, t.requires_grad) if param else f
-        return memo[id(t)]
-
-    try:
-        for m in model.modules():
-            for table, param in ((m._parameters, True), (m._buffers, False)):
-                for k, t in list(table.items()):
-                    if t is not None:
-                        undo.append((table, k, t))
-                        table[k] = twin(t, param)
-        yield model
-    finally:
-        for table, k, t in reversed(undo):
-            table[k] = t
