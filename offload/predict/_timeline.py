@@ -259,19 +259,38 @@ class TimelineResult:
         """``memory`` in exact integer nanoseconds."""
         return self._sim.memory()
 
+    def _at_link(self, rate: float) -> "TimelineResult":
+        return self._again(replace(self.gpu, h2d_bytes_per_s=rate, d2h_bytes_per_s=rate))
+
+    @cached_property
+    def _unhideable(self) -> frozenset[int]:
+        """Copies (trace indices) some stream still waits on with an unlimited link: awaited as soon as
+        issued (the first reload of backward, say), so their latency shows at any rate."""
+        return frozenset(st.copy for st in self._at_link(1e18).stalls if st.copy >= 0)
+
+    @cached_property
+    def exposed_copy_floor_seconds(self) -> float:
+        """Predicted: exposed copy time with an unlimited host link (copies awaited as soon as issued)."""
+        return self._at_link(1e18).exposed_copy_seconds if any(self.copy_bytes.values()) else 0.0
+
     @cached_property
     def link_bytes_per_s_needed(self) -> float:
-        """Predicted: the host link rate (both directions) at which no stream waits on a copy;
-        ``inf`` when none does (a copy awaited as soon as issued always shows its latency)."""
+        """Predicted: the host link rate (both directions) at which no stream waits on a copy that can hide,
+        i.e. on any copy other than those awaited as soon as issued (``exposed_copy_floor_seconds``: what
+        those still cost with an unlimited link). 0 without copies; ``inf`` when no copy can hide."""
+        unhideable = self._unhideable
+
         def exposed(rate: float) -> bool:
-            g = replace(self.gpu, h2d_bytes_per_s=rate, d2h_bytes_per_s=rate)
-            return self._again(g).exposed_copy_seconds > 0
-        if not any(self.copy_bytes.values()):
+            return any(st.copy >= 0 and st.copy not in unhideable for st in self._at_link(rate).stalls)
+        n_copies = sum(1 for it in self.trace.items if type(it) is Copy)
+        if n_copies == 0:
             return 0.0
-        if exposed(1e18):
+        if len(unhideable) == n_copies:
             return math.inf
         lo, hi = 1e3, max(self.gpu.h2d_bytes_per_s, self.gpu.d2h_bytes_per_s)
         while exposed(hi):
+            if hi >= 1e18:  # not monotone in the rate: no finite answer
+                return math.inf
             lo, hi = hi, hi * 4
         if not exposed(lo):
             return lo

@@ -85,6 +85,26 @@ def test_link_rate_needed_is_the_rate_that_just_hides_the_copy():
     assert simulate(trace(k()), H100).link_bytes_per_s_needed == 0.0  # no copies, nothing needed
 
 
+def test_link_rate_needed_leaves_out_a_copy_awaited_as_soon_as_issued():
+    """A reload awaited at issue stalls at any link rate (its latency): it is the floor, not a reason for
+    ``inf``; the rate needed is the one that hides the copy that can hide (behind K2 + K3 less latency)."""
+    nbytes, latency = 1_000_000, 1 * US
+
+    def with_latency(item, gpu):
+        return units(item, gpu) + (latency if type(item) is Copy else 0.0)
+
+    t = offload_chain(nbytes)
+    for it in (RecordEvent(0, 4), WaitEvent(2, 4, "order"), Copy(2, "h2d", nbytes, True), RecordEvent(2, 3),
+               WaitEvent(0, 3, "use"), k()):  # a reload issued after K4 and awaited at once
+        t.append(it)
+    res = simulate(t, at(1e9), host_cost=NO_HOST, device_cost=with_latency)
+    assert res.link_bytes_per_s_needed == pytest.approx(nbytes / (20 * US - latency), rel=2e-3)
+    assert res.exposed_copy_floor_seconds == pytest.approx(latency, abs=2e-9)
+    hidden = simulate(t, at(res.link_bytes_per_s_needed), host_cost=NO_HOST, device_cost=with_latency)
+    assert hidden.exposed_copy_seconds == pytest.approx(hidden.exposed_copy_floor_seconds + nbytes
+                                                        / res.link_bytes_per_s_needed, abs=2e-9)
+
+
 # -- semantics ----------------------------------------------------------------------------------
 
 def test_same_direction_copies_serialise_and_directions_overlap():
