@@ -6,8 +6,10 @@
     python -m bench --predict --model llama3-8b --world-size 8 # one rank of FSDP2 over 8 GPUs
 
 For each strategy (none, ac, offload, offload_ac): predicted peak device memory, whether it fits the
-GPU's usable memory, bytes offloaded per step, host bytes per tier, the longest context that fits,
-and how long the prediction took on this machine. Writes ``predict_<model>_<gpu>_s<seq>.json`` and
+GPU's usable memory, bytes offloaded per step, host bytes per tier, predicted step time, tokens/s,
+exposed copy time, step time relative to ``none`` and to ``ac``, the host link rate at which every
+copy would hide (``TimelineResult.link_bytes_per_s_needed``), the longest context that fits, and how
+long the prediction took on this machine. Writes ``predict_<model>_<gpu>_s<seq>.json`` and
 ``.md`` into ``--out`` (default: a fresh ``./bench_runs/<time>_predict_<model>/``). Nothing runs on a
 GPU: the step runs through the real engine on fake tensors (``offload.predict``). Batch 1, AdamW,
 bf16 unless told otherwise.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -26,7 +29,7 @@ import torch
 
 from bench.env import default_run_dir
 
-__all__ = ["STRATEGIES", "predict_rows", "main_predict", "format_markdown", "main_job_section"]
+__all__ = ["STRATEGIES", "predict_rows", "add_step_ratios", "main_predict", "format_markdown", "main_job_section"]
 
 STRATEGIES = ("none", "ac", "offload", "offload_ac")
 _GiB = 1 << 30
@@ -36,11 +39,32 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-5)
 
 
+def _link_fields(rate: float | None) -> dict[str, Any]:
+    """``link_bytes_per_s_needed`` for JSON: ``inf`` (a copy awaited as soon as it is issued never hides)
+    is written as null with a note, since JSON has no infinity."""
+    if rate is not None and math.isinf(rate):
+        return {"link_bytes_per_s_needed": None,
+                "link_note": "no copy can hide: each is awaited as soon as it is issued"}
+    return {"link_bytes_per_s_needed": rate}
+
+
+def add_step_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row gains ``step_vs_none`` and ``step_vs_ac``: its predicted step time over that strategy's
+    (None where either is missing). Returns ``rows``."""
+    steps = {r["strategy"]: r.get("step_seconds") for r in rows}
+    for r in rows:
+        for base in ("none", "ac"):
+            b, s = steps.get(base), r.get("step_seconds")
+            r[f"step_vs_{base}"] = s / b if s is not None and b else None
+    return rows
+
+
 def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torch.dtype, strategies=STRATEGIES,
-                 max_context_limit: int | None = None, progress: bool = True,
+                 batch: int = 1, max_context_limit: int | None = None, progress: bool = True,
                  world_size: int = 1) -> list[dict[str, Any]]:
-    """One row per strategy: the prediction at ``seq`` and (with ``max_context_limit``) the longest context;
-    ``world_size > 1``: of one rank of FSDP2 over that many GPUs."""
+    """One row per strategy: the prediction at ``seq`` (``batch`` sequences a step), its predicted tokens/s,
+    link rate that hides every copy and step time relative to ``none`` and ``ac``, and (with
+    ``max_context_limit``) the longest context; ``world_size > 1``: of one rank of FSDP2 over that many GPUs."""
     from offload.predict import max_context, predict_step
 
     rows = []
@@ -50,7 +74,12 @@ def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torc
         t0 = time.perf_counter()
         p = predict_step(model_fn, lambda m: step_fn(m, seq), gpu=gpu, strategy=strategy, optimizer=_adamw,
                          dtype=dtype, world_size=world_size)
-        row = {**p.to_dict(), "seq": seq, "predict_seconds": round(time.perf_counter() - t0, 2)}
+        row = {**p.to_dict(), "seq": seq, "batch": batch, "predict_seconds": round(time.perf_counter() - t0, 2)}
+        row["tokens_per_s"] = batch * seq / p.step_seconds if p.step_seconds else None
+        t1 = time.perf_counter()
+        row.update(_link_fields(p.link_bytes_per_s_needed))
+        row["exposed_copy_floor_seconds"] = p.timeline.exposed_copy_floor_seconds if p.timeline else None
+        row["link_search_seconds"] = round(time.perf_counter() - t1, 2)
         if max_context_limit:
             t1 = time.perf_counter()
             row["max_context"] = max_context(model_fn, step_fn, gpu=gpu, strategy=strategy, optimizer=_adamw,
@@ -59,19 +88,29 @@ def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torc
             row["max_context_seconds"] = round(time.perf_counter() - t1, 1)
             row["max_context_limit"] = max_context_limit
         rows.append(row)
-    return rows
+    return add_step_ratios(rows)
 
 
-def _num(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
+def _num(x: float | None, fmt: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _link(r: dict[str, Any]) -> str:
+    if r.get("link_note"):
+        return "never (each awaited at issue)"
+    rate = r.get("link_bytes_per_s_needed")
+    return "n/a" if rate is None else ("no copies" if rate == 0 else f"{rate / 1e9:.1f}")
 
 
 def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
-    """A markdown table of the rows, labelled as a prediction."""
+    """A markdown table of the rows, every time column labelled as predicted on the rows' GPU."""
+    gpu = rows[0]["gpu"] if rows else "?"
     lines = [f"### {title}", "",
              "| strategy | predicted peak GiB | fits | offloaded GiB/step | host pool GiB | host pageable GiB "
-             "| predicted step s | copies exposed s | largest context that fits | prediction took s |",
-             "|---|---:|:---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| predicted step s on {gpu} | predicted tokens/s | predicted copies exposed s "
+             "| predicted step vs none | predicted step vs ac | predicted link GB/s needed to hide the copies "
+             "| largest context that fits | prediction took s |",
+             "|---|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mc = r.get("max_context")
         if mc is not None and mc == r.get("max_context_limit"):
@@ -79,11 +118,16 @@ def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
         lines.append(f"| {r['strategy']} | {r['peak_bytes'] / _GiB:.2f} | {'yes' if r['fits'] else 'no'} | "
                      f"{r['offloaded_bytes'] / _GiB:.2f} | {r['host_bytes']['pool'] / _GiB:.2f} | "
                      f"{r['host_bytes']['pageable'] / _GiB:.2f} | {_num(r.get('step_seconds'))} | "
-                     f"{_num(r.get('exposed_copy_seconds'))} | {mc if mc is not None else 'n/a'} | "
-                     f"{r['predict_seconds']:.1f} |")
+                     f"{_num(r.get('tokens_per_s'), '.0f')} | {_num(r.get('exposed_copy_seconds'))} | "
+                     f"{_num(r.get('step_vs_none'), '.2f')}x | {_num(r.get('step_vs_ac'), '.2f')}x | {_link(r)} | "
+                     f"{mc if mc is not None else 'n/a'} | {r['predict_seconds'] + r.get('link_search_seconds', 0):.1f} |")
     if rows:
         lines += ["", f"PREDICTED, not measured: {rows[0]['gpu_spec']}; usable "
-                      f"{rows[0]['usable_bytes'] / _GiB:.2f} GiB. Assumptions:", ""]
+                      f"{rows[0]['usable_bytes'] / _GiB:.2f} GiB. Step times are the timeline's (uncalibrated); "
+                      "\"vs none\" / \"vs ac\" are ratios of predicted step times; the link rate is the host link "
+                      "(both directions) at which no stream would wait on a copy that can hide behind compute (copies "
+                      "awaited as soon as issued, e.g. backward's first reload, stall at any rate: "
+                      "`exposed_copy_floor_seconds` in the JSON). Assumptions:", ""]
         seen = dict.fromkeys(a for r in rows for a in r["assumptions"])
         lines += [f"- {a}" for a in seen]
     return "\n".join(lines) + "\n"
@@ -110,7 +154,7 @@ def main_predict(args: argparse.Namespace, argv: list[str] | None) -> int:
     if world_size < 1:
         print(f"python -m bench --predict: --world-size {world_size} must be >= 1", file=sys.stderr)
         return 2
-    rows = predict_rows(model_fn, step_fn, gpu=args.gpu, seq=seq, dtype=dtype,
+    rows = predict_rows(model_fn, step_fn, gpu=args.gpu, seq=seq, dtype=dtype, batch=args.batch or 1,
                         max_context_limit=None if args.no_max_context else limit, progress=not args.quiet,
                         world_size=world_size)
     layers = f", {args.layers} blocks" if args.layers else ""
@@ -125,6 +169,7 @@ def main_predict(args: argparse.Namespace, argv: list[str] | None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         cmd = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
         (out / f"{stem}.json").write_text(json.dumps({"kind": "predicted", "command": cmd, "title": title,
+                                                      "gpu": args.gpu, "gpu_spec": rows[0]["gpu_spec"],
                                                       "rows": rows}, indent=1, default=str))
         (out / f"{stem}.md").write_text(f"{md}\nMade by `{cmd}`.\n")
         print(f"wrote {out / (stem + '.json')}\nwrote {out / (stem + '.md')}")

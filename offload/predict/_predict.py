@@ -79,6 +79,12 @@ class Prediction:
         return self.timeline.exposed_copy_seconds if self.timeline is not None else None
 
     @property
+    def link_bytes_per_s_needed(self) -> float | None:
+        """Predicted host link rate at which no stream waits on a copy (the timeline's; None without one;
+        ``inf`` when a copy is awaited as soon as it is issued). A search of a few dozen replays: not cheap."""
+        return self.timeline.link_bytes_per_s_needed if self.timeline is not None else None
+
+    @property
     def fits(self) -> bool:
         """The predicted peak is within the GPU's memory less its stated reserve (``gpu.usable_bytes``)."""
         return self.peak_bytes <= self.gpu.usable_bytes

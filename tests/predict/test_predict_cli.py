@@ -2,25 +2,70 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+
+import pytest
 
 from bench import cli
 
+STEM = "predict_gpt2-xl_h100-sxm_s128"
 
-def test_predict_cli_writes_labelled_rows_per_strategy(tmp_path, capsys):
-    """--predict on a preset prints and writes one PREDICTED row per strategy, with the command that made it."""
-    rc = cli.main(["--predict", "--model", "gpt2-xl", "--layers", "1", "--seq", "128", "--no-max-context",
-                   "--quiet", "--out", str(tmp_path)])
+
+@pytest.fixture(scope="module")
+def predicted(tmp_path_factory):
+    """One cheap --predict run (GPT-2 XL, 1 block, s=128): (stdout, JSON, markdown)."""
+    out = tmp_path_factory.mktemp("predict")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli.main(["--predict", "--model", "gpt2-xl", "--layers", "1", "--seq", "128", "--batch", "2",
+                       "--no-max-context", "--quiet", "--out", str(out)])
     assert rc == 0
-    out = capsys.readouterr().out
-    assert "PREDICTED on h100-sxm" in out
-    data = json.loads((tmp_path / "predict_gpt2-xl_h100-sxm_s128.json").read_text())
+    return buf.getvalue(), json.loads((out / f"{STEM}.json").read_text()), (out / f"{STEM}.md").read_text()
+
+
+def test_predict_cli_writes_labelled_rows_per_strategy(predicted):
+    """--predict on a preset prints and writes one PREDICTED row per strategy, with the command that made it."""
+    stdout, data, md = predicted
+    assert "PREDICTED on h100-sxm" in stdout
     assert data["kind"] == "predicted" and "--predict" in data["command"]
+    assert data["gpu"] == "h100-sxm" and data["gpu_spec"].startswith("h100-sxm:")
     rows = {r["strategy"]: r for r in data["rows"]}
     assert list(rows) == ["none", "ac", "offload", "offload_ac"]
     assert all(r["kind"] == "predicted" and r["gpu"] == "h100-sxm" for r in rows.values())
     assert rows["offload"]["offloaded_bytes"] > 0 and rows["none"]["offloaded_bytes"] == 0
-    assert (tmp_path / "predict_gpt2-xl_h100-sxm_s128.md").read_text().count("PREDICTED") >= 2
+    assert md.count("PREDICTED") >= 2
+
+
+def test_predict_cli_derives_throughput_and_overheads_from_the_predicted_step(predicted):
+    """Per strategy: tokens/s is batch x seq over the predicted step, "vs none"/"vs ac" the ratio of predicted
+    steps (so none is 1 vs itself and ac vs none is the inverse of none vs ac), and the time columns say
+    "predicted" and name the GPU."""
+    _, data, md = predicted
+    rows = {r["strategy"]: r for r in data["rows"]}
+    for r in rows.values():
+        assert r["tokens_per_s"] == pytest.approx(2 * 128 / r["step_seconds"])
+        assert r["step_vs_none"] == pytest.approx(r["step_seconds"] / rows["none"]["step_seconds"])
+        assert r["step_vs_ac"] == pytest.approx(r["step_seconds"] / rows["ac"]["step_seconds"])
+    assert rows["none"]["step_vs_none"] == 1.0
+    assert rows["ac"]["step_vs_none"] * rows["none"]["step_vs_ac"] == pytest.approx(1.0)
+    header = next(line for line in md.splitlines() if line.startswith("| strategy"))
+    for col in ("predicted step s on h100-sxm", "predicted tokens/s", "predicted copies exposed s",
+                "predicted step vs none", "predicted step vs ac", "predicted link GB/s"):
+        assert col in header
+
+
+def test_predict_cli_link_rate_hides_the_copies_that_can_hide(predicted):
+    """link_bytes_per_s_needed is 0 without copies and a finite rate with them (a copy awaited at issue, as
+    backward's first reload is, does not make it infinite: its stall is the floor, within the exposed time)."""
+    _, data, _ = predicted
+    rows = {r["strategy"]: r for r in data["rows"]}
+    assert rows["none"]["link_bytes_per_s_needed"] == 0 and rows["ac"]["link_bytes_per_s_needed"] == 0
+    for name in ("offload", "offload_ac"):
+        r = rows[name]
+        assert r["link_bytes_per_s_needed"] > 0 and "link_note" not in r
+        assert 0 <= r["exposed_copy_floor_seconds"] <= r["exposed_copy_seconds"]
 
 
 def test_predict_cli_refuses_a_model_that_is_not_a_preset(capsys):
