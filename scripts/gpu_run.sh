@@ -31,7 +31,9 @@
 #   1b         python -m bench --preset 1b, 3 steps, no compiled strategies (COMPILE=1 keeps them)
 #   sanitizer  TORCH_CUDA_SANITIZER=1 pytest over the stream/race tests -> sanitizer.txt + sanitizer.xml
 #   8b         python -m bench --preset 8b --seq 4096, 3 steps, no compile
-#   predict    predicted_vs_measured.json, once offload.predict and bench/predicted_vs_measured.py exist
+#   predict    python -m bench.predicted_vs_measured over the bench JSONs in the results folder (CPU work:
+#              offload.predict for the same presets on the GPU meta.device_name maps to) ->
+#              predicted_vs_measured.json/.md (dry-run: --gpu h100-sxm stands in for the CPU device)
 #   3b 8b-8k   python -m bench --preset 3b | --preset 8b --seq 8192
 #   plan-1b plan-8b   the planner's frontier (needs pulp + pwlf wheels in .whl/)
 # STEPS=N changes the measured steps of the bench phases (default 3).
@@ -87,7 +89,7 @@ SFX=${LABEL:+_$LABEL}
 # GPU_RUN_EST_<phase> (e.g. GPU_RUN_EST_8b_8k=400) overrides an estimate.
 declare -A EST=(
   [env]="10 40 5 60" [tests]="200 240 15 120" [probe]="40 75 8 60" [1b]="75 120 15 120"
-  [sanitizer]="90 150 15 120" [8b]="160 240 15 120" [predict]="30 60 2 30" [3b]="150 240 15 120"
+  [sanitizer]="90 150 15 120" [8b]="160 240 15 120" [predict]="45 120 10 90" [3b]="150 240 15 120"
   [8b-8k]="300 420 15 120" [plan-1b]="450 590 2 30" [plan-8b]="590 590 2 30" [sleep]="600 600 1 600"
 )
 for ph in "${phases[@]}"; do
@@ -211,7 +213,8 @@ phase_cmd() {  # the command of phase $1, GPU or dry-run
     8b-8k:dry)    CMD=("$PY" -m bench --seq 28 --strategies none,offload "${dry_bench[@]}" --out "$RES") ;;
     plan-1b:)     CMD=("$PY" -m bench --device cuda --preset 1b --plan --out "$RES" --steps "$STEPS") ;;
     plan-8b:)     CMD=("$PY" -m bench --device cuda --preset 8b --seq 4096 --plan --out "$RES" --steps "$STEPS") ;;
-    predict:*)    CMD=("$PY" -m bench.predicted_vs_measured --results "$RES" --out "$RES/predicted_vs_measured.json") ;;
+    predict:)     CMD=("$PY" -m bench.predicted_vs_measured --results "$RES" --quiet) ;;
+    predict:dry)  CMD=("$PY" -m bench.predicted_vs_measured --results "$RES" --gpu h100-sxm --quiet) ;;  # cpu: a stand-in
     sleep:dry)    CMD=(sleep 600) ;;  # dry-run only: a phase to kill (tests/test_gpu_run.py)
   esac
 }

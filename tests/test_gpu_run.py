@@ -47,9 +47,10 @@ def _within_device_limits(out: Path) -> None:
 
 
 def test_dry_run_returns_every_phase_and_leaves_the_checkout_clean(clone, tmp_path):
-    """Call 1's and call 2's phases, dry: each ends ok (predict skipped with its reason), $OUT holds the
-    results tar, streamed log, summary and test logs within the device tool's limits, the environment
-    record has the commit passed in and the host memory, and the checkout is not touched."""
+    """Call 1's and call 2's phases, dry: each ends ok, $OUT holds the results tar, streamed log, summary and
+    test logs within the device tool's limits, the environment record has the commit passed in and the host
+    memory, the predict phase put each measured preset's strategies beside their prediction, and the
+    checkout is not touched."""
     out, res = tmp_path / "out", tmp_path / "res"
     proc = subprocess.run(
         ["bash", SCRIPT, "--dry-run", "--budget", "400", "--commit", "deadbee", "--results", str(res),
@@ -57,14 +58,20 @@ def test_dry_run_returns_every_phase_and_leaves_the_checkout_clean(clone, tmp_pa
         cwd=clone, env=_env(out), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     phases = _summary(out)
-    assert [p for p, s in phases.items() if s["status"] != "ok"] == ["predict"], phases
-    assert phases["predict"]["status"] == "skipped" and "predict" in phases["predict"]["reason"]
+    assert [p for p, s in phases.items() if s["status"] != "ok"] == [], phases
     _within_device_limits(out)
     names = _tar_names(out)
     assert {"env.json", "probe.json", "gpu_tests.xml", "sanitizer.xml", "gpu_run.log", "summary.json",
-            "tiny_L1_s16_b2_float32.json", "tiny_L1_s24_b2_float32.json"} <= names, names
+            "tiny_L1_s16_b2_float32.json", "tiny_L1_s24_b2_float32.json", "predicted_vs_measured.json",
+            "predicted_vs_measured.md"} <= names, names
     assert "passed" in (out / "gpu_tests.txt").read_text() and "passed" in (out / "sanitizer.txt").read_text()
     assert "== [8b] ok" in (out / "gpu_run.log").read_text()
+    pvm = {f["measured_file"]: f["strategies"] for f in
+           json.loads((res / "predicted_vs_measured.json").read_text())["files"]}
+    assert {k: list(v) for k, v in pvm.items()} == {"tiny_L1_s16_b2_float32.json": ["none", "offload", "offload_ac"],
+                                                    "tiny_L1_s24_b2_float32.json": ["none", "offload"]}
+    assert all(r["measured"]["status"] == "ok" and r["predicted"]["status"] == "ok"
+               for v in pvm.values() for r in v.values())
     env = json.loads((res / "env.json").read_text())
     assert env["git_commit"] == "deadbee" and env["virtual_memory"]["total"] > 0
     bench = json.loads((res / "tiny_L1_s16_b2_float32.json").read_text())
