@@ -52,8 +52,10 @@ ASSUMPTIONS = (
     "float32 cross-entropy and backward, no optimizer (the bench has none)",
     "measured step time: the median of the measured steps; predicted: the simulated timeline's step",
     "measured memory: max_memory_allocated over the measured steps (activation bytes: that minus what was "
-    "allocated before the step); the bench allocates gradients up front and zeroes them, the prediction "
-    "allocates them in backward, so the gradient bytes are in both peaks but enter at different times",
+    "allocated before the step); the bench allocates every gradient before the step, the prediction in "
+    "backward, so the predicted peak_allocated_bytes adds the gradients not yet live at the predicted peak "
+    "(the prediction's own peak is peak_allocated_bytes_as_predicted; activation bytes: the peak less "
+    "parameters and gradients)",
     "measured offloaded bytes: the ledger's per-step mean; predicted: the engine's ledger on fake tensors",
 )
 
@@ -118,10 +120,13 @@ def _predicted(wl: Workload, strategy: str, gpu: str) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     p = predict_step(model_fn, step_fn, gpu=gpu, strategy=strategy, dtype=wl.torch_dtype)
-    static = p.breakdown_at_peak.get("parameter", 0) + grad_elems[-1] * wl.torch_dtype.itemsize
-    return {"status": "ok", "peak_bytes": p.peak_bytes, "peak_allocated_bytes": p.peak_allocated_bytes,
-            # what the bench calls activation bytes: the peak less parameters and its pre-allocated gradients
-            "activation_bytes": p.peak_allocated_bytes - static,
+    grads = grad_elems[-1] * wl.torch_dtype.itemsize
+    # The bench allocates every gradient before the step; the prediction allocates them in backward, so
+    # the ones not yet live at the predicted peak are added to it (what the bench's peak holds).
+    peak = p.peak_allocated_bytes + max(0, grads - p.breakdown_at_peak.get("gradient", 0))
+    return {"status": "ok", "peak_allocated_bytes": peak, "peak_allocated_bytes_as_predicted": p.peak_allocated_bytes,
+            "peak_bytes_as_predicted": p.peak_bytes,
+            "activation_bytes": peak - p.breakdown_at_peak.get("parameter", 0) - grads,
             "step_seconds": p.step_seconds, "tokens_per_s": wl.tokens_per_step / p.step_seconds,
             "exposed_copy_seconds": p.exposed_copy_seconds, "offloaded_bytes": p.offloaded_bytes,
             "fits": p.fits, "assumptions": list(p.assumptions),
