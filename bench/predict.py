@@ -79,6 +79,7 @@ def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torc
         t1 = time.perf_counter()
         row.update(_link_fields(p.link_bytes_per_s_needed))
         row["exposed_copy_floor_seconds"] = p.timeline.exposed_copy_floor_seconds if p.timeline else None
+        row["exposed_at_issue_seconds"] = p.timeline.exposed_at_issue_seconds if p.timeline else None
         row["link_search_seconds"] = round(time.perf_counter() - t1, 2)
         if max_context_limit:
             t1 = time.perf_counter()
@@ -108,9 +109,10 @@ def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
     lines = [f"### {title}", "",
              "| strategy | predicted peak GiB | fits | offloaded GiB/step | host pool GiB | host pageable GiB "
              f"| predicted step s on {gpu} | predicted tokens/s | predicted copies exposed s "
+             "| of which awaited at issue s "
              "| predicted step vs none | predicted step vs ac | predicted link GB/s needed to hide the copies "
              "| largest context that fits | prediction took s |",
-             "|---|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mc = r.get("max_context")
         if mc is not None and mc == r.get("max_context_limit"):
@@ -119,14 +121,16 @@ def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
                      f"{r['offloaded_bytes'] / _GiB:.2f} | {r['host_bytes']['pool'] / _GiB:.2f} | "
                      f"{r['host_bytes']['pageable'] / _GiB:.2f} | {_num(r.get('step_seconds'))} | "
                      f"{_num(r.get('tokens_per_s'), '.0f')} | {_num(r.get('exposed_copy_seconds'))} | "
+                     f"{_num(r.get('exposed_at_issue_seconds'))} | "
                      f"{_num(r.get('step_vs_none'), '.2f')}x | {_num(r.get('step_vs_ac'), '.2f')}x | {_link(r)} | "
                      f"{mc if mc is not None else 'n/a'} | {r['predict_seconds'] + r.get('link_search_seconds', 0):.1f} |")
     if rows:
         lines += ["", f"PREDICTED, not measured: {rows[0]['gpu_spec']}; usable "
                       f"{rows[0]['usable_bytes'] / _GiB:.2f} GiB. Step times are the timeline's (uncalibrated); "
                       "\"vs none\" / \"vs ac\" are ratios of predicted step times; the link rate is the host link "
-                      "(both directions) at which no stream would wait on a copy that can hide behind compute (copies "
-                      "awaited as soon as issued, e.g. backward's first reload, stall at any rate: "
+                      "(both directions) at which no stream would wait on a copy that can hide behind compute; copies "
+                      "awaited as soon as issued (a reload issued at its point of use, backward's first reload) "
+                      "stall at any rate: \"of which awaited at issue\" (with an unlimited link: "
                       "`exposed_copy_floor_seconds` in the JSON). Assumptions:", ""]
         seen = dict.fromkeys(a for r in rows for a in r["assumptions"])
         lines += [f"- {a}" for a in seen]

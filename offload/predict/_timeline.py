@@ -274,6 +274,13 @@ class TimelineResult:
         return self._at_link(1e18).exposed_copy_seconds if any(self.copy_bytes.values()) else 0.0
 
     @cached_property
+    def exposed_at_issue_seconds(self) -> float:
+        """Predicted: the part of ``exposed_copy_seconds`` spent waiting on copies awaited as soon as issued,
+        which no link rate hides (an earlier issue or fewer bytes would)."""
+        unhideable = self._unhideable
+        return sum(st.ns for st in self.stalls if st.copy >= 0 and st.copy in unhideable) / 1e9
+
+    @cached_property
     def link_bytes_per_s_needed(self) -> float:
         """Predicted: the host link rate (both directions) at which no stream waits on a copy that can hide,
         i.e. on any copy other than those awaited as soon as issued (``exposed_copy_floor_seconds``: what

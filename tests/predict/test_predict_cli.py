@@ -51,7 +51,7 @@ def test_predict_cli_derives_throughput_and_overheads_from_the_predicted_step(pr
     assert rows["none"]["step_vs_none"] == 1.0
     assert rows["ac"]["step_vs_none"] * rows["none"]["step_vs_ac"] == pytest.approx(1.0)
     header = next(line for line in md.splitlines() if line.startswith("| strategy"))
-    for col in ("predicted step s on h100-sxm", "predicted tokens/s", "predicted copies exposed s",
+    for col in ("predicted step s on h100-sxm", "predicted tokens/s", "predicted copies exposed s", "awaited at issue",
                 "predicted step vs none", "predicted step vs ac", "predicted link GB/s"):
         assert col in header
 
@@ -65,7 +65,7 @@ def test_predict_cli_link_rate_hides_the_copies_that_can_hide(predicted):
     for name in ("offload", "offload_ac"):
         r = rows[name]
         assert r["link_bytes_per_s_needed"] > 0 and "link_note" not in r
-        assert 0 <= r["exposed_copy_floor_seconds"] <= r["exposed_copy_seconds"]
+        assert 0 <= r["exposed_copy_floor_seconds"] <= r["exposed_at_issue_seconds"] <= r["exposed_copy_seconds"]
 
 
 def test_predict_cli_refuses_a_model_that_is_not_a_preset(capsys):

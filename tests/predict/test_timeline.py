@@ -100,6 +100,9 @@ def test_link_rate_needed_leaves_out_a_copy_awaited_as_soon_as_issued():
     res = simulate(t, at(1e9), host_cost=NO_HOST, device_cost=with_latency)
     assert res.link_bytes_per_s_needed == pytest.approx(nbytes / (20 * US - latency), rel=2e-3)
     assert res.exposed_copy_floor_seconds == pytest.approx(latency, abs=2e-9)
+    assert res.exposed_at_issue_seconds == pytest.approx(latency + nbytes / 1e9, abs=2e-9)  # at 1 GB/s
+    assert res.exposed_copy_seconds - res.exposed_at_issue_seconds == pytest.approx(
+        latency + nbytes / 1e9 - 20 * US, abs=2e-9)  # the copy that can hide, not yet hidden
     hidden = simulate(t, at(res.link_bytes_per_s_needed), host_cost=NO_HOST, device_cost=with_latency)
     assert hidden.exposed_copy_seconds == pytest.approx(hidden.exposed_copy_floor_seconds + nbytes
                                                         / res.link_bytes_per_s_needed, abs=2e-9)
