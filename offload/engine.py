@@ -472,7 +472,9 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             return True
         if self._native is not None and self._native.is_hook_of(fn, self):
             return True
-        return getattr(fn, "__self__", None) is self and getattr(fn, "__func__", None) is OffloadActivations._pack
+        # Any bound method of this engine: a subclass may override _pack (bench.hook_cost's floor engine,
+        # a user's engine), and comparing with OffloadActivations._pack misread its own hooks as another's.
+        return getattr(fn, "__self__", None) is self
 
     def __exit__(self, *exc: Any) -> None:
         st = self._thread()

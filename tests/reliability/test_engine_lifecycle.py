@@ -275,3 +275,24 @@ def test_an_engine_is_not_duplicated(tmp_path, how):
     train_step(ref, BATCH)
     assert_grads_equal(ref, model, "after a refused copy")
     ctx.close()
+
+
+def test_a_subclass_overriding_pack_leaves_cleanly():
+    """An engine whose subclass overrides ``_pack`` owns the hooks it pushed: leaving it pops them and no
+    engine stays active (the ownership check compared with OffloadActivations._pack and refused it)."""
+    import torch
+
+    from offload import OffloadActivations, active_engine
+
+    class Keeping(OffloadActivations):
+        def _pack(self, t):
+            return (t if t.is_leaf else t.detach(), t._version, self._open_step())
+
+    w = torch.randn(8, 8, requires_grad=True)
+    ctx = Keeping(device="cpu")
+    for _ in range(2):
+        with ctx:
+            loss = (w @ w).relu().sum()
+        assert active_engine() is None
+        loss.backward()
+    assert torch.equal(w.grad, 2 * torch.autograd.grad((w @ w).relu().sum(), w)[0])
