@@ -122,16 +122,17 @@ class _Backward:
             raise _inplace_error(shape, dtype, now, h.version)
         entry = h.stash
         hc = h.hc
-        if entry is not None and entry.src is not None and hc.users == 1:
+        src = entry.src if entry is not None else None  # read once: a poll may drop it any time after
+        if src is not None and hc.users == 1:
             # The source is still alive (its copy may be in flight): use it as is. Not when
             # other handles share the host copy: they get views of one reloaded base, and an
             # in-place write through one must be seen by the others' checks (Rule 6).
             h.rec.note = "reused_source"
             # Allocated on the producer stream: a consumer on another stream is recorded (Rule 4).
-            self._backend.record_consumer(entry.src, entry.copy, "reused_source_record_stream")
+            self._backend.record_consumer(src, entry.copy, "reused_source_record_stream")
             if p is not None:
                 self._load_ahead(h, p)  # the reloads after it start now, as after any unpack
-            return entry.src
+            return src  # (entry.src may be None by now: loading ahead polls the stash, which releases it)
         if hc.held is None and hc.prefetched is None:  # a new load (a peek: _device_bytes locks)
             base, copy = self._load(hc, h.rec)
             held = None

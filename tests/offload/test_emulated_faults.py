@@ -144,3 +144,28 @@ def test_inject_fault_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown fault"):
         with inject_fault("no_such_call"):
             pass
+
+
+@pytest.mark.emulated
+def test_reused_source_survives_a_poll_while_loading_ahead(monkeypatch):
+    """An unpack that uses an in-flight source as it is returns that source even when loading ahead (which
+    polls the stash) releases the stash entry meanwhile: it returned ``entry.src`` read again after the
+    load-ahead, None once released, and autograd failed with "unpack_hook expected to be a Tensor" (seen
+    as a flaky two-thread emulator test). Gradients stay bitwise."""
+    from offload._backward import _Backward
+
+    load_ahead = _Backward._load_ahead
+    dropped = []
+
+    def poll_then_load_ahead(self, h, p):
+        if h.stash is not None and h.stash.src is not None:
+            h.stash.src = None  # what _poll_stash does once the copy is done
+            dropped.append(h)
+        load_ahead(self, h, p)
+
+    monkeypatch.setattr(_Backward, "_load_ahead", poll_then_load_ahead)
+    with EmulatedAccelerator(late=True) as acc:
+        model, twin, ctx = reused_source_workout(acc)
+    assert dropped, "no unpack used an in-flight source"
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
