@@ -481,7 +481,9 @@ def estimate_module_runtimes(
     """Per-module fw/bw runtime estimates (ms) from PyTorch's RuntimeEstimator. CUDA only.
 
     ``setup()`` builds the model, optimizer and inputs under ``FakeTensorMode``
-    and returns them; ``step(state)`` runs one training step under the estimator.
+    and returns them (build on the device, ``with torch.device("cuda"):``, not with
+    ``model.cuda()``: under fake mode that swaps tensors, which torch refuses while the mode holds
+    weak references to them); ``step(state)`` runs one training step under the estimator.
     ``mode`` is ``"operator-level-cost-model"`` (roofline) or ``"operator-level-benchmark"``.
     """
     _require_cuda("estimate_module_runtimes")

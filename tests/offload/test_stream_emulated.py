@@ -48,15 +48,18 @@ def _same_grads(model, twin):
 
 @pytest.mark.parametrize("stash", [1, 5])
 def test_streams_bitwise_and_bounded_stash(accel, stash):
-    """With copies in flight, grads stay bitwise exact and the stash never exceeds its bound."""
+    """With copies in flight, grads stay bitwise exact and the stash never exceeds its bound. (Pushes are
+    counted apart from the peak: on a fast GPU every copy may be done by the push's own poll, so the stash
+    can stay empty; an H200 showed that, 2026-11-26.)"""
     model, twin = _model(accel)
     ctx = accel.ctx(max_fwd_stash_size=stash)
-    peak = 0
+    peak = pushes = 0
     push = ctx._stash_push
 
     def spy_push(entry):
-        nonlocal peak
+        nonlocal peak, pushes
         push(entry)
+        pushes += 1
         peak = max(peak, len(ctx._stash))
 
     ctx._stash_push = spy_push
@@ -64,7 +67,9 @@ def test_streams_bitwise_and_bounded_stash(accel, stash):
         loss, ref = _twin_step(accel, model, twin, ctx, seed=i)
         assert torch.equal(loss, ref)
     _same_grads(model, twin)
-    assert 0 < peak <= stash
+    assert pushes > 0 and peak <= stash  # copies went through the stash, which kept its bound
+    if accel.emulated:
+        assert peak > 0  # late copies: something was in flight
     assert ctx._stash_bytes == 0 and not ctx._stash  # drained at the end of backward
     accel.settle(ctx)
 

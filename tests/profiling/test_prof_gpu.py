@@ -143,7 +143,10 @@ def test_estimators_on_cuda():
     """RuntimeEstimator and SACEstimator run behind the CUDA guard and report ToyLlama's modules."""
 
     def setup():
-        model = ToyLlama(ToyLlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2)).cuda()
+        # Built on the device: under FakeTensorMode, Module.cuda() swaps tensors, and torch 2.11 refuses
+        # the swap because the fake mode holds weak references to them (found on an H200, 2026-11-26).
+        with torch.device("cuda"):
+            model = ToyLlama(ToyLlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2))
         tokens, _ = make_batch(model.cfg, 2, 64, device="cuda")
         return model, tokens
 
