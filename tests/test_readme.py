@@ -293,6 +293,7 @@ def test_set_up_commands_match_ci():
     ci = (ROOT / ".ci" / "run").read_text()
     assert setup[1] in ci.splitlines(), "README's test command and .ci/run differ"
     assert set(setup) <= set(_bash_commands(DOCS / "getting-started.md")), "getting-started's commands differ"
+    assert setup[0] in ci.splitlines(), "CI does not run the README's main-job command as written"
 
 
 def _backticked(text: str) -> list[str]:
