@@ -22,7 +22,6 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch

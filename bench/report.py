@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 from pathlib import Path

@@ -38,7 +38,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..testing import EmulatedAccelerator
 from ..testing._aten_ops import _EMPTY_OPS, _METADATA_OPS, _host_visible, _mutated_returns, _returns_tensors
-from ._cost import HOOK_COST, pinned_alloc_seconds
+from ._cost import pinned_alloc_seconds
 from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, HostWork, Kernel, RecordEvent, RecordStream,
                      Trace, WaitEvent)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from ._cost import DeviceCost, HostCost, device_seconds
 from ._stalls import Stall, label_stalls
-from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, HostWork, Kernel, RecordEvent, RecordStream,
+from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, Kernel, RecordEvent, RecordStream,
                      Trace, WaitEvent)
 from .gpus import GPUSpec, resolve_gpu
 

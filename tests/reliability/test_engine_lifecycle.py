@@ -14,9 +14,8 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from offload.disk import LOCK_NAME, RUN_PREFIX
+from offload.disk import RUN_PREFIX
 
 from ._common import CFG, assert_grads_equal, engine, make_batch, make_model, train_step, twin
 
