@@ -465,7 +465,7 @@ class HostPool:
     def _released_pinned(self, chunks: list[_Chunk]) -> None:
         """Hand released caching-allocator blocks back to CUDA (else PyTorch keeps them cached)."""
         if any(c.pinned and not c.registered for c in chunks):
-            _pinned.return_pinned_cache()
+            _pinned.return_pinned_cache(self._device_type)
 
     def _trim_to(self, keep: int, clean: bool) -> list[_Chunk]:
         """Release free chunks down to about ``keep`` bytes (see :meth:`trim`)."""
