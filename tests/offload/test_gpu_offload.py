@@ -570,6 +570,31 @@ def test_gpu_peak_memory_drops_by_about_the_offloaded_bytes():
 # --------------------------------------------------------------------------- hardening on CUDA (issue 12)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("who", ["plain_hook", "engine_sync", "engine_streams"])
+def test_gpu_error_raised_in_an_unpack_hook_reaches_the_caller(who):
+    """An exception raised in an unpack hook on CUDA is raised on autograd's device thread and must
+    reach backward()'s caller as itself. On an H200 (torch 2.11, Python 3.12) the engine's in-place
+    error came back as "SystemError: run_backward returned NULL without setting an exception" (the
+    two in-place tests below); on CPU, and on a CPU-backed device whose backward runs on a device
+    thread (test_device_thread.py, torch 2.13 and 2.11), it is raised as itself. The three variants
+    tell torch's path (a plain hook raising) from the engine's (sync copies, side streams)."""
+    a = torch.randn(1 << 20, device="cuda", requires_grad=True)
+    if who == "plain_hook":
+        def unpack(t):
+            raise RuntimeError("modified by an inplace operation (raised by a plain hook)")
+
+        cm = torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack)
+    else:
+        cm = gpu_ctx(use_streams=who == "engine_streams")
+    with cm:
+        x = a.exp()
+        x.masked_fill_(a > 0, 0.5)
+        loss = (x * x).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_gpu_inplace_write_racing_the_d2h_copy_raises(accel):
     """Rule 6: an in-place write queued right after the pack of a temporary races its D2H copy on the
     side stream; whichever wins, the engine raises autograd's in-place error at unpack (the tensor's
