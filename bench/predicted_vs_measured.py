@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from bench.model import ToyLlama
 from bench.workloads import Workload
 
-__all__ = ["DEVICE_GPUS", "gpu_for_device", "compare_file", "compare", "format_markdown", "main"]
+__all__ = ["DEVICE_GPUS", "bench_step_fns", "gpu_for_device", "compare_file", "compare", "format_markdown", "main"]
 
 DEVICE_GPUS: dict[str, str] = {
     "NVIDIA H100 80GB HBM3": "h100-sxm",
@@ -101,23 +101,48 @@ def _measured(s: dict[str, Any]) -> dict[str, Any]:
             "offloaded_bytes": engine.get("offloaded_bytes", 0) if s.get("engine") is not None else 0}
 
 
-def _predicted(wl: Workload, strategy: str, gpu: str) -> dict[str, Any]:
-    """The predicted side of one strategy on ``gpu`` (``offload.predict.predict_step``)."""
-    from offload.predict import predict_step
-
+def bench_step_fns(wl: Workload, grad_elems: list[int] | None = None) -> tuple[Any, Any]:
+    """``(model_fn, step_fn)`` for ``offload.predict.predict_step``: the bench's ToyLlama at ``wl``'s width,
+    blocks and vocabulary, and the bench's step on it (forward, float32 cross-entropy; no optimizer). Each
+    model built appends its trainable element count to ``grad_elems`` when given."""
     cfg = wl.model_config()
 
     def step_fn(model: torch.nn.Module) -> torch.Tensor:
         tokens = torch.randint(0, cfg.vocab_size, (wl.batch, wl.seq_len))  # (B, T)
         return F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
 
-    grad_elems = []
-
     def model_fn() -> torch.nn.Module:
         model = ToyLlama(cfg)
-        grad_elems.append(sum(q.numel() for q in model.parameters() if q.requires_grad))
+        if grad_elems is not None:
+            grad_elems.append(sum(q.numel() for q in model.parameters() if q.requires_grad))
         return model
 
+    return model_fn, step_fn
+
+
+def _predictable(name: str, wl: Workload) -> Any:
+    """What ``predict_step`` runs for the bench strategy ``name`` (None: not modelled). The partial offloads
+    (``offload_part*``) are a ``Plan`` offloading the same first blocks with the same engine settings; the
+    bench runs one engine around the whole model with the later blocks excluded, so the embedding's few
+    saved bytes are the difference."""
+    from offload.predict import STRATEGIES
+
+    from bench.partial_offload import first_blocks_plan
+    from bench.strategies import PART_ENGINE_KWARGS, part_blocks
+
+    if name in STRATEGIES:
+        return name
+    if name in PART_ENGINE_KWARGS:
+        return first_blocks_plan(wl.n_layers, part_blocks(wl.n_layers), PART_ENGINE_KWARGS[name])
+    return None
+
+
+def _predicted(wl: Workload, strategy: Any, gpu: str) -> dict[str, Any]:
+    """The predicted side of one strategy on ``gpu`` (``offload.predict.predict_step``)."""
+    from offload.predict import predict_step
+
+    grad_elems: list[int] = []
+    model_fn, step_fn = bench_step_fns(wl, grad_elems)
     t0 = time.perf_counter()
     p = predict_step(model_fn, step_fn, gpu=gpu, strategy=strategy, dtype=wl.torch_dtype)
     grads = grad_elems[-1] * wl.torch_dtype.itemsize
@@ -156,12 +181,13 @@ def compare_file(path: Path, *, gpu: str | None = None, progress: bool = True) -
     rows = {}
     for s in data.get("strategies") or []:
         name, measured = s["name"], _measured(s)
-        if name not in STRATEGIES:
-            predicted, why = None, f"offload.predict models {STRATEGIES}, not {name!r}"
+        strategy = _predictable(name, wl)
+        if strategy is None:
+            predicted, why = None, f"offload.predict models {STRATEGIES} and the partial offloads, not {name!r}"
         else:
             if progress:
                 print(f"[predicted_vs_measured] {path.name}: {name} on {key}", file=sys.stderr)
-            predicted, why = _predicted(wl, name, key), ""
+            predicted, why = _predicted(wl, strategy, key), ""
         rows[name] = {"strategy": name, "measured": measured, "predicted": predicted,
                       "ratio": ratios(predicted, measured), **({"not_predicted": why} if why else {})}
     return {"measured_file": path.name, "device_name": meta.get("device_name"), "gpu": key,

@@ -225,6 +225,48 @@ def offload_verify(env: BenchEnv) -> Prepared:
     return _engine_strategy(env, checkpoint_blocks=False, use_streams=True, verify=True)
 
 
+PART_FRACTION = 3 / 16
+"""``offload_part*`` offload the first ``max(1, round(PART_FRACTION x blocks))`` blocks (6 of 8B's 32): the
+predicted best partial offload within 1.03x of ``none`` on an H200 with the copies in flight bounded by bytes
+(``bench/results/predicted/partial_offload_8b_L32_s4096_h200.md``)."""
+
+
+def part_blocks(n_layers: int) -> int:
+    """How many of ``n_layers`` leading blocks the ``offload_part`` strategies offload."""
+    return max(1, min(n_layers, round(PART_FRACTION * n_layers)))
+
+
+PART_ENGINE_KWARGS: dict[str, dict[str, int]] = {
+    "offload_part": {},
+    "offload_part_bytes": {"max_fwd_stash_size": 1 << 16, "max_inflight_bytes": 4 << 30},
+}
+"""The engine settings of each partial offload (bench.predicted_vs_measured predicts them with the same)."""
+
+
+def _offload_part(env: BenchEnv, **kwargs: Any) -> Prepared:
+    layers = env.model.layers
+    k = part_blocks(len(layers))
+    prepared = _engine_strategy(env, checkpoint_blocks=False, use_streams=True, **kwargs)
+    # The user's way to offload only the first blocks: keep everything from block k on (and the head after it).
+    region = prepared.engine.exclude(layers[k], keep_after=True) if k < len(layers) else None
+    prepared.close = region.remove if region is not None else None
+    return prepared
+
+
+@_strategy("offload_part", "ours",
+           "Ours on the first 3/16 of the blocks only (engine.exclude(layers[k], keep_after=True)); default bounds "
+           "on the copies in flight (5 tensors, 1 GiB). Offload alone, partly: its best trade-off.")
+def offload_part(env: BenchEnv) -> Prepared:
+    return _offload_part(env, **PART_ENGINE_KWARGS["offload_part"])
+
+
+@_strategy("offload_part_bytes", "ours",
+           "offload_part with the copies in flight bounded by bytes only (max_fwd_stash_size=65536, "
+           "max_inflight_bytes=4 GiB): the later blocks' compute hides the first blocks' copies.")
+def offload_part_bytes(env: BenchEnv) -> Prepared:
+    return _offload_part(env, **PART_ENGINE_KWARGS["offload_part_bytes"])
+
+
 @_strategy(
     "account_only",
     "control",
@@ -366,7 +408,10 @@ def compile_offload(env: BenchEnv) -> Prepared:
     return _compiled(env, _compile_offload_patch())
 
 
-DEFAULT_ORDER: tuple[str, ...] = tuple(n for n in STRATEGIES if n != "offload_verify")
-"""All strategies but ``offload_verify`` (a debugging mode, run by name: ``--strategies
+BY_NAME_ONLY = ("offload_verify", "offload_part", "offload_part_bytes")
+"""Run only when named (``--strategies``): a debugging mode, and the partial offloads (the GPU run names them;
+on the CPU main job's small model they add nothing to what ``offload`` shows)."""
+DEFAULT_ORDER: tuple[str, ...] = tuple(n for n in STRATEGIES if n not in BY_NAME_ONLY)
+"""All strategies but those of ``BY_NAME_ONLY`` (run by name: ``--strategies
 none,offload,offload_verify``), ``none`` first (its step is the correctness reference; ``compile`` is
 ``compile_offload``'s and runs before it)."""

@@ -188,7 +188,11 @@ skip_reason() {  # why a phase cannot run here ("" if it can)
 
 phase_cmd() {  # the command of phase $1, GPU or dry-run
   local dry_bench=(--emulate --steps 1 --warmup 0 --dim 32 --layers 1 --vocab 64 --no-probe --no-plot --quiet)
-  local gpu_bench=(--device cuda --steps "$STEPS" --warmup 1 --out "$RES")
+  # Most valuable first (the bench rewrites its files after each strategy, so a cap keeps what ran): the
+  # targets' strategies, the partial offloads, the peers; the slow synchronous ones last.
+  local order=none,ac,offload_ac,offload,offload_part,offload_part_bytes,offload_head_excluded,account_only
+  order+=,sac,trl,torchtune,compile,compile_offload,offload_sync,save_on_cpu
+  local gpu_bench=(--device cuda --steps "$STEPS" --warmup 1 --out "$RES" --strategies "$order")
   local nocompile=(--skip compile,compile_offload)
   [ -n "${COMPILE:-}" ] && nocompile=()
   case "$1:${DRY:+dry}" in
@@ -207,7 +211,7 @@ phase_cmd() {  # the command of phase $1, GPU or dry-run
     8b:)          CMD=("$PY" -m bench --preset 8b --seq 4096 "${gpu_bench[@]}" "${nocompile[@]}") ;;
     3b:)          CMD=("$PY" -m bench --preset 3b "${gpu_bench[@]}" "${nocompile[@]}") ;;
     8b-8k:)       CMD=("$PY" -m bench --preset 8b --seq 8192 "${gpu_bench[@]}" "${nocompile[@]}") ;;
-    1b:dry)       CMD=("$PY" -m bench --seq 16 --strategies none,offload,offload_ac "${dry_bench[@]}" --out "$RES") ;;
+    1b:dry)       CMD=("$PY" -m bench --seq 16 --strategies none,offload,offload_ac,offload_part "${dry_bench[@]}" --out "$RES") ;;
     8b:dry)       CMD=("$PY" -m bench --seq 24 --strategies none,offload "${dry_bench[@]}" --out "$RES") ;;
     3b:dry)       CMD=("$PY" -m bench --seq 20 --strategies none,offload "${dry_bench[@]}" --out "$RES") ;;
     8b-8k:dry)    CMD=("$PY" -m bench --seq 28 --strategies none,offload "${dry_bench[@]}" --out "$RES") ;;

@@ -68,7 +68,8 @@ def test_dry_run_returns_every_phase_and_leaves_the_checkout_clean(clone, tmp_pa
     assert "== [8b] ok" in (out / "gpu_run.log").read_text()
     pvm = {f["measured_file"]: f["strategies"] for f in
            json.loads((res / "predicted_vs_measured.json").read_text())["files"]}
-    assert {k: list(v) for k, v in pvm.items()} == {"tiny_L1_s16_b2_float32.json": ["none", "offload", "offload_ac"],
+    assert {k: list(v) for k, v in pvm.items()} == {"tiny_L1_s16_b2_float32.json": ["none", "offload", "offload_ac",
+                                                                                    "offload_part"],
                                                     "tiny_L1_s24_b2_float32.json": ["none", "offload"]}
     assert all(r["measured"]["status"] == "ok" and r["predicted"]["status"] == "ok"
                for v in pvm.values() for r in v.values())

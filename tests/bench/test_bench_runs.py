@@ -199,3 +199,25 @@ def test_offload_verify_strategy_runs_bitwise_and_is_not_in_the_default_run(tmp_
     result = run_bench(cfg, {}, None)
     s = result.get("offload_verify")
     assert s.ok and s.correctness.bitwise_equal and s.correctness.grads_compared > 0, (s.status, s.correctness)
+
+
+def test_partial_offload_strategies_offload_only_the_first_blocks_bitwise():
+    """offload_part / offload_part_bytes (the GPU run's partial offload): bitwise like `offload`, moving some
+    but not all of what it moves, the rest kept as an excluded region; the exclusion is removed after the
+    strategy, so `offload` run after them moves everything again. Not in the default run."""
+    from bench.strategies import DEFAULT_ORDER, part_blocks
+
+    assert {"offload_part", "offload_part_bytes"}.isdisjoint(DEFAULT_ORDER)
+    assert [part_blocks(n) for n in (1, 4, 16, 32)] == [1, 1, 3, 6]
+    wl = PRESETS["tiny"].replace(seq_len=32, n_layers=4)
+    cfg = BenchConfig(workload=wl, strategies=("none", "offload_part", "offload_part_bytes", "offload"),
+                      device="cpu", steps=1, warmup=0, order="sequential", progress=False)
+    result = run_bench(cfg, {}, None)
+    full = result.get("offload")
+    assert full.ok and full.correctness.bitwise_equal, (full.status, full.correctness)
+    for name in ("offload_part", "offload_part_bytes"):
+        s = result.get(name)
+        assert s.ok and s.correctness.bitwise_equal and s.correctness.grads_compared > 0, (s.status, s.correctness)
+        assert 0 < s.engine.offloaded_bytes < full.engine.offloaded_bytes / 2, (name, s.engine.offloaded_bytes)
+        assert s.engine.kept_by_reason.get("excluded_region", 0) > 0, s.engine.kept_by_reason
+    assert full.engine.kept_by_reason.get("excluded_region", 0) == 0, full.engine.kept_by_reason
