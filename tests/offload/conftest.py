@@ -3,19 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-
-@pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    """Run each test with one intra-op thread: the models here are ms-scale, and on a shared 2-core
-    machine two OpenMP threads contending with other processes make a step 5-50x slower."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
+from cpu_threads import one_cpu_thread  # noqa: F401 (autouse: one intra-op thread)
 
 
 @pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu),

@@ -8,13 +8,4 @@ comparisons: twin and offloaded runs share the setting.
 
 from __future__ import annotations
 
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from cpu_threads import one_cpu_thread  # noqa: F401 (autouse: one intra-op thread)
