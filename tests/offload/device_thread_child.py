@@ -132,7 +132,12 @@ def register() -> torch.device:
     ext.register_allocator()
     torch.utils.rename_privateuse1_backend(DEVICE)
     torch.utils.generate_methods_for_privateuse1_backend()
-    torch._register_device_module(DEVICE, br._DummyBackendModule())
+    class _Module(br._DummyBackendModule):
+        @staticmethod
+        def get_amp_supported_dtype() -> list[torch.dtype]:  # checkpoint's recompute asks (autocast state)
+            return [torch.float16, torch.bfloat16]
+
+    torch._register_device_module(DEVICE, _Module())
     torch._C._acc.register_python_privateuseone_hook(br._DummyPrivateUse1Hook())
     return torch.device(DEVICE, 0)
 
@@ -152,11 +157,11 @@ class _ThreadOfBackward(torch.autograd.Function):
         return g
 
 
-def _engine(device: torch.device, backend: str):
+def _engine(device: torch.device, backend: str, **kwargs):
     from offload import OffloadActivations
 
     ctx = OffloadActivations(device=device, min_offload_size=0, use_pin_memory=False,
-                             use_streams=backend == "streams")
+                             use_streams=backend == "streams", **kwargs)
     assert ctx.backend == ("stream" if backend == "streams" else "sync"), ctx.backend
     return ctx
 
@@ -179,9 +184,12 @@ def thread(device: torch.device) -> str:
     return f"backward ran on {sorted(names)}"
 
 
-def bitwise(device: torch.device, backend: str) -> str:
+def bitwise(device: torch.device, backend: str, *, checkpoint: bool = False, backwards: int = 1,
+            **engine_kwargs) -> str:
     """A toy Llama step through the engine equals its twin's bit for bit, with unpacks on the device
-    thread; nothing of the pool is left in use."""
+    thread; nothing of the pool is left in use. ``checkpoint``: each block under non-reentrant
+    checkpoint (recomputed in backward, on the device thread); ``backwards``: that many backward
+    passes over one graph (``retain_graph``)."""
     import copy
 
     from bench.model import ToyLlama, ToyLlamaConfig, make_batch
@@ -190,23 +198,37 @@ def bitwise(device: torch.device, backend: str) -> str:
     torch.manual_seed(0)
     model = ToyLlama(cfg).to(device)
     twin = copy.deepcopy(model)
-    ctx = _engine(device, backend)
+    model.checkpoint_blocks = twin.checkpoint_blocks = checkpoint
+    ctx = _engine(device, backend, **engine_kwargs)
     for seed in range(2):
         x, y = (t.to(device) for t in make_batch(cfg, 2, 16, seed=seed))
         with ctx:
             out = _ThreadOfBackward.apply(model(x))
             loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
-        loss.backward()
         ref = torch.nn.functional.cross_entropy(twin(x).flatten(0, 1), y.flatten())
-        ref.backward()
+        for i in range(backwards):
+            loss.backward(retain_graph=i + 1 < backwards)
+            ref.backward(retain_graph=i + 1 < backwards)
         assert torch.equal(loss.cpu(), ref.cpu()), (float(loss), float(ref))
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p.grad.cpu(), q.grad.cpu()), name
     offloaded = [r for r in ctx.ledger.records if r.decision == "offloaded"]
     assert offloaded, "nothing was offloaded: the test proves nothing"
+    del loss, out
     assert ctx.pool.stats()["in_use_bytes"] == 0, ctx.pool.stats()
     assert threading.main_thread().name not in set(_ThreadOfBackward.seen), _ThreadOfBackward.seen
-    return f"{len(offloaded)} offloaded, grads bitwise"
+    tiers = str(ctx.ledger.summary()).rsplit("; tiers ", 1)[-1]
+    return f"{len(offloaded)} offloaded (tiers {tiers}), grads bitwise"
+
+
+def disk_tier(device: torch.device, backend: str) -> str:
+    """The disk tier's writes and read-ahead (its own threads) with reloads on the device thread."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        detail = bitwise(device, backend, host_budget_bytes=4096, pageable_budget_bytes=0, disk_dir=d)
+    assert "disk" in detail, detail
+    return detail
 
 
 def inplace_racing(device: torch.device, backend: str) -> str:
@@ -245,11 +267,22 @@ def plain_hook_error(device: torch.device) -> str:
     return _expect_inplace_error(loss)
 
 
+def checkpointed(device: torch.device, backend: str) -> str:
+    """``offload_ac``'s shape: blocks recomputed in backward (on the device thread), their inputs offloaded."""
+    return bitwise(device, backend, checkpoint=True)
+
+
+def retain_graph(device: torch.device, backend: str) -> str:
+    """Two backward passes over one graph: the second reloads what the first released nothing of."""
+    return bitwise(device, backend, backwards=2)
+
+
 SCENARIOS = {
     "thread": thread,
     "plain_hook_error": plain_hook_error,
     **{f"{f.__name__}[{b}]": (lambda f, b: lambda d: f(d, b))(f, b)
-       for f in (bitwise, inplace_racing, shared_reload_inplace) for b in ("sync", "streams")},
+       for f in (bitwise, checkpointed, retain_graph, disk_tier, inplace_racing, shared_reload_inplace)
+       for b in ("sync", "streams")},
 }
 
 
