@@ -25,9 +25,15 @@ Memory:
 
 Host footprint (the pool target) is measured outside the pool's own counters:
 on CPU, the bytes the pack hook allocated in that profiled step; on a GPU, the
-growth of the pinned host allocator's active bytes (``torch.cuda.host_memory_stats``,
-rounded block sizes) over the strategy's run. Either is divided by the bytes the
-ledger says were offloaded (and so held at once) in one step.
+growth of the bytes PyTorch's pinned host allocator holds from the driver
+(``allocated_bytes``: blocks in use and cached, rounded block sizes;
+``torch.cuda.host_memory_stats``) over the strategy's run, its cache emptied before
+the run starts. Either is divided by the bytes the ledger says were offloaded (and
+so held at once) in one step. Not ``active_bytes``: torch 2.11's allocator never
+takes a freed block out of it (``ATen/core/CachingHostAllocator.h`` there: ``free``
+without events skips the stat, and processing events decreases it by the size
+argument, -1), so it grows by every block ever freed; the H200 run's 2.09x for
+``offload`` was that counter (`account_only`, which pins nothing, grew it by 12).
 
 Time: wall clock per step, and process CPU time per step (``time.process_time``),
 which a descheduled process does not accumulate: on a shared CPU machine the
@@ -347,10 +353,17 @@ def _held_bytes_last_step(engine: Any) -> int | None:
     return int(totals[-1].d2h_bytes)
 
 
-def _host_active_bytes() -> int | None:
-    """Pinned host bytes held by PyTorch's caching host allocator (rounded block sizes), or None."""
+def _host_pinned_bytes(*, empty_cache: bool = False) -> int | None:
+    """Bytes PyTorch's caching host allocator holds pinned from the driver (``allocated_bytes``: blocks in
+    use and cached, rounded sizes), or None. ``empty_cache``: first hand every free block back (after a
+    synchronize, so blocks freed with copies queued are free by then): a strategy's run starts from there."""
     try:
-        return int(torch.cuda.host_memory_stats().get("active_bytes.current", 0))
+        if empty_cache:
+            from offload import _torch_private
+
+            torch.cuda.synchronize()
+            _torch_private.empty_host_cache()
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     except Exception:  # older torch, or no CUDA
         return None
 
@@ -381,7 +394,7 @@ class _Runner:
     peak_reserved: int = 0
     static: int | None = None
     ledger_before: dict[str, Any] | None = None
-    host_active_before: int | None = None
+    host_pinned_before: int | None = None
     losses: list[float] = field(default_factory=list)
     planned: int = 0
     """Steps this strategy still owes the progress bar (dropped from its total if it stops)."""
@@ -439,7 +452,7 @@ class _Bench:
     def prepare(self, r: _Runner) -> None:
         self.progress.phase(f"preparing {r.spec.name}")
         if self.device.type == "cuda":
-            r.host_active_before = _host_active_bytes()
+            r.host_pinned_before = _host_pinned_bytes(empty_cache=True)
         try:
             r.prepared = r.spec.prepare(self.env)
         except Skip as e:
@@ -563,11 +576,12 @@ class _Bench:
             r.result.engine = _engine_stats(engine, r.ledger_before, after, r.steps_done)
             # Only when this strategy runs alone: interleaved, other engines' pools would be in the delta.
             alone = self.cfg.order == "sequential" or r.prepared.isolated
-            host_now = _host_active_bytes() if self.device.type == "cuda" and alone else None
-            if host_now is not None and r.host_active_before is not None:
-                r.result.engine.host_bytes_measured = host_now - r.host_active_before
+            host_now = _host_pinned_bytes() if self.device.type == "cuda" and alone else None
+            if host_now is not None and r.host_pinned_before is not None:
+                r.result.engine.host_bytes_measured = host_now - r.host_pinned_before
                 r.result.engine.host_bytes_source = (
-                    "cuda pinned host allocator: growth of active_bytes over the strategy's run "
+                    "cuda pinned host allocator: growth of allocated_bytes (pinned from the driver, cached blocks "
+                    "included; the cache emptied before the run) over the strategy's run "
                     "(torch.cuda.host_memory_stats, rounded block sizes)")
         r.result.loss = float(loss)
         is_reference = r.spec.name in self.reference_names

@@ -56,14 +56,14 @@ def return_pinned_cache(device_type: str | None) -> None:
     """Hand the caching allocator's freed pinned blocks back to the driver (else PyTorch keeps them).
 
     The device is synchronized first. PyTorch's caching host allocator keeps a freed block that a
-    stream used (every async copy records its stream) *active* until events it records at the free
-    have completed, and it looks at those events only inside a later pinned allocation or
-    ``empty_cache``. At the end of the first step, where the pool re-lays itself out, backward's
-    copies and kernels are still queued, so an ``empty_cache`` right after the free finds the
-    events pending, and the pool never allocates again to look a second time: every block of the
-    first step stayed pinned for the whole run (measured on an H200: the host allocator's active
-    bytes grew 2.09x the bytes the pool held, ``bench/results/nvidia-h200``). Releases are rare
-    (the re-layout once, a trim when shapes shrink for good, ``clear``): one synchronize each.
+    stream used (every async copy records its stream) out of its free list until events it records
+    at the free have completed, and it looks at those events only inside a later pinned allocation
+    or ``empty_cache`` (``ATen/core/CachingHostAllocator.h``). At the end of the first step, where
+    the pool re-lays itself out, backward's copies and kernels are still queued, so an
+    ``empty_cache`` right after the free finds the events pending, and the pool never allocates
+    again to look a second time: the first step's blocks would stay pinned for the whole run.
+    Releases are rare (the re-layout once, a trim when shapes shrink for good, ``clear``): one
+    synchronize each.
     """
     if device_type is not None and device_type != "cpu":
         mod = getattr(torch, device_type, None)

@@ -73,11 +73,11 @@ class _SyncingTorch(_PinnedTorch):
 
 def test_relayout_synchronizes_before_returning_the_first_steps_blocks(monkeypatch):
     """The first step's chunks, released by the re-layout at its end, go back to CUDA only after a
-    device synchronize: torch's host allocator keeps a freed block that a stream used active until
-    events recorded at the free complete, and looks at them only in a later allocation or
-    empty_cache, neither of which comes (measured on an H200 before this: the host allocator's
-    active bytes stayed at 2.09x what the pool held). The synchronize comes after the chunks are
-    dropped and before the cache is emptied; a pool that releases nothing calls neither."""
+    device synchronize: torch's host allocator keeps a freed block that a stream used out of its free
+    list until events recorded at the free complete, and looks at them only in a later allocation or
+    empty_cache, neither of which comes (the pool allocates nothing after the first step). The
+    synchronize comes after the chunks are dropped and before the cache is emptied; a pool that
+    releases nothing calls neither."""
     calls: list = []
     chunks: list = []
     monkeypatch.setattr(offload._pinned, "torch", _SyncingTorch(calls))
