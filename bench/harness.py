@@ -359,10 +359,9 @@ def _host_pinned_bytes(*, empty_cache: bool = False) -> int | None:
     synchronize, so blocks freed with copies queued are free by then): a strategy's run starts from there."""
     try:
         if empty_cache:
-            from offload import _torch_private
+            from offload._pinned import return_pinned_cache
 
-            torch.cuda.synchronize()
-            _torch_private.empty_host_cache()
+            return_pinned_cache("cuda")  # synchronize, then hand the free blocks back
         return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     except Exception:  # older torch, or no CUDA
         return None

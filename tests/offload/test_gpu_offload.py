@@ -34,7 +34,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from accel_testkit import GPU_CFG, SLEEP_CYCLES, Accel  # noqa: E402
 from bench.model import ToyLlama, make_batch  # noqa: E402
-from offload import OffloadActivations, _torch_private, get_act_offloading_ctx_manager  # noqa: E402
+from offload import OffloadActivations, get_act_offloading_ctx_manager  # noqa: E402
+from offload._pinned import return_pinned_cache  # noqa: E402
 from offload.pool import HostPool  # noqa: E402
 
 B, T = 4, 512
@@ -267,9 +268,8 @@ def test_gpu_relayout_returns_pinned_blocks_that_queued_copies_used():
     def pinned() -> int:
         return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
 
-    torch.cuda.synchronize()
     gc.collect()
-    _torch_private.empty_host_cache()
+    return_pinned_cache("cuda")  # synchronize, then hand every free block back: a clean start
     before = pinned()
     pool = HostPool(pin=True, device_type="cuda")
     sizes = [(3 << 20) + 4096 * i for i in range(12)]  # odd sizes: growth guesses, the re-layout fixes it

@@ -54,6 +54,16 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
+def _run_planned(p, model, step) -> None:
+    """One step of ``model`` with ``p`` applied, from zeroed gradients; the plan is removed after."""
+    handle = p.apply(model)
+    try:
+        zero_grads_(model)
+        run_step(step)
+    finally:
+        handle.remove()
+
+
 def test_frozen_parameters_planned_within_budget_with_equal_grads(frozen) -> None:
     """A model with frozen parameters plans (no hook on a frozen one), its plan peaks within the budget
     measured, and its gradients equal the unplanned step's bitwise (frozen ones stay None)."""
@@ -64,12 +74,7 @@ def test_frozen_parameters_planned_within_budget_with_equal_grads(frozen) -> Non
     zero_grads_(model)
     run_step(step)
     want = _grads(model)
-    handle = p.apply(model)
-    try:
-        zero_grads_(model)
-        run_step(step)
-    finally:
-        handle.remove()
+    _run_planned(p, model, step)
     got = _grads(model)
     assert any(g is None for g in got)  # the frozen parameters have no gradient
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
@@ -213,12 +218,7 @@ def test_frozen_lower_blocks_planned_as_keep_within_budget_with_equal_grads(make
     assert all(p.decisions[n] == "keep" for n in frozen_blocks)
     assert set(p.decisions.values()) != {"keep"}, p.report()  # the blocks with a backward were decided
     assert p.measured_peak_bytes <= budget, p.report()
-    handle = p.apply(model)
-    try:
-        zero_grads_(model)
-        run_step(step)
-    finally:
-        handle.remove()
+    _run_planned(p, model, step)
     run_step(step_of(twin))
     got, want = _grads(model), _grads(twin)
     assert any(g is None for g in got) and any(g is not None for g in got)
