@@ -29,6 +29,8 @@ __all__ = [
     "version_tracker",
     "profiler_enabled",
     "top_saved_tensors_hooks",
+    "sanitizer_core",
+    "cuda_allocated_and_peak",
 ]
 
 
@@ -241,3 +243,69 @@ top_saved_tensors_hooks_c: Callable[[], "tuple[Callable, Callable] | None"] = fu
     torch._C._autograd._top_saved_tensors_default_hooks, False)
 """``top_saved_tensors_hooks`` without its Python frame (``offload.modules`` asks it at each module
 call while an engine is entered: NOTE [ Nested hooks ] in offload/_foreign_hooks.py)."""
+
+
+_SANITIZER_CORE = None
+
+
+def sanitizer_core():
+    """``torch.cuda._sanitizer``'s classes (``EventHandler``, ``ArgumentHandler``, its errors) as a module,
+    loaded without the import's side effect.
+
+    Why private: the happens-before checker (``offload.testing``) reuses the core of PyTorch's CUDA
+    sanitizer, which exists only in that private module. Importing it runs ``cuda_sanitizer =
+    CUDASanitizer()``, which activates the GPU trace (``torch._C._activate_gpu_trace``) and registers ten
+    Python callbacks in ``torch.cuda._gpu_trace``: from then on every caching-allocator allocation and
+    free, every event record and wait of the whole process calls into Python and walks the Python stack
+    (16-38 us each), whether or not anything checks. The checker needs none of that (it is fed from a
+    dispatch mode on CPU tensors), so the module is executed here under a private name with the
+    activation and the registrations suppressed for the duration of its body. A process that turned the
+    sanitizer on itself (``TORCH_CUDA_SANITIZER=1``: already imported) gets that module as it is, and a
+    later ``import torch.cuda._sanitizer`` by anyone still runs the real one.
+    """
+    global _SANITIZER_CORE
+    if _SANITIZER_CORE is not None:
+        return _SANITIZER_CORE
+    import importlib.util
+    import sys
+
+    loaded = sys.modules.get("torch.cuda._sanitizer")
+    if loaded is not None:
+        _SANITIZER_CORE = loaded
+        return loaded
+    import torch.cuda._gpu_trace as gpu_trace
+
+    spec = importlib.util.find_spec("torch.cuda._sanitizer")
+    name = "offload._sanitizer_core"
+    spec = importlib.util.spec_from_file_location(name, spec.origin)
+    module = importlib.util.module_from_spec(spec)
+    registrars = {n: getattr(gpu_trace, n) for n in dir(gpu_trace) if n.startswith("register_callback_for_")}
+    activate = torch._C._activate_gpu_trace
+    sys.modules[name] = module  # dataclasses look their module up while the body runs
+    try:
+        torch._C._activate_gpu_trace = lambda: None
+        for n in registrars:
+            setattr(gpu_trace, n, lambda cb: None)
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    finally:
+        torch._C._activate_gpu_trace = activate
+        for n, fn in registrars.items():
+            setattr(gpu_trace, n, fn)
+    _SANITIZER_CORE = module
+    return module
+
+
+def cuda_allocated_and_peak(index: int) -> tuple[int, int]:
+    """(bytes allocated now, their peak) of CUDA device ``index``'s caching allocator: host-side
+    counters, no device synchronization.
+
+    Why private: ``torch.cuda.memory_allocated`` and ``max_memory_allocated`` each build and flatten
+    the allocator's whole statistics dictionary in Python (~100 entries, tens of microseconds);
+    the copy schedule reads these two numbers during backward, so it takes them from one call of
+    the nested dictionary ``torch.cuda.memory_stats`` itself is built from.
+    """
+    stats = torch._C._cuda_memoryStats(index)["allocated_bytes"]["all"]
+    return int(stats["current"]), int(stats["peak"])

@@ -27,15 +27,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.cuda._sanitizer import (
-    FACTORY_FUNCTION_REGEX,
-    Access,
-    AccessType,
-    ArgumentHandler,
-    EventHandler,
-    SynchronizationError,
-    UnsynchronizedAccessError,
-)
+
+from .._torch_private import sanitizer_core
+
+# PyTorch's CUDA sanitizer core, loaded without activating the GPU trace (no Python callback on
+# CUDA's allocator or events: offload._torch_private.sanitizer_core says why).
+_sanitizer = sanitizer_core()
+FACTORY_FUNCTION_REGEX = _sanitizer.FACTORY_FUNCTION_REGEX
+Access = _sanitizer.Access
+AccessType = _sanitizer.AccessType
+ArgumentHandler = _sanitizer.ArgumentHandler
+EventHandler = _sanitizer.EventHandler
+SynchronizationError = _sanitizer.SynchronizationError
+UnsynchronizedAccessError = _sanitizer.UnsynchronizedAccessError
 
 __all__ = ["Hazard", "HazardError", "Checker", "FreeBeforeAccessError"]
 
@@ -77,7 +81,7 @@ _fast_lock = threading.Lock()
 
 def _use_fast_stacks(on: bool) -> None:
     """Swap the sanitizer module's ``traceback`` for ``_FastTraceback`` while any checker is entered."""
-    import torch.cuda._sanitizer as sanitizer
+    sanitizer = _sanitizer
 
     with _fast_lock:
         _fast_users[0] += 1 if on else -1
