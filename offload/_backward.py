@@ -28,6 +28,8 @@ from .streams import Copy
 if TYPE_CHECKING:
     import threading
 
+    from ._schedule import _Schedule
+
 _graph_task_id = _torch_private.graph_task_id_c
 _Tensor = torch.Tensor
 
@@ -40,7 +42,8 @@ class _Pass:
     failed backward cleans up as soon as autograd drops it.
     """
 
-    __slots__ = ("engine", "gid", "touched", "prefetched", "prefetched_bytes", "ended", "__weakref__")
+    __slots__ = ("engine", "gid", "touched", "prefetched", "prefetched_bytes", "ended", "order", "frontier",
+                 "ceiling", "reserve", "allowance", "next_read", "unpacks", "__weakref__")
 
     def __init__(self, engine: Any, gid: int) -> None:
         self.engine = engine
@@ -51,6 +54,16 @@ class _Pass:
         self.prefetched: list[weakref.ref] = []
         self.prefetched_bytes = 0
         self.ended = False
+        # The reload window (NOTE [ Copy schedule ] item 3, set by _Schedule.begin_pass): the pack order
+        # reloads walk backwards from ``frontier``, the memory ceiling and reserve, the bytes the last
+        # allocator reading allows, and the unpack count at which it may be read again.
+        self.order: list[weakref.ref] | None = None
+        self.frontier = 0
+        self.ceiling: int | None = None
+        self.reserve = 0
+        self.allowance = 0
+        self.next_read = 0
+        self.unpacks = 0
 
     def __call__(self) -> None:
         self.engine._end_pass(self)
@@ -86,12 +99,13 @@ class _Backward:
     _close_pending: bool
     _tls: Any
     _threads: Any
-    _max_copy_bytes: int
+    _sched: "_Schedule"
     prefetch_bytes: int | None
     tiers: Any
 
-    def _begin_backward_pass(self) -> _Pass | None:
-        """This graph task's pass state, created (and its end queued) at its first unpack."""
+    def _begin_backward_pass(self, order: list[weakref.ref] | None = None) -> _Pass | None:
+        """This graph task's pass state, created (and its end queued) at its first unpack; ``order``: the
+        pack order its reloads walk (the unpacked handle's, or its step's last)."""
         gid = _graph_task_id()
         if gid < 0:
             return None  # unpacked outside backward (e.g. grad_fn._saved_*): nothing to track
@@ -106,14 +120,26 @@ class _Backward:
                 p = self._passes.get(gid)
                 if p is None:
                     p = _Pass(self, gid)
+                    self._sched.begin_pass(p, order)
                     self._passes[gid] = p
                     _torch_private.queue_end_of_backward(p)
+        if p.order is None and order is not None:  # its first unpacks had no offloaded handle to follow
+            self._sched.begin_pass(p, order)
         self._last_pass = (gid, weakref.ref(p))  # graph task ids are never reused
         return p
 
+    def _kept_unpacked(self, step: Any) -> None:
+        """A kept handle of ``step`` was unpacked: the reloads of its pass may start (NOTE [ Copy schedule ]
+        item 3)."""
+        p = self._begin_backward_pass(step.order)
+        if p is not None:
+            p.unpacks += 1
+            if p.frontier:
+                self._sched.ahead(p, self._load)
+
     def _reload(self, h: _Offloaded) -> torch.Tensor:
         """The unpack of an offloaded handle."""
-        p = self._begin_backward_pass()
+        p = self._begin_backward_pass(h.order)
         tracker = h.tracker
         tensor = type(tracker) is _Tensor or type(tracker) is _FAKE_TENSOR  # (else a weak reference)
         now = tracker._version if tensor else getattr(tracker(), "_version", h.version)
@@ -130,6 +156,8 @@ class _Backward:
             h.rec.note = "reused_source"
             # Allocated on the producer stream: a consumer on another stream is recorded (Rule 4).
             self._backend.record_consumer(src, entry.copy, "reused_source_record_stream")
+            # Consumed: the engine holds it no longer than autograd does (NOTE [ Copy schedule ] item 5).
+            self._sched.consumed(entry)
             if p is not None:
                 self._load_ahead(h, p)  # the reloads after it start now, as after any unpack
             return src  # (entry.src may be None by now: loading ahead polls the stash, which releases it)
@@ -162,10 +190,13 @@ class _Backward:
         return out
 
     def _load_ahead(self, h: _Offloaded, p: _Pass) -> None:
-        """After the unpack of ``h``: prefetch the handles packed before it and read ahead on disk."""
-        pb = self.prefetch_bytes  # prefetch_budget != 0, without the property call
-        if pb if pb is not None else self._backend.name != "sync":
-            self._prefetch_after(h, p)
+        """After the unpack of ``h``: issue the reloads of the handles packed before it while there is room
+        (NOTE [ Copy schedule ] item 3) and read ahead on disk."""
+        p.unpacks += 1
+        sched = self._sched
+        sched.reached(p, h)
+        if p.frontier:
+            sched.ahead(p, self._load)
         if self.tiers.disk is not None:
             self._disk_readahead(h)
 
@@ -232,39 +263,15 @@ class _Backward:
 
     @property
     def prefetch_budget(self) -> int:
-        """Bytes backward may load ahead of need (``prefetch_bytes`` resolved).
-
-        The default (None) is twice the largest copy on a side stream, and 0
-        with synchronous copies (CPU, ``use_streams=False``): a load ahead
-        cannot overlap anything there, it only holds the bytes longer.
-        """
+        """Bytes backward may load ahead of need without allocator statistics (``prefetch_bytes`` resolved;
+        NOTE [ Copy schedule ] item 3): ``prefetch_bytes`` when set; else twice the largest copy on a side
+        stream, and 0 with synchronous copies (CPU, ``use_streams=False``), where a load ahead overlaps
+        nothing. With allocator statistics (CUDA) the device's headroom sizes it instead."""
         if self.prefetch_bytes is not None:
             return self.prefetch_bytes
         if self._backend is None or self._backend.name == "sync":
             return 0
-        return 2 * self._max_copy_bytes
-
-    def _prefetch_after(self, h: _Offloaded, p: _Pass) -> None:
-        """Load the handles packed just before ``h`` (backward order) within the budget."""
-        order = h.order
-        if order is None:
-            return  # packed when nothing loaded ahead (a synchronous backend's default)
-        with _span("offload::prefetch"), self._lock:
-            budget = self.prefetch_budget
-            for x in _live_before(h, order):
-                if p.prefetched_bytes >= budget:
-                    break
-                hc = x.hc
-                if hc.prefetched is not None or (x.stash is not None and x.stash.src is not None):
-                    continue
-                if hc.held is not None or hc.used >= hc.users:
-                    continue  # on the device already, or consumed in this pass
-                if p.prefetched_bytes + hc.nbytes > budget:
-                    break
-                dev, copy = self._load(hc, x.rec)
-                hc.prefetched = (dev, copy, p.gid)
-                p.prefetched_bytes += hc.nbytes
-                p.prefetched.append(weakref.ref(hc))
+        return 2 * self._sched.max_copy
 
     def _end_pass(self, p: _Pass) -> None:
         """A graph task ended (or failed): release what it held; close the step after the last one."""
@@ -317,7 +324,7 @@ class _Backward:
     def _end_step(self) -> None:
         """Release every in-flight source, renumber the pack orders, close the ledger step."""
         with self._lock:
-            self._drain_stash()
+            self._sched.drain()
             for ts in list(self._threads):
                 self._compact(ts.order)
         self.close_step()

@@ -1,15 +1,16 @@
-"""The engine's copies: device to host at pack, host to device at unpack, and the stash (Rule 2).
+"""The engine's copies: device to host at pack, host to device at unpack.
 
 Every copy goes through the engine's copy backend (``offload.streams``:
 a side stream with events, or synchronous copies), so this is where the
 stream ordering rules are kept (Rules 2 and 4 of NOTE [ Offload lifetime
-rules ] in ``offload/engine.py``). Host bytes come from the engine's
-``HostTiers`` (``offload/tiers.py``). A mixin of ``OffloadActivations``.
+rules ] in ``offload/engine.py``); when a copy's source is released and when
+a reload starts is the copy schedule's (``offload/_schedule.py``). Host bytes
+come from the engine's ``HostTiers`` (``offload/tiers.py``). A mixin of
+``OffloadActivations``.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,7 @@ from .ledger import OFFLOADED, Ledger, PackRecord
 from .streams import Copy
 
 if TYPE_CHECKING:
-    import threading
-
+    from ._schedule import _Schedule
     from .tiers import HostTiers
 
 _profiler_enabled = _torch_private.profiler_enabled_c
@@ -59,13 +59,8 @@ class _Copies:
 
     _backend: Any
     tiers: "HostTiers"
-    _lock: "threading.RLock"
-    _stash: deque[_StashEntry]
-    _stash_bytes: int
-    _max_copy_bytes: int
+    _sched: "_Schedule"
     ledger: Ledger
-    max_fwd_stash_size: int
-    max_inflight_bytes: int
     timing: bool
     _verify: bool
 
@@ -88,8 +83,6 @@ class _Copies:
         if buf is None:
             rec.note = note
             return None
-        if nbytes > self._max_copy_bytes:
-            self._max_copy_bytes = nbytes
         backend = self._backend
         synchronous = backend.name == "sync"  # (never in flight when its handle dies: no release)
         hc = _HostCopy(buf, tiers.give_pool if tier == "pool" else tiers.give, lo_b, nbytes, tier, version,
@@ -116,37 +109,8 @@ class _Copies:
             return hc, None
         self.ledger.add_copy_time(rec, "d2h", copy)
         entry = hc.inflight = _StashEntry(_saved_alias(t), copy, nbytes)
-        self._stash_push(entry)
+        self._sched.push(entry)  # its source stays alive until the copy is done (NOTE [ Copy schedule ])
         return hc, entry
-
-    # -- the stash of in-flight sources (Rule 2) --------------------------------------
-
-    def _stash_push(self, entry: _StashEntry) -> None:
-        with self._lock:
-            self._stash.append(entry)
-            self._stash_bytes += entry.nbytes
-            self.ledger.note_inflight(self._stash_bytes)
-            self._poll_stash()
-            while self._stash and (
-                len(self._stash) > self.max_fwd_stash_size or self._stash_bytes > self.max_inflight_bytes
-            ):
-                self._release_oldest()
-
-    def _release_oldest(self) -> None:
-        e = self._stash.popleft()
-        self._stash_bytes -= e.nbytes
-        self._backend.release_after(e.copy, e.copy.stream, "stash_release_waits_copy")
-        e.src = None
-
-    def _poll_stash(self) -> None:
-        with self._lock:
-            while self._stash and self._stash[0].copy.query():
-                self._release_oldest()
-
-    def _drain_stash(self) -> None:
-        with self._lock:
-            while self._stash:
-                self._release_oldest()
 
     # -- host to device (unpack) --------------------------------------------------------
 

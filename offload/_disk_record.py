@@ -14,7 +14,7 @@ import torch
 
 from .errors import OffloadError
 
-__all__ = ["DiskRecord", "DiskTierError", "HEADER_BYTES", "RecordMismatch", "allocate", "write", "read_checked"]
+__all__ = ["DiskRecord", "DiskTierError", "HEADER_BYTES", "RecordMismatch", "allocate", "write", "read_checked", "ready"]
 
 _MAGIC = b"OFLDTNS1"
 _HEADER = struct.Struct("<8s16sQQI4x")  # magic, store token, sequence, nbytes, crc32
@@ -45,6 +45,14 @@ class DiskRecord:
         self.read_bytes = 0
         self.memory: torch.Tensor | None = None  # the bytes, if a write failed
         self.cache = None  # HostBuffer.cache compatibility (never reused)
+
+
+def ready(rec: DiskRecord) -> bool:
+    """Whether ``DiskStore.load(rec)`` returns its bytes without waiting on a write or a read: the copy
+    schedule asks before it reloads a record ahead of need (NOTE [ Copy schedule ]). Read without the
+    store's lock: a stale "not ready" only defers the reload to the next unpack."""
+    read = rec.read
+    return rec.state == "in_memory" or (rec.state == "on_disk" and read is not None and read[0].is_set())
 
 
 class DiskTierError(OffloadError):

@@ -71,10 +71,13 @@ class _Step:
     freed, so a forward-only step can close (``_close_finished_step``).
     """
 
-    __slots__ = ("engine", "__weakref__")
+    __slots__ = ("engine", "order", "__weakref__")
 
     def __init__(self, engine: "OffloadActivations") -> None:
         self.engine = engine
+        # The pack order of the step's latest offloaded handle: what a pass whose first unpack is a kept
+        # handle walks to start its reloads (NOTE [ Copy schedule ] item 3).
+        self.order: list[weakref.ref] | None = None
 
 
 def _dead() -> None:
@@ -156,7 +159,7 @@ class _Offloaded:
 
 def _unpack_kept(handle: tuple) -> torch.Tensor:
     t, version, step = handle
-    step.engine._begin_backward_pass()
+    step.engine._kept_unpacked(step)
     if t._version != version:
         raise _inplace_error(t.shape, t.dtype, t._version, version)
     return t
@@ -169,7 +172,7 @@ def _unpack_handle(handle: Any) -> torch.Tensor:
             return _unpack_any(handle)
     if type(handle) is tuple:  # _unpack_kept, inlined: once per kept tensor
         t, version, step = handle
-        step.engine._begin_backward_pass()
+        step.engine._kept_unpacked(step)  # the pass's reloads may start here (NOTE [ Copy schedule ])
         if t._version != version:
             raise _inplace_error(t.shape, t.dtype, t._version, version)
         return t

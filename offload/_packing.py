@@ -116,6 +116,8 @@ class _Packing:
     _observers: Any
     _running_owner: Callable[[int], str]
     _order_compact_at: int
+    _inflight: Any
+    _sched: Any
     tiers: Any
 
     # _pack runs for every saved tensor on the kernel-launching thread: its CPU time is step
@@ -157,6 +159,7 @@ class _Packing:
             lo_b, key = offset * itemsize, (dev, ptr)
             hi_b = lo_b + nbytes if contiguous else byte_span(t)[1]
         if reason:
+            self._inflight and self._sched.kept()  # finished copies free their sources (NOTE [ Copy schedule ])
             # Kept: (the tensor, detached if it has history: Rule 10; its version: Rule 6); NOTE [ Ledger logs ]
             handle: Any = (t if t.is_leaf else t.detach(), t._version, step)
             rec: Any = (next(self._seq), ledger.current_step, nbytes, tuple(shape), dtype, dev, module,
@@ -232,6 +235,7 @@ class _Packing:
                          dev, current_module_name(), KEPT, reason, key[1], storage_nbytes)
         step = self._open_step()
         if reason:
+            self._inflight and self._sched.kept()  # (NOTE [ Copy schedule ] items 1, 2)
             handle: Any = (_saved_alias(t), t._version, step)
         else:  # (the reference _pack is tested against: what _pack hands over is never offloaded)
             lo_b, hi_b = byte_span(t)
@@ -365,7 +369,7 @@ class _Packing:
                 self._compact(order)
                 self._order_compact_at = max(1024, 2 * len(order))
             h.index = len(order)
-            h.order = order
+            h.order = h.step.order = order
             order.append(weakref.ref(h))
 
     @staticmethod

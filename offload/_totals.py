@@ -95,6 +95,9 @@ class StepTotals:
     h2d_seconds: float = 0.0
     stall_seconds: float = 0.0
     peak_inflight_bytes: int = 0
+    d2h_waits: int = 0
+    """Times compute waited on a device-to-host copy because a bound required it (``device_budget_bytes``,
+    or a cap: NOTE [ Copy schedule ] item 2); each wait's time is in ``stall_seconds``."""
     pool: dict[str, Any] = field(default_factory=dict)
     tiers: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per host tier used in the step (``TIERS``): bytes, count, seconds, wait_seconds (see

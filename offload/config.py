@@ -155,16 +155,18 @@ class OffloadConfig:
     """Page-lock host buffers when an accelerator is used (faster, asynchronous copies)."""
     use_streams: bool = True
     """Copy on a side stream so copies overlap compute (synchronous on CPU)."""
-    max_fwd_stash_size: int = 5
-    """Most tensors whose device-to-host copy may be in flight (their sources stay alive)."""
+    max_fwd_stash_size: int | None = None
+    """Optional cap on tensors whose device-to-host copy is in flight (sources alive); None = no cap (waits cost speed)."""
     min_offload_size: Bytes = 1024
     """Tensors with fewer bytes than this stay on the device."""
     device: str | None = None
     """Device whose saved tensors are offloaded: None = current accelerator, "cpu" = CPU tensors."""
-    max_inflight_bytes: Bytes = 1024 * _MiB
-    """Bound on bytes of in-flight device-to-host copies (their sources stay alive)."""
+    max_inflight_bytes: Bytes | None = None
+    """Optional cap on bytes of in-flight device-to-host copies (sources alive); None = no cap."""
+    device_budget_bytes: Bytes | None = None
+    """Device bytes the step stays within (compute waits on copies only for it); None = all off by forward's end."""
     prefetch_bytes: Bytes | None = None
-    """Bytes backward loads ahead of need; None = twice the largest copy (off with synchronous copies), 0 = off."""
+    """Cap on bytes backward loads ahead of need; None = as far as the device's headroom allows, 0 = off."""
     host_budget_bytes: Bytes | None = None
     """Cap on host pool bytes (pinned where possible; the first tier); None = no fixed cap."""
     pageable_budget_bytes: Bytes | None = 0
@@ -200,7 +202,8 @@ class OffloadConfig:
         for name in ("use_pin_memory", "use_streams", "dedupe", "timing", "native_hooks", "verify"):
             _check_bool(name, getattr(self, name))
         _check_int("max_fwd_stash_size", self.max_fwd_stash_size, 1,
-                   "it bounds how many tensors may have a device-to-host copy in flight")
+                   "it caps how many tensors may have a device-to-host copy in flight; None = no cap",
+                   allow_none=True)
         _check_int("max_records", self.max_records, 0, "a count of records")
         object.__setattr__(self, "disk_dir", _normalise_disk_dir(self.disk_dir))
         _check_choice("on_host_budget", self.on_host_budget, ON_HOST_BUDGET,
@@ -267,7 +270,9 @@ SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(OffloadConfig) if str(f.t
 """Settings in bytes (annotated ``Bytes``): each takes every form of NOTE [ Sizes ] in offload/sizes.py."""
 _NONE_SIZES = frozenset(f.name for f in dataclasses.fields(OffloadConfig) if str(f.type) == "Bytes | None")
 _SIZE_RANGE = {
-    "max_inflight_bytes": (1, "it bounds the bytes of device-to-host copies in flight"),
+    "max_inflight_bytes": (1, "it caps the bytes of device-to-host copies in flight; None = no cap"),
+    "device_budget_bytes": (1, "the device bytes the step stays within; None = every offloaded byte off the "
+                               "device by the forward's end"),
     "prefetch_bytes": (0, "a size in bytes; 0 turns prefetch off, None sizes it from the copies"),
     "host_budget_bytes": (0, "a size in bytes; None = no fixed cap"),
     "pageable_budget_bytes": (0, "a size in bytes; 0 = no pageable tier, None = bounded by the RAM ceiling only"),

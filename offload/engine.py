@@ -14,8 +14,8 @@ Rule 1. A handle owns its host copy; the copy goes back to the pool when
         phase state machine.
 Rule 2. A source tensor stays alive until its device-to-host copy has
         completed (or its producer stream is ordered after the copy's event).
-        In-flight copies are bounded in bytes (``max_inflight_bytes``) and in
-        count (``max_fwd_stash_size``).
+        When sources go and reloads start, by device memory: NOTE [ Copy
+        schedule ] in ``offload/_schedule.py``.
 Rule 3. Streams are looked up live at pack/unpack time, never cached at
         construction: FSDP2, checkpoint recompute and custom Functions run
         backward on other streams.
@@ -84,7 +84,7 @@ import itertools
 import threading
 import warnings
 import weakref
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -100,9 +100,10 @@ from ._foreign_hooks import (check_exit, hooks_removed_error, unwatch_inner_hook
 from ._backward import _Backward, _Pass
 from ._copies import _Copies
 from ._exclusion import RegionHandle, exclude_module, warn_unused_regions
-from ._handles import _dead, _StashEntry, _Step, _unpack_handle
+from ._handles import _dead, _Step, _unpack_handle
 from ._observers import PackEvent, _engines, _observe, _pop_engine, active_engine, add_pack_observer
 from ._packing import _owner_lookup, _Packing
+from ._schedule import _Schedule
 from ._spans import SpanSet
 from ._warn import user_stacklevel
 from .attach import AttachHandle, attach
@@ -201,20 +202,13 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
 
     Keyword-only (torchtune and TRL take the first two positionally, in
     opposite orders: see offload.compat for their exact signatures):
-        max_fwd_stash_size: most in-flight D2H copies whose source is kept alive.
-        min_offload_size: tensors with fewer bytes stay on the device.
-        device: the device whose tensors are offloaded. None = the current
-            accelerator (pass-through with one warning when there is none);
-            "cpu" offloads CPU tensors into the host pool (exercises the whole
-            path without a GPU).
-        max_inflight_bytes: bound on bytes of in-flight D2H copies (sources alive).
-        prefetch_bytes: how many bytes of upcoming handles backward loads ahead.
-            None (default) = twice the largest single copy made so far: enough
-            to keep the next copies in flight while compute uses the current
-            one, without reloading the whole step at the first unpack (which
-            would give the memory back); off with synchronous copies (CPU,
-            ``use_streams=False``), where loading ahead overlaps nothing.
-            0 turns prefetch off.
+        max_fwd_stash_size, max_inflight_bytes: optional caps on the device-to-host copies in flight
+            (count, bytes); None (default) = none. Beyond one, compute waits on the oldest copy.
+        device_budget_bytes: device bytes the step stays within (compute waits on in-flight copies
+            only to keep it). None (default): every offloaded byte off the device by the forward's
+            end, each wait as late as that allows (NOTE [ Copy schedule ] in offload/_schedule.py).
+        prefetch_bytes: cap on the bytes backward loads ahead; None (default) = as far as device
+            memory allows (off with synchronous copies, where it overlaps nothing); 0 = off.
         host_budget_bytes: cap on host pool bytes; None = no fixed cap.
         on_host_budget: what happens to a tensor that does not fit: "keep" it on
             the device, copy it to unpooled "pageable" memory, or "raise" OffloadError.
@@ -245,10 +239,11 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         use_pin_memory: bool = True,
         use_streams: bool = True,
         *positional: Any,
-        max_fwd_stash_size: int = 5,
+        max_fwd_stash_size: int | None = None,
         min_offload_size: SizeLike = 1024,
         device: torch.device | str | None = None,
-        max_inflight_bytes: SizeLike = 1024 * _MiB,
+        max_inflight_bytes: SizeLike | None = None,
+        device_budget_bytes: SizeLike | None = None,
         prefetch_bytes: SizeLike | None = None,
         host_budget_bytes: SizeLike | None = None,
         pageable_budget_bytes: SizeLike | None = 0,
@@ -272,7 +267,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         settings = dict(
             use_pin_memory=use_pin_memory, use_streams=use_streams,
             max_fwd_stash_size=max_fwd_stash_size, min_offload_size=min_offload_size, device=device,
-            max_inflight_bytes=max_inflight_bytes, prefetch_bytes=prefetch_bytes,
+            max_inflight_bytes=max_inflight_bytes, device_budget_bytes=device_budget_bytes,
+            prefetch_bytes=prefetch_bytes,
             host_budget_bytes=host_budget_bytes, pageable_budget_bytes=pageable_budget_bytes,
             disk_dir=disk_dir, disk_budget_bytes=disk_budget_bytes, disk_queue_bytes=disk_queue_bytes,
             disk_readahead_bytes=disk_readahead_bytes, on_host_budget=on_host_budget,
@@ -339,15 +335,12 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         """The host tiers (pool, pageable, disk: NOTE [ Host tiers ]); ``tiers.stats()``. Where an
         offloaded tensor's host bytes go is decided by ``tiers.take`` alone (Rule 9)."""
         self._backend = make_backend(self.device, self.use_streams, timing=self.timing) if self.enabled else None
-        self._max_copy_bytes = 0
         self._observers: OrderedDict[int, Callable[[PackEvent], None]] = OrderedDict()
         self._seq = itertools.count()
         self._lock = threading.RLock()
         # Storage -> PARAMETER / BUFFER of the model given up front (policy.model_storages).
         self._static_ptrs: dict[int, str] = {}
         self._regions: list[RegionHandle] = []
-        self._stash: deque[_StashEntry] = deque()
-        self._stash_bytes = 0
         self._dedupe: dict[tuple[str, int], weakref.ref] = {}
         self._seen = SpanSet()  # unique bytes: the union of saved spans, as the profilers count
         # Per-thread forward state and per-graph-task backward state (Rule 12).
@@ -366,6 +359,11 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         self._running_owner = _owner_lookup(self._owner_memo)  # policy._classify's owner(ptr)
         self._process = psutil.Process()
         self._native = _load_native() if config.native_hooks else None
+        self._sched = _Schedule(self._backend, self.ledger, self._lock, self.tiers,
+                                max_count=config.max_fwd_stash_size, max_bytes=config.max_inflight_bytes,
+                                budget=config.device_budget_bytes, prefetch_bytes=config.prefetch_bytes)
+        """The copy schedule (NOTE [ Copy schedule ] in offload/_schedule.py)."""
+        self._inflight = self._sched.inflight  # the hooks' cheap "any copy in flight?" test
 
     def _make_tiers(self, config: OffloadConfig, dev_type: str | None) -> HostTiers:
         """The host tiers of NOTE [ Host tiers ] from the settings (the disk tier's run directory is
@@ -416,10 +414,6 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         """How many excluded regions are open on this thread (Rule 12)."""
         return self._thread().excluded_depth
 
-    @_excluded_depth.setter
-    def _excluded_depth(self, value: int) -> None:
-        self._thread().excluded_depth = value
-
     def __enter__(self) -> "OffloadActivations":
         st = self._thread()
         modules_cm = track_modules(owner=self)
@@ -443,7 +437,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 self._static_ptrs = policy.model_storages(model)
             elif self._static_ptrs:
                 self._static_ptrs = {}
-            self._poll_stash()
+            if self._inflight:
+                self._sched.poll()  # (NOTE [ Copy schedule ] item 1)
             _engines().append(self)
             pushed = True
             hook = self.pack_hook
@@ -504,7 +499,9 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 # The forward died: its graph (and our handles) will be freed
                 # with the traceback. Release sources now rather than at the
                 # next backward that may never come.
-                self._drain_stash()
+                self._sched.drain()
+            elif st.enter_depth == 0:
+                self._sched.exited()  # (NOTE [ Copy schedule ] items 1-3)
         if not ours:
             raise hooks_removed_error()
 
@@ -557,6 +554,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 dev_peak = None
         self.pool.trim()
         self.tiers.end_step()
+        self._sched.end_step()
         if self._regions:
             warn_unused_regions(self)
         self.ledger.close_step(

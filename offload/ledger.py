@@ -353,6 +353,11 @@ class Ledger:
             if nbytes > self._open.peak_inflight_bytes:
                 self._open.peak_inflight_bytes = nbytes
 
+    def note_d2h_wait(self) -> None:
+        """Compute waited on a device-to-host copy for a bound (NOTE [ Copy schedule ] item 2)."""
+        with self._lock:
+            self._open.d2h_waits += 1
+
     def _add_seconds(self, rec: PackRecord | None, kind: str, secs: float, owner: StepTotals,
                      tier: bool = True) -> None:
         attr = _SECONDS_ATTR.get(kind, "h2d_seconds")

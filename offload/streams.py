@@ -42,8 +42,11 @@ Engine call sites (``site=``) of ``wait``, ``record_consumer``, ``release_after`
   stall_waits_copy     _copies._wait, the timed branch (the copy not done yet): the same wait
   record_stream        _backward._rebuild: record_stream for a reload read on another stream (Rule 4)
   reused_source_record_stream  _backward._reload: the same for a reused in-flight source
-  stash_release_waits_copy     _copies._release_oldest: producer.wait_event(done) before an
-                       in-flight source leaves the stash (Rule 2)
+  stash_release_waits_copy     _schedule._Schedule: producer.wait_event(done) before an in-flight
+                       source leaves the list of copies in flight (Rule 2)
+  consumed_source_record_stream  _schedule._Schedule.consumed: record_stream(d2h side stream) on a
+                       source backward used as it is while its D2H still runs, before it is dropped
+                       (Rule 2: the allocator reuses its block only once the copy is done)
   unused_prefetch_release_waits_copy  _backward._end_pass: allocation stream waits for a
                        prefetch never consumed in its pass before it is dropped (Rule 4)
   dropped_prefetch_release_waits_copy  _handles._HostCopy.__del__: the same for a prefetch
@@ -69,6 +72,7 @@ __all__ = ["Copy", "SyncBackend", "StreamBackend", "make_backend"]
 FAULT_NAMES = ("d2h_waits_producer", "h2d_waits_compute", "copy_event", "live_current_stream",
                "compute_outside_side", "h2d_alloc_on_compute", "h2d_waits_d2h", "compute_waits_copy", "stall_waits_copy",
                "record_stream", "reused_source_record_stream", "stash_release_waits_copy",
+               "consumed_source_record_stream",
                "unused_prefetch_release_waits_copy", "dropped_prefetch_release_waits_copy",
                "disk_write_waits_copy", "verify_host_after_copy")
 _FAULTS: set[str] = set()
@@ -138,6 +142,9 @@ class SyncBackend:
     def record_consumer(self, t: torch.Tensor, copy: Copy, site: str) -> None:
         pass
 
+    def keep_for_copy(self, t: torch.Tensor, copy: Copy, site: str) -> None:
+        pass
+
 
 def _device_module(device: torch.device):
     for dev_type, mod in reversed(_DEVICE_MODULES):
@@ -162,11 +169,29 @@ class StreamBackend:
         # A stand-in device module may want to know which tensors are host memory (the
         # emulator: their reuse is deferred by events, as torch's pinned allocator does).
         self._host = getattr(self._mod, "_host_memory", None)
+        self._record_ok: bool | None = None  # record_stream works on this device's tensors (keep_for_copy)
+        self.memory_stats = self._memory_stats_fn()
+        """``() -> (allocated bytes, their peak)`` of the device's allocator (host-side counters, no
+        synchronization), or None where the device module has none (NOTE [ Copy schedule ])."""
 
     # The device module (torch.cuda, torch.xpu, ...) is used for streams and
     # events rather than the generic torch.Stream/torch.Event: its Stream,
     # Event and stream() context interoperate on every torch >= 2.4, while
     # mixing generic and device-specific objects does not.
+
+    def _memory_stats_fn(self):
+        mod = self._mod
+        if mod is torch.cuda:
+            from ._torch_private import cuda_allocated_and_peak
+
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            return lambda: cuda_allocated_and_peak(index)
+        allocated = getattr(mod, "memory_allocated", None)
+        peak = getattr(mod, "max_memory_allocated", None)
+        if allocated is None or peak is None:
+            return None
+        device = self.device
+        return lambda: (int(allocated(device)), int(peak(device)))
 
     def _side_stream(self, direction: str):
         """The side stream of copies in ``direction`` ("d2h" or "h2d"), on the right device."""
@@ -234,6 +259,24 @@ class StreamBackend:
         """Make the live compute stream wait for ``copy`` (Rule 4). ``site``: the caller's fault name."""
         if copy.done is not None and not (_FAULTS and site in _FAULTS):
             self.current_stream().wait_event(copy.done)
+
+    def keep_for_copy(self, t: torch.Tensor, copy: Copy, site: str) -> None:
+        """Rule 2: ``copy`` (a D2H on the side stream) may still read ``t``: the allocator reuses its block,
+        once freed, only after the work queued there now is done, so nothing waits. Where the device's
+        tensors take no ``record_stream`` (a stand-in device without a dispatch mode), the producer stream
+        waits on the copy instead. ``site``: the fault name."""
+        if _FAULTS and site in _FAULTS:
+            return
+        if self._record_ok is not False:
+            try:
+                t.record_stream(self._side_stream("d2h"))
+                self._record_ok = True
+                return
+            except (NotImplementedError, RuntimeError):
+                if self._record_ok:
+                    raise
+                self._record_ok = False
+        self.release_after(copy, copy.stream, site)
 
     def record_consumer(self, t: torch.Tensor, copy: Copy, site: str) -> None:
         """Rule 4: ``t`` (allocated on ``copy.stream``) is read on the live stream: tell the allocator.

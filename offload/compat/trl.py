@@ -39,7 +39,9 @@ class OffloadActivations(_Engine):
     """``offload.OffloadActivations`` taking TRL's positional order.
 
     ``(use_pin_memory, use_streams, min_offload_size, max_fwd_stash_size)``;
-    every other setting by keyword, as in the main class. TRL's attributes
+    every other setting by keyword, as in the main class. ``max_fwd_stash_size`` defaults to None (no
+    cap: TRL's 5 made compute wait on the oldest copy beyond five; NOTE [ Copy schedule ] waits only
+    where device memory needs it); a value given is kept as a cap. TRL's attributes
     (``update_model_params``, ``param_storages``, ``tracker``, ``tensor_id``,
     ``storage_to_tensor_id``) come with the main class: see
     NOTE [ Peer attributes are views ] in ``offload/compat/_peer_attributes.py``.
@@ -50,7 +52,7 @@ class OffloadActivations(_Engine):
         use_pin_memory: bool = True,
         use_streams: bool = True,
         min_offload_size: int = 1024,
-        max_fwd_stash_size: int = 5,
+        max_fwd_stash_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(use_pin_memory, use_streams, max_fwd_stash_size=max_fwd_stash_size,
@@ -62,7 +64,7 @@ def get_act_offloading_ctx_manager(
     use_pin_memory: bool = True,
     use_streams: bool = True,
     min_offload_size: int = 1024,
-    max_fwd_stash_size: int = 5,
+    max_fwd_stash_size: int | None = None,
     warn_if_no_head: bool = True,
     **kwargs: Any,
 ) -> "OffloadActivations | contextlib.nullcontext":

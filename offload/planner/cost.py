@@ -42,11 +42,13 @@ Time:
   a fraction at realistic widths (perf-anchors §2.3).
 * Prefetch: loading ahead (prefetch) in backward reaches across blocks, into the
   previous offloaded block, so it is not a per-block cost: with streams the
-  plan's engine gets ``prefetch_bytes`` = twice the largest single copy seen
-  in profiling (the engine's own default once warm), and every backward
-  peak of a plan that offloads anything is charged that many bytes more
-  (conservative). Synchronous engines get ``prefetch_bytes=0``: loading
-  ahead cannot overlap anything there.
+  plan's engine loads ahead as far as the memory backward freed allows, plus a
+  window of twice the largest copy (NOTE [ Copy schedule ] item 3), and every
+  backward peak of a plan that offloads anything is charged that window
+  (twice the largest single copy seen in profiling; conservative). The time
+  model still hides each reload only behind the next block's backward (see
+  above), which the engine's earlier reloads beat. Synchronous engines get
+  ``prefetch_bytes=0``: loading ahead cannot overlap anything there.
 * Step time = measured non-block time (embedding, head, loss, optimizer
   hooks, from the keep profile) + sum over blocks of compute + exposed copy.
 """
@@ -414,12 +416,12 @@ def _options(d: str, prof: DecisionProfile, keep: DecisionProfile, compute: dict
 
 
 def _prefetch_bytes(profile: StepProfile, hw: Hardware, ekw: dict[str, Any]) -> int:
-    """The bytes the engine prefetches ahead (0 for synchronous copies); sets the engine's default,
-    twice the largest copy, in ``ekw`` when it has none."""
+    """The bytes the engine may hold loaded ahead above what backward has freed (0 for synchronous copies):
+    ``prefetch_bytes`` when the plan sets it, else the window every pass may take, twice the largest copy
+    (NOTE [ Copy schedule ] item 3: reloads beyond it fill only memory backward freed below the forward's
+    end, so they add nothing to the peak)."""
     if hw.synchronous:
         return 0
     biggest = max((s.max_copy for p in profile.by_decision.values() for s in p.blocks), default=0)
     ahead = ekw.get("prefetch_bytes")
-    if ahead is None:
-        ahead = ekw["prefetch_bytes"] = 2 * biggest
-    return ahead
+    return 2 * biggest if ahead is None else ahead

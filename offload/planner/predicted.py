@@ -39,7 +39,7 @@ from ..predict._capture import NEVER, Captured, capture, fake_parameters, settle
 from ..predict._memory import Replay
 from ..predict._predict import Prediction, _prediction
 from ..predict._strategies import Applied
-from ..predict._timeline import TimelineResult, simulate
+from ..predict._timeline import Clock, TimelineResult, simulate
 from ..predict._trace import RecordEvent, Trace
 from ..predict.gpus import GPUSpec, resolve_gpu
 from ..sizes import to_budget
@@ -114,17 +114,18 @@ class _TraceClock:
                       if type(it) is RecordEvent and it.event < 0}
 
 
-def _capture_real(model: nn.Module, step: Callable[[], torch.Tensor], strategy: Any,
+def _capture_real(model: nn.Module, step: Callable[[], torch.Tensor], strategy: Any, spec: GPUSpec,
                   measured: Callable[[Any], Any] | None = None) -> Captured:
-    """Capture ``step`` of the real ``model`` on fake tensors (NOTE [ Capture ] item 7)."""
+    """Capture ``step`` of the real ``model`` on fake tensors (NOTE [ Capture ] item 7), the engine's polls
+    answered by ``spec``'s modelled device (item 6)."""
     with contextlib.ExitStack() as stack:
         return capture(lambda: stack.enter_context(fake_parameters(model)), lambda _m: step(), strategy=strategy,
-                       fake=True, lag=NEVER, real_inputs=True, measured=measured)
+                       fake=True, lag=NEVER, real_inputs=True, measured=measured, clock=Clock(spec))
 
 
 def _predict(model: nn.Module, step: Callable[[], torch.Tensor], strategy: Any, spec: GPUSpec) -> Prediction:
     t0 = time.perf_counter()
-    cap = _capture_real(model, step, strategy)
+    cap = _capture_real(model, step, strategy, spec)
     return _prediction(cap, spec, strategy, None, None, time.perf_counter() - t0)
 
 
@@ -148,7 +149,7 @@ def _profile(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[tupl
             yield
         got["out"], got["clock"] = out, clock
 
-    cap = _capture_real(model, step, strategy, measured)
+    cap = _capture_real(model, step, strategy, spec, measured)
     timeline = simulate(cap.trace, spec)
     got["clock"].resolve(cap.trace, timeline)
     prof = got["out"].profile

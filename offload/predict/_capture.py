@@ -24,10 +24,13 @@ NOTE [ Capture ]
    ``gradient``, the optimizer's state ``optimizer``, the model's parameters and buffers
    ``parameter``; a reload destination is ``copy``; what the forward (or a recompute) allocates is
    ``activation``, by module; everything else ``other``.
-6. In-flight copies. An event the engine polls (``Event.query``) reports "not done" ``lag`` times
-   before "done" (default: never, until something waits for it): the stash then holds as many
-   in-flight sources as ``max_fwd_stash_size`` and ``max_inflight_bytes`` allow, an upper bound on
-   what copy latency adds to the peak.
+6. In-flight copies. In the measured step, an event the engine polls (``Event.query``) is done when
+   the modelled device has run it by the host's current time (``clock``: the timeline of the GPU
+   predicted, run as the items are recorded: NOTE [ Simulated timeline ] rule 7), so the engine frees
+   a copy's source when the copy would be done on that GPU, and sizes its reloads by the device memory
+   the step holds (``memory_allocated``: the live device blocks, in program order, as the caching
+   allocator counts them). Without a clock (and in the first step), a poll reports "not done" ``lag``
+   times before "done" (default: never, until something waits for it).
 7. A real model (``offload.plan(..., target=)``): its parameters and buffers are swapped for fake ones
    while the capture runs (``fake_parameters``), and the real tensors the step closes over (token ids)
    become fake when an op first reads them (``real_inputs``), each a device block from then on.
@@ -60,6 +63,7 @@ from ._errors import PredictError
 from ._fsdp import fake_process_group, fsdp_categories, local, shard
 from ._model import _block_names, _build, _hf_masks_as_real, fake_parameters
 from ._strategies import apply_strategy
+from ._timeline import Clock
 from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, Kernel, RecordEvent, RecordStream, Trace,
                      WaitEvent)
 
@@ -173,11 +177,24 @@ class _Recorder(TorchDispatchMode):
 
 
 class _Accelerator(EmulatedAccelerator):
-    """The emulated accelerator, telling the capture about event records, waits and synchronizations."""
+    """The emulated accelerator, telling the capture about event records, waits and synchronizations; its
+    polls answered by the capture's clock, its allocator statistics the capture's (NOTE [ Capture ] item 6)."""
 
     def __init__(self, cap: "_Capture", lag: int) -> None:
         super().__init__(late=False, check=False, dispatch=False, lag=lag)
         self.cap = cap
+
+    def _ready(self, ev: Any) -> bool:
+        clock = self.cap.clock
+        if clock is not None and self.cap.recording:
+            return clock.done(ev.id)
+        return super()._ready(ev)
+
+    def memory_allocated(self, device: Any = None) -> int:
+        return self.cap.device_bytes
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return self.cap.device_peak
 
     def _record(self, ev: Any, s: Any) -> None:
         super()._record(ev, s)
@@ -223,6 +240,11 @@ class _Capture:
         """Bytes of the model state one rank holds in the measured step (``Captured.state_bytes``)."""
         self.real_inputs = False
         """Real tensors the step reads (inputs it closes over) become fake ones, counted as device blocks."""
+        self.clock: Clock | None = None
+        """The modelled device the engine's polls ask in the measured step (NOTE [ Capture ] item 6)."""
+        self.device_bytes = 0
+        """Bytes of the device blocks alive now (what ``memory_allocated`` reports)."""
+        self.device_peak = 0
 
     def as_fake(self, tree: Any) -> Any:
         """``tree`` with every real tensor as its fake twin (memoized by the fake mode, so one real tensor
@@ -253,8 +275,13 @@ class _Capture:
         return self.stream_id(self.acc.current_stream()) if self.acc is not None else COMPUTE_STREAM
 
     def emit(self, item: Any) -> None:
+        """Record ``item`` (a trace item, or ``("alloc" | "free", block)``) in the measured step."""
         if self.recording:
             self.raw.append(item)
+            if self.clock is not None:
+                it = settled(item)
+                if it is not None:
+                    self.clock.add(it)
 
     # -- storages ---------------------------------------------------------------------------
 
@@ -272,8 +299,9 @@ class _Capture:
         self.blocks[st] = b
         self.live[bid] = b
         self._refs[bid] = weakref.ref(st, lambda _r, b=b: self._freed(b))
-        if self.recording:
-            self.raw.append(("alloc", b))
+        self.device_bytes += b.nbytes
+        self.device_peak = max(self.device_peak, self.device_bytes)
+        self.emit(("alloc", b))
         return b
 
     def resized(self, st: torch.UntypedStorage) -> None:
@@ -299,19 +327,21 @@ class _Capture:
         b.alive = False
         self.live.pop(b.id, None)
         self._refs.pop(b.id, None)
-        if self.recording:
-            self.raw.append(("free", b))
+        if not b.host:
+            self.device_bytes -= b.nbytes
+        self.emit(("free", b))
 
     def host_alloc(self, t: torch.Tensor) -> None:
         """A host buffer the engine's pool made (``offload._pinned.HOST_ALLOC_OBSERVERS``)."""
         b = self.block_of(t)
-        if b is not None:
+        if b is not None and not b.host:
             b.host = True
+            self.device_bytes -= b.nbytes
 
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         b = self.block_of(t)
-        if b is not None and not b.host and self.recording:
-            self.raw.append(RecordStream(b.id, self.stream_id(stream)))
+        if b is not None and not b.host:
+            self.emit(RecordStream(b.id, self.stream_id(stream)))
 
     def mark(self, tensors: list[torch.Tensor], category: str) -> None:
         """Settle the category of the storages behind ``tensors`` (NOTE [ Capture ] item 5)."""
@@ -351,9 +381,9 @@ class _Capture:
                 return
         dtype = next((t.dtype for t in ins if t.dtype.is_floating_point), None)
         touched = {b.id for t in ins + outs if (b := self.block_of(t)) is not None and not b.host}
-        self.raw.append(Kernel(self.current_stream(), str(func), _flops(func, args, kwargs, out),
-                               _io_bytes(ins, outs),
-                               dtype, current_module_name(), self._phase(), tuple(sorted(touched))))
+        self.emit(Kernel(self.current_stream(), str(func), _flops(func, args, kwargs, out),
+                         _io_bytes(ins, outs),
+                         dtype, current_module_name(), self._phase(), tuple(sorted(touched))))
 
     def _copy(self, dst: _Block, src: _Block, nbytes: int) -> None:
         direction = "h2d" if src.host else "d2h"
@@ -361,8 +391,8 @@ class _Capture:
         if direction == "h2d":
             dev.category = "copy"
         host = src if src.host else dst
-        self.raw.append(Copy(self.current_stream(), direction, nbytes, self.pinned, current_module_name(),
-                             self._phase(), (dev.id,), host.id))
+        self.emit(Copy(self.current_stream(), direction, nbytes, self.pinned, current_module_name(),
+                       self._phase(), (dev.id,), host.id))
 
     def _phase(self) -> str:
         if _graph_task_id() >= 0:
@@ -459,13 +489,16 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
             strategy: Any = "none", config: Any = None,
             optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, dtype: torch.dtype | None = None,
             fake: bool = True, lag: int = NEVER, steps: int = 2, real_inputs: bool = False,
-            measured: Callable[["_Capture"], Any] | None = None, world_size: int = 1) -> Captured:
+            measured: Callable[["_Capture"], Any] | None = None, world_size: int = 1,
+            clock: Clock | None = None) -> Captured:
     """Run ``steps`` training steps (NOTE [ Capture ]) and return the last one's trace. ``fake=False``
     runs the same on real CPU tensors (the tests' reference). ``strategy`` may also be a callable
     ``strategy(model) -> Applied``; ``measured(cap)`` a context manager entered around the measured step;
     ``real_inputs``: see NOTE [ Capture ] item 7. ``world_size > 1``: the step of rank 0 of FSDP2 over
-    that many GPUs (NOTE [ One FSDP2 rank ] in offload/predict/_fsdp.py)."""
+    that many GPUs (NOTE [ One FSDP2 rank ] in offload/predict/_fsdp.py). ``clock``: the modelled GPU the
+    engine's polls ask in the measured step (NOTE [ Capture ] item 6)."""
     cap = _Capture()
+    cap.clock = clock
     cap.pinned = config.use_pin_memory if config is not None else True
     cap.real_inputs = real_inputs and fake
     with (fake_process_group(world_size) if world_size > 1 else contextlib.nullcontext()) as mesh, \
@@ -515,8 +548,10 @@ def _prepare(cap: _Capture, stack: contextlib.ExitStack, model_fn: Callable[[], 
 
 def _begin_measured(cap: _Capture) -> None:
     """Start recording: the blocks alive now open the trace (NOTE [ Capture ] item 4)."""
-    cap.raw = [("alloc", b) for b in sorted(cap.live.values(), key=lambda b: b.id)]
+    cap.raw = []
     cap.recording = True
+    for b in sorted(cap.live.values(), key=lambda b: b.id):
+        cap.emit(("alloc", b))
 
 
 def _host_bytes(engine: Any) -> dict[str, int]:

@@ -22,7 +22,7 @@ from ._capture import NEVER, Captured, capture
 from ._fsdp import check_world_size
 from ._memory import DeviceMemory, replay
 from ._strategies import strategy_name
-from ._timeline import TimelineResult, simulate
+from ._timeline import Clock, TimelineResult, simulate
 from ._trace import Trace
 from .gpus import GPUSpec, resolve_gpu
 
@@ -160,8 +160,9 @@ def _assumptions(gpu: GPUSpec, strategy: str, optimizer: OptimizerFactory | None
     if engine:
         out += ["host: the target's host RAM is assumed sufficient (virtual_memory_safe_pct off); host "
                 "budgets in the config apply",
-                "in-flight copies: the engine's polls see its copies not yet done, so the stash holds up to "
-                "max_fwd_stash_size sources / max_inflight_bytes (an upper bound)"]
+                "in-flight copies: the engine's polls see the modelled device (a copy is done when it would be "
+                "on this GPU, at the host's pace of the replay), so sources are freed and reloads issued as on "
+                "the GPU; the copy schedule's memory readings are the step's live device blocks"]
     if world_size > 1:
         out += [f"FSDP2 over {world_size} GPUs, rank 0 (the largest shard): fully_shard on each block and the root "
                 "with its defaults; collectives on a fake process group, so communication time and NCCL buffers "
@@ -188,7 +189,7 @@ def predict_step(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module
     world_size = check_world_size(world_size)
     t0 = time.perf_counter()
     cap = capture(model_fn, step_fn, strategy=strategy, config=config, optimizer=optimizer, dtype=dtype,
-                  fake=True, lag=NEVER, world_size=world_size)
+                  fake=True, lag=NEVER, world_size=world_size, clock=Clock(spec))
     return _prediction(cap, spec, strategy, optimizer, dtype, time.perf_counter() - t0, world_size)
 
 

@@ -18,7 +18,9 @@ the schedule; nothing of the engine is re-implemented here.
     simulate(trace, "h100-sxm")
 
 Event queries always answer "not done" (the engine then takes its in-flight paths, as on a
-GPU under load); when copies really end is the timeline's business. Storages are "device"
+GPU under load), unless a ``clock`` (``offload.predict.Clock``) models the device: then a poll
+says what that device has run by the host's time, and ``memory_allocated`` reports the device
+storages the step allocated and still holds (NOTE [ Copy schedule ] reads both). Storages are "device"
 memory except the engine's host buffers (pool chunks and pageable copies), which count as
 pinned when the engine pins (``use_pin_memory``) as it would on a GPU. Recording sees the
 thread that entered the recorder (backward of CPU tensors runs there too).
@@ -66,8 +68,11 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
 class Recorder(EmulatedAccelerator):
     """An emulated accelerator that records the step into a ``Trace`` (see the module docstring)."""
 
-    def __init__(self, *, check: bool = False) -> None:
+    def __init__(self, *, check: bool = False, clock: Any = None) -> None:
         super().__init__(late=False, lag=10**9, check=check)
+        self.clock = clock
+        self._sizes: dict[int, int] = {}  # device block -> bytes, while alive (memory_allocated)
+        self._allocated = self._peak = 0
         self.trace: Trace | None = None
         self._sids: dict[int, int] = {0: COMPUTE_STREAM}
         self._eids: dict[int, int] = {}
@@ -97,11 +102,13 @@ class Recorder(EmulatedAccelerator):
         from .._handles import _Offloaded
 
         def pack_hook(t: torch.Tensor) -> Any:
+            # Issued before what the hook does; the cheaper label until the hook says it offloaded, so a
+            # clock's polls inside the hook never see more host time than the replay will.
             at = len(self.trace.items) if self.trace is not None else -1
+            self._emit(HostWork(0.0, "pack hook (keep)"))
             h = pack(t)
-            if at >= 0 and self.trace is not None:
-                what = "pack hook" if isinstance(h, _Offloaded) else "pack hook (keep)"
-                self.trace.items.insert(at, HostWork(0.0, what))
+            if at >= 0 and self.trace is not None and isinstance(h, _Offloaded):
+                self.trace.items[at] = HostWork(0.0, "pack hook")
             return h
 
         def unpack_hook(h: Any) -> Any:
@@ -167,6 +174,22 @@ class Recorder(EmulatedAccelerator):
         if self.trace is not None:
             with self._rlock:
                 self.trace.append(item)
+                if self.clock is not None:
+                    self.clock.add(item)
+
+    # -- the modelled device (a clock) ------------------------------------------------------------
+
+    def _ready(self, ev: Any) -> bool:
+        if self.clock is not None and self.trace is not None:
+            return self.clock.done(self._eid(ev))
+        return super()._ready(ev)
+
+    def memory_allocated(self, device: Any = None) -> int:
+        """Bytes of the device storages the recorder saw allocated and alive now."""
+        return self._allocated
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return self._peak
 
     def _name_streams(self, trace: Trace) -> None:
         dirs: dict[int, set[str]] = {}
@@ -203,8 +226,13 @@ class Recorder(EmulatedAccelerator):
     # -- aten ops ---------------------------------------------------------------------------------
 
     def _dispatch(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
-        if getattr(self._tls, "bypass", False) or self.trace is None:
+        if getattr(self._tls, "bypass", False):
             return super()._dispatch(func, types, args, kwargs)
+        if self.trace is None:  # not recording: device storages are still counted (memory_allocated)
+            in_ptrs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+            out = super()._dispatch(func, types, args, kwargs)
+            self._allocs(out, in_ptrs, self._sid(self.current_stream()))
+            return out
         if func is aten.record_stream.default:
             b = self._blocks.get(args[0].untyped_storage().data_ptr())
             if b is not None:
@@ -256,11 +284,15 @@ class Recorder(EmulatedAccelerator):
             self._blocks[p] = b
             weakref.finalize(st, self._freed, p, b)
             cat = "copy" if getattr(self._rtls, "in_h2d", False) else "activation"
+            self._sizes[b] = st.nbytes()
+            self._allocated += st.nbytes()
+            self._peak = max(self._peak, self._allocated)
             self._emit(Alloc(b, st.nbytes(), s, cat))
 
     def _freed(self, ptr: int, block: int) -> None:
         if self._blocks.get(ptr) == block:
             del self._blocks[ptr]
+        self._allocated -= self._sizes.pop(block, 0)
         self._emit(Free(block))
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, s: int) -> bool:

@@ -17,6 +17,11 @@ NOTE [ Simulated timeline ]
    only the allocating stream used the block (the caching allocator reuses it in that stream's
    order), else once every stream recorded on it (``RecordStream``) has run the work queued on
    it before the free: the allocator cannot hand the block out before.
+7. The clock of a capture (``Clock``): the same simulation, run as the items are recorded, so
+   the engine's event polls during a capture see the modelled device. A poll at the host's
+   current time (after every item issued so far) reports an event done when its record has
+   run by then. It is exact: no item issued later can start before the host's current time,
+   so what has run by then is what the full replay of the finished trace runs by then.
 The result's stalls (each gap on a stream that runs kernels, with its cause) are labelled in
 ``_stalls.py``. Everything here is a prediction for the spec it was given.
 """
@@ -36,7 +41,7 @@ from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, Kernel, Record
                      Trace, WaitEvent)
 from .gpus import GPUSpec, resolve_gpu
 
-__all__ = ["simulate", "TimelineResult", "Stall"]
+__all__ = ["simulate", "TimelineResult", "Stall", "Clock"]
 
 _DEVICE = (Kernel, Copy, RecordEvent, WaitEvent)
 
@@ -52,7 +57,7 @@ class _Sim:
 
     def __init__(self, items: list, host_ns: list[int], dur_ns: list[int]) -> None:
         n = len(items)
-        self.items, self.host_ns, self.dur = items, host_ns, dur_ns
+        self.items, self.host_ns, self.dur = list(items), list(host_ns), list(dur_ns)
         self.issue, self.start, self.end, self.ready = [-1] * n, [-1] * n, [-1] * n, [-1] * n
         self.dep = [-1] * n  # WaitEvent / HostSync('event'): the RecordEvent it waits for
         self.queues: dict[int, deque[int]] = {}
@@ -65,6 +70,14 @@ class _Sim:
         self.last_record: dict[int, int] = {}
         self.block_streams: dict[int, tuple[int, set[int]]] = {}  # block -> (alloc stream, recorded)
         self.free_after: dict[int, list[int]] = {}  # Free item -> items whose end makes it effective
+
+    def add(self, item: Any, host_ns: int, dur_ns: int) -> None:
+        """Append one item issued after all the others (a ``Clock``'s capture: NOTE rule 7)."""
+        self.items.append(item)
+        self.host_ns.append(host_ns)
+        self.dur.append(dur_ns)
+        for a in (self.issue, self.start, self.end, self.ready, self.dep):
+            a.append(-1)
 
     # -- the host -----------------------------------------------------------------------------
 
@@ -170,7 +183,9 @@ class _Sim:
                 best = key
         return best
 
-    def run(self) -> None:
+    def run(self, *, now: bool = False) -> None:
+        """Simulate every item; ``now``: only until the host's current time, with more items to come
+        (what has run by then is final: NOTE rule 7)."""
         self.walk()
         while True:
             cand = self._candidate()
@@ -186,6 +201,8 @@ class _Sim:
                     raise RuntimeError("offload.predict: the timeline is stuck (this is a bug, please report): "
                                        f"host at item {self.h}, blocked on {self.blocked}")
                 return
+            if now and self.blocked is None and cand[0] > self.host_t:
+                return  # an item issued later may run before it
             start, ready, i, s, res = cand
             self.queues[s].popleft()
             self.start[i], self.ready[i] = start, ready
@@ -320,6 +337,37 @@ class TimelineResult:
         stream, the stalls and a device-memory counter."""
         from ._chrome import write_chrome_trace
         write_chrome_trace(self, path)
+
+
+class Clock:
+    """The timeline of a step being captured, advanced as its items are recorded (NOTE rule 7): what the
+    engine's ``Event.query`` sees while ``offload.predict`` captures a step for ``gpu``."""
+
+    def __init__(self, gpu: str | GPUSpec, *, host_cost: HostCost | Callable | None = None,
+                 device_cost: DeviceCost | None = None) -> None:
+        self.gpu = resolve_gpu(gpu)
+        self._hc = host_cost if host_cost is not None else HostCost()
+        self._dc = device_cost if device_cost is not None else device_seconds
+        self._sim = _Sim([], [], [])
+
+    def add(self, item: Any) -> None:
+        """The next item the host issues."""
+        t = type(item)
+        dur = _ns(self._dc(item, self.gpu)) if t is Kernel or t is Copy else 0
+        self._sim.add(item, _ns(self._hc(item)), dur)
+
+    def done(self, event: int) -> bool:
+        """Whether the device has run the latest record of ``event`` by the host's current time (an event
+        never recorded is done, as in CUDA)."""
+        sim = self._sim
+        sim.run(now=True)
+        r = sim.last_record.get(event)
+        return r is None or 0 <= sim.end[r] <= sim.host_t
+
+    @property
+    def host_seconds(self) -> float:
+        """The host's current time in the modelled step."""
+        return self._sim.host_t / 1e9
 
 
 def simulate(trace: Trace, gpu: str | GPUSpec = "h100-sxm", *, host_cost: HostCost | Callable | None = None,

@@ -433,9 +433,14 @@ class EmulatedAccelerator:
     def _done(self, ev: EmulatedEvent) -> bool:
         return ev.stream is None or ev.stream.executed >= ev.index
 
-    def _query(self, ev: EmulatedEvent) -> bool:
+    def _ready(self, ev: EmulatedEvent) -> bool:
+        """Whether a poll of ``ev`` may report it done: after ``lag`` polls (``offload.predict``'s capture
+        asks its modelled device instead)."""
         ev.polls += 1
-        if ev.polls <= self.lag:
+        return ev.polls > self.lag
+
+    def _query(self, ev: EmulatedEvent) -> bool:
+        if not self._ready(ev):
             return False
         if not self._done(ev):
             self._flush(ev.stream, ev.index)

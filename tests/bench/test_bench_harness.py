@@ -14,7 +14,7 @@ from bench.hardware import PCIE_GEN5_X16_GB_S, peak_for
 from bench.probe import measure_ceiling, run_probe
 from bench.results import BenchResult, Ceiling, EngineStats, StepTimes, StrategyResult, median_ci
 from bench.strategies import STRATEGIES
-from bench.targets import evaluate_targets, judge_ratio
+from bench.targets import TARGETS, evaluate_targets, judge_ratio
 from bench.workloads import PRESETS
 
 MICRO = ["--dim", "64", "--layers", "2", "--seq", "32", "--batch", "2", "--vocab", "128",
@@ -111,13 +111,15 @@ def test_micro_run_counts_every_arms_host_copies_alike(micro_run):
 
 
 def test_micro_run_targets_cover_design(micro_run):
-    """The report judges all five targets of bench/targets.py; PCIe ones read n/a on CPU, the CPU ones get a verdict."""
+    """The report judges every target of bench/targets.py; PCIe and GPU ones read n/a on CPU, the CPU ones get a
+    verdict."""
     _, data = micro_run
     verdicts = [t["verdict"] for t in data["targets"]]
-    assert len(verdicts) == 5
-    assert verdicts[:3] == ["n/a on CPU"] * 3
-    assert verdicts[3] in ("PASS", "FAIL")
-    assert verdicts[4].split(" (")[0] in ("PASS", "FAIL", "inconclusive")
+    assert len(verdicts) == len(TARGETS) == 7
+    assert verdicts[:4] == ["n/a on CPU"] * 4
+    assert verdicts[4] in ("PASS", "FAIL")
+    assert verdicts[5] == "n/a on CPU"
+    assert verdicts[6].split(" (")[0] in ("PASS", "FAIL", "inconclusive")
     assert all(t["source"] == "bench/targets.py" for t in data["targets"])
 
 
@@ -167,13 +169,18 @@ def _fake_result(device: str, **ratios: float) -> BenchResult:
         return StrategyResult(name=name, description="", status="ok", tokens_per_step=10,
                               times=StepTimes([seconds] * 8, [seconds] * 8), activation_bytes=act, engine=engine)
 
-    eng = EngineStats(steps=1, packed_bytes=100, offloaded_bytes=90, kept_bytes=10, kept_by_reason={},
-                      d2h_bytes=100, d2h_seconds=100 / 50e9, h2d_bytes=100, h2d_seconds=100 / 45e9,
-                      stall_seconds=0, peak_inflight_bytes=0, pool_reserved_bytes=100, pool_peak_reserved_bytes=100,
-                      pool_peak_in_use_bytes=100, pool_allocations_total=5, pool_allocations_after_warmup=0,
-                      pool_pin_failures=0, held_bytes_last_step=100, host_bytes_measured=100)
-    strategies = [s("none", 1.0, 1000), s("ac", 1.3, 200), s("offload", ratios.get("offload", 1.02), 500, eng),
-                  s("offload_ac", ratios.get("offload_ac", 1.31), 150, eng), s("account_only", 1.01, 1000, eng)]
+    def eng(moved: float) -> EngineStats:
+        return EngineStats(steps=1, packed_bytes=100, offloaded_bytes=90, kept_bytes=10, kept_by_reason={},
+                           d2h_bytes=moved, d2h_seconds=moved / 50e9, h2d_bytes=moved, h2d_seconds=moved / 45e9,
+                           stall_seconds=0, peak_inflight_bytes=0, pool_reserved_bytes=100,
+                           pool_peak_reserved_bytes=100, pool_peak_in_use_bytes=100, pool_allocations_total=5,
+                           pool_allocations_after_warmup=0, pool_pin_failures=0, held_bytes_last_step=100,
+                           host_bytes_measured=100)
+    # offload: 2 x 24.96 GB over 52 GB/s = 0.96 s of link; offload_part copies 200 B and cuts 190 (95%).
+    strategies = [s("none", 1.0, 1000), s("ac", 1.3, 200), s("offload", ratios.get("offload", 1.02), 500, eng(24.96e9)),
+                  s("offload_ac", ratios.get("offload_ac", 1.31), 150, eng(100)),
+                  s("offload_part", ratios.get("offload_part", 1.01), ratios.get("part_act", 810), eng(200)),
+                  s("account_only", 1.01, 1000, eng(0))]
     return BenchResult(meta={"device": device}, workload={"dim": 4096, "seq_len": 4096}, strategies=strategies,
                        ceiling=Ceiling(kind="pinned", d2h_gb_s=52.0, h2d_gb_s=52.0, size_bytes=1))
 
@@ -181,9 +188,10 @@ def _fake_result(device: str, **ratios: float) -> BenchResult:
 def test_targets_verdicts_on_gpu_shapes():
     """On a GPU result of the target shape, each target gets PASS/FAIL from the side-by-side ratios."""
     rows = evaluate_targets(_fake_result("cuda:0"))
-    assert [r.verdict for r in rows] == ["PASS", "PASS", "FAIL", "PASS", "PASS"]  # H2D 45/52 < 90%
-    rows = evaluate_targets(_fake_result("cuda:0", offload=1.10))
-    assert rows[1].verdict == "FAIL"
+    assert [r.verdict for r in rows] == ["PASS", "PASS", "PASS", "FAIL", "PASS", "PASS", "PASS"]  # H2D 45/52 < 90%
+    assert evaluate_targets(_fake_result("cuda:0", offload=1.10))[2].verdict == "FAIL"  # 1.146x the link
+    assert evaluate_targets(_fake_result("cuda:0", offload_part=1.05))[1].verdict == "FAIL"  # slower than 1.03x
+    assert evaluate_targets(_fake_result("cuda:0", part_act=900))[1].verdict == "FAIL"  # cut 50% of its copies
 
 
 def test_targets_use_host_bytes_measured_outside_the_pool():
@@ -191,11 +199,12 @@ def test_targets_use_host_bytes_measured_outside_the_pool():
     a pinned allocator that rounds 100 B up to 128 B fails it even though the pool's counters say 1.0."""
     result = _fake_result("cuda:0")
     eng = result.get("offload").engine
+    eng.held_bytes_last_step = eng.host_bytes_measured = 100
     assert eng.pool_counter_ratio == 1.0
     eng.host_bytes_measured = 128
-    assert evaluate_targets(result)[3].verdict == "FAIL"
+    assert evaluate_targets(result)[4].verdict == "FAIL"
     eng.host_bytes_measured = None
-    assert evaluate_targets(result)[3].verdict == "not run"
+    assert evaluate_targets(result)[4].verdict == "not run"
 
 
 def test_median_ci_and_noise_aware_verdicts():
@@ -223,7 +232,7 @@ def test_time_ratio_ci_from_paired_cpu_times():
 def test_targets_na_on_cpu():
     """The PCIe targets read n/a on CPU whatever the ratios."""
     rows = evaluate_targets(_fake_result("cpu"))
-    assert [r.verdict for r in rows[:3]] == ["n/a on CPU"] * 3
+    assert [r.verdict for r in rows[:4]] == ["n/a on CPU"] * 4
 
 
 def test_config_rejects_unknown_strategy():

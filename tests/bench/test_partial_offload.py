@@ -15,31 +15,57 @@ CITED = ROOT / "bench/results/predicted/partial_offload_8b_L32_s4096_h200.json"
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    wl = PRESETS["tiny"].replace(n_layers=3, seq_len=64)
-    settings = {name: po.SETTINGS[name] for name in ("default (5 tensors, 1 GiB)", "bytes only, 4 GiB")}
-    return po.frontier(wl, "h100-sxm", [0, 1, 2, 3], settings, progress=False)
+def small():
+    wl = PRESETS["1b"].replace(n_layers=6, seq_len=1024)  # activations well above the weights: the peak is forward's
+    return po.frontier(wl, "h100-sxm", [0, 1, 2, 6], progress=False)
 
 
-def test_more_blocks_offloaded_move_more_bytes_and_none_is_the_reference(tiny):
-    for name in ("default (5 tensors, 1 GiB)", "bytes only, 4 GiB"):
-        rows = [r for r in tiny["rows"] if r["setting"] == name]
-        assert [r["k"] for r in rows] == [0, 1, 2, 3]
+def _rows(result, setting):
+    return [r for r in result["rows"] if r["setting"] == setting]
+
+
+def test_more_blocks_offloaded_move_more_bytes_and_none_is_the_reference(small):
+    for name in po.SETTINGS:
+        rows = _rows(small, name)
+        assert [r["k"] for r in rows] == [0, 1, 2, 6]
         assert rows[0]["offloaded_bytes"] == 0
         assert rows[0]["step_vs_none"] == pytest.approx(1.0, abs=0.01)  # nothing moved: the step of none
         moved = [r["offloaded_bytes"] for r in rows]
         assert all(a < b for a, b in zip(moved, moved[1:])), moved
         for r in rows:
-            assert r["step_vs_none"] == pytest.approx(r["step_seconds"] / tiny["none"]["step_seconds"])
+            assert r["step_vs_none"] == pytest.approx(r["step_seconds"] / small["none"]["step_seconds"])
 
 
-def test_a_looser_bound_never_waits_longer_on_copies(tiny):
-    """The forward waits for a copy only when a bound is reached: loosening the bound cannot add exposed
-    copy time at the same k (a schedule property of the predicted timeline)."""
-    by = {(r["setting"], r["k"]): r for r in tiny["rows"]}
-    for k in (1, 2, 3):
-        tight, loose = by[("default (5 tensors, 1 GiB)", k)], by[("bytes only, 4 GiB", k)]
-        assert loose["exposed_copy_seconds"] <= tight["exposed_copy_seconds"] + 1e-9, (k, loose, tight)
+def test_the_schedule_waits_no_longer_than_the_old_caps_and_cuts_as_much(small):
+    """The engine's schedule (compute waits on a copy only as late as the memory needs) never takes longer
+    than the old caps at the same k, and its peak falls by at least as much (schedule properties of the
+    predicted timeline)."""
+    by = {(r["setting"], r["k"]): r for r in small["rows"]}
+    for k in (1, 2, 6):
+        new, old = by[(po.SCHEDULE, k)], by[(po.OLD_CAPS, k)]
+        assert new["step_seconds"] <= old["step_seconds"] * (1 + 1e-9), (k, new, old)
+        assert new["peak_bytes"] <= old["peak_bytes"], (k, new, old)
+
+
+def test_waits_buy_the_cut_and_never_raise_the_peak(small):
+    """With no wait allowed, compute never waits on a copy for a bound and the peak falls only by what finished
+    moving; the schedule's waits cut it by most of the bytes copied; no setting raises the peak above no
+    offloading."""
+    by = {(r["setting"], r["k"]): r for r in small["rows"]}
+    for k in (1, 2):
+        sched, no_wait = by[(po.SCHEDULE, k)], by[(po.NO_WAIT, k)]
+        assert no_wait["d2h_waits"] == 0 and sched["d2h_waits"] > 0
+        assert sched["cut_of_moved"] > no_wait["cut_of_moved"]
+    assert by[(po.SCHEDULE, 1)]["cut_of_moved"] >= 0.75
+    assert all(r["peak_bytes"] <= small["none"]["peak_bytes"] for r in small["rows"])
+
+
+def test_offloading_everything_is_judged_against_the_link(small):
+    """The row offloading every block carries its link-bound time (the copies at the spec's rate, one direction
+    after the other), and the step cannot beat it."""
+    full = _rows(small, po.SCHEDULE)[-1]
+    assert full["k"] == full["blocks"] and full["link_bound_seconds"] > 0
+    assert full["step_vs_link_bound"] >= 1.0
 
 
 def test_best_within_picks_the_most_bytes_under_the_ratio():
@@ -48,6 +74,8 @@ def test_best_within_picks_the_most_bytes_under_the_ratio():
     assert po.best_within(rows, "s")["k"] == 2
     assert po.best_within(rows, "s", ratio=1.005)["k"] == 0
     assert po.best_within(rows, "other") is None
+    cut = [dict(r, cut_of_moved=0.9 if r["k"] < 2 else 0.5) for r in rows]
+    assert po.best_within(cut, "s", cut=0.85)["k"] == 1
 
 
 def test_cli_writes_predicted_files_and_refuses_bad_block_counts(tmp_path, capsys):
@@ -66,8 +94,8 @@ def test_cited_file_matches_a_fresh_prediction():
     deterministic (fake tensors, a simulated timeline), so every figure must be equal."""
     doc = json.loads(CITED.read_text())
     wl = PRESETS["8b"].replace(seq_len=doc["workload"]["seq_len"], n_layers=doc["workload"]["n_layers"])
-    name = "bytes only, 4 GiB"
-    fresh = po.frontier(wl, doc["gpu"], [4], {name: po.SETTINGS[name]}, progress=False)
+    name = po.SCHEDULE
+    fresh = po.frontier(wl, doc["gpu"], [6], {name: po.SETTINGS[name]}, progress=False)
     assert fresh["none"] == doc["none"]
-    old = next(r for r in doc["rows"] if r["setting"] == name and r["k"] == 4)
+    old = next(r for r in doc["rows"] if r["setting"] == name and r["k"] == 6)
     assert json.loads(json.dumps(fresh["rows"][0])) == old

@@ -213,7 +213,7 @@ def test_tier_settings_round_trip_and_refusals(tmp_path):
 
 # -- upper bounds of the size settings (every int setting is a size or a count) -----------------
 
-SIZE_SETTINGS = ("max_fwd_stash_size", "min_offload_size", "max_inflight_bytes", "prefetch_bytes",
+SIZE_SETTINGS = ("max_fwd_stash_size", "min_offload_size", "max_inflight_bytes", "device_budget_bytes", "prefetch_bytes",
                  "host_budget_bytes", "pageable_budget_bytes", "disk_budget_bytes", "disk_queue_bytes",
                  "disk_readahead_bytes", "max_records")
 

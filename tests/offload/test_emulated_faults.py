@@ -31,6 +31,7 @@ EXPECTED_KIND = {
     "record_stream": "free before access",  # a prefetched reload read on another stream, freed unrecorded
     "reused_source_record_stream": "free before access",  # an in-flight source read on another stream
     "stash_release_waits_copy": "free before access",  # a source freed while its D2H is queued
+    "consumed_source_record_stream": "free before access",  # a reused source freed while its D2H is queued
     "unused_prefetch_release_waits_copy": "free before access",  # a prefetch dropped at pass end, H2D queued
     "dropped_prefetch_release_waits_copy": "free before access",  # a prefetch whose handles died, H2D queued
 }
@@ -51,6 +52,7 @@ WORKOUTS = {
 }
 WORKOUT_OF = {
     "reused_source_record_stream": "reused_source",
+    "consumed_source_record_stream": "reused_source",
     "h2d_waits_d2h": "reused_source",  # a shared copy reloaded while its D2H is in flight
     "unused_prefetch_release_waits_copy": "prefetch_unconsumed",
     "dropped_prefetch_release_waits_copy": "prefetch_dropped",
@@ -159,7 +161,7 @@ def test_reused_source_survives_a_poll_while_loading_ahead(monkeypatch):
 
     def poll_then_load_ahead(self, h, p):
         if h.stash is not None and h.stash.src is not None:
-            h.stash.src = None  # what _poll_stash does once the copy is done
+            h.stash.src = None  # what the schedule's poll does once the copy is done
             dropped.append(h)
         load_ahead(self, h, p)
 

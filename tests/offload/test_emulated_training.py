@@ -4,6 +4,7 @@ run late; gradients bitwise equal to a twin trained without offloading, in both 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import offload
+import offload_testkit
 from offload.testing import EmulatedAccelerator, inject_fault
 from offload_testkit import (TINY, assert_same_grads, compiled_toy_reference, cpu_ctx, loss_of, make_batch,
                              make_inputs, make_model, run_step, twin_of)
@@ -258,3 +260,51 @@ def test_torch_compile_on_the_stream_path(backend):
         assert "unordered access" in {h.kind for h in acc.hazards}
     finally:
         torch._dynamo.reset()
+
+
+class _RoomyAccelerator(EmulatedAccelerator):
+    """An emulated device with allocator statistics (NOTE [ Copy schedule ] item 3): a gigabyte in use when
+    the forward leaves the engine, none once backward runs, so every reload of the region is issued as early
+    as possible: at the pass's first unpack, long before it is read."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.readings = 0
+
+    def memory_allocated(self, device: Any = None) -> int:
+        self.readings += 1
+        return 0 if torch._C._current_graph_task_id() >= 0 else 1 << 30
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return 1 << 30
+
+
+@pytest.mark.parametrize("late", MODES)
+@pytest.mark.parametrize("first_blocks", [1, 3])
+def test_reloads_issued_as_early_as_memory_allows(late, first_blocks):
+    """The toy Llama with only its first blocks offloaded (the later ones excluded, as a plan keeps them) on a
+    device whose headroom lets backward load the whole region at its first unpack, a kept tensor's: zero
+    hazards, bitwise gradients, and the region's reloads all in flight before backward reaches it."""
+    with _RoomyAccelerator(late=late) as acc:
+        torch.manual_seed(0)
+        model = offload_testkit.ToyLlama(dataclasses.replace(TINY, n_layers=4))
+        twin = twin_of(model)
+        ctx = cpu_ctx()
+        for block in list(model.layers)[first_blocks:]:
+            ctx.exclude(block)
+        ctx.exclude(offload.find_output_head(model), keep_after=True)  # the head and loss kept, as plans do
+        issued_by_kept = []
+        kept_unpacked = ctx._kept_unpacked
+
+        def spy(step):
+            before = len(ctx._passes) and sum(p.prefetched_bytes for p in list(ctx._passes.values()))
+            kept_unpacked(step)
+            after = sum(p.prefetched_bytes for p in list(ctx._passes.values()))
+            issued_by_kept.append(after - (before or 0))
+
+        ctx._kept_unpacked = spy
+        s = _train(acc, model, twin, ctx, [make_inputs("toy", seed=i) for i in range(2)])
+    acc.assert_no_hazards()
+    assert sum(issued_by_kept) > 0, "no reload was issued by a kept tensor's unpack"
+    assert acc.readings > 0
+    assert s["h2d_bytes"] > 0

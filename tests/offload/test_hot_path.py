@@ -160,20 +160,20 @@ def test_sync_backend_loads_nothing_ahead_by_default():
         ctx = cpu_ctx(prefetch_bytes=prefetch)
         ahead = [0]
         inside = [False]
-        orig_load, orig_pre = ctx._load, ctx._prefetch_after
+        orig_load, orig_pre = ctx._load, ctx._sched.ahead
 
         def load(hc, rec):
             ahead[0] += inside[0]
             return orig_load(hc, rec)
 
-        def pre(h, p):
+        def pre(p, load_fn):
             inside[0] = True
             try:
-                return orig_pre(h, p)
+                return orig_pre(p, load_fn)
             finally:
                 inside[0] = False
 
-        ctx._load, ctx._prefetch_after = load, pre
+        ctx._load, ctx._sched.ahead = load, pre
         with ctx:
             loss = _loss(m, batch)
         loss.backward()

@@ -20,8 +20,8 @@ from offload import OffloadActivations
 from offload.predict import GPUS
 from offload.predict._cost import HostCost
 from offload.predict._record import Recorder
-from offload.predict._timeline import TimelineResult, simulate
-from offload.predict._trace import Copy, Kernel, Trace
+from offload.predict._timeline import Clock, TimelineResult, simulate
+from offload.predict._trace import Copy, HostWork, Kernel, RecordEvent, Trace, WaitEvent
 
 KERNEL_NS = 10_000
 """Every kernel takes 10 us (synthetic)."""
@@ -63,10 +63,10 @@ AMPLE = gpu_at(100 * NEED)
 SCARCE = gpu_at(0.3 * NEED)
 
 
-def make_model() -> tuple[nn.Module, torch.Tensor]:
+def make_model(n_layers: int = LAYERS) -> tuple[nn.Module, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     layers: list[nn.Module] = []
-    for _ in range(LAYERS):
+    for _ in range(n_layers):
         lin = nn.Linear(WIDTH, WIDTH)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(WIDTH, WIDTH, generator=g) / WIDTH**0.5)
@@ -74,15 +74,27 @@ def make_model() -> tuple[nn.Module, torch.Tensor]:
     return nn.Sequential(*layers), torch.randn(BATCH, WIDTH, generator=g)
 
 
-def capture(offload: bool, *, steps: int = 3, **engine_kw: Any) -> Trace:
+def capture(offload: bool, *, steps: int = 3, gpu: Any = None, cost: Callable = kernel_units,
+            host: HostCost = HOST, region: int | None = None, n_layers: int = LAYERS, **engine_kw: Any) -> Trace:
     """The trace of the last of ``steps`` training steps (forward, backward) of the suite's model,
-    with the engine (``offload``) or without; earlier steps warm the pool up (steady state)."""
-    model, x = make_model()
-    with Recorder() as rec:
+    with the engine (``offload``) or without; earlier steps warm the pool up (steady state).
+
+    ``gpu``: the engine's event polls see that modelled device (a ``Clock`` with the suite's
+    synthetic costs), as on a GPU, and the engine runs with its own schedule (no caps unless given);
+    without it polls never report a copy done, and the in-flight copies are capped at ``STASH``.
+    ``region=k``: only the model's first ``k`` modules are offloaded (the rest excluded, kept on the
+    device): a plan's first blocks. ``n_layers``: Linear + ReLU pairs of the model."""
+    model, x = make_model(n_layers)
+    clock = Clock(gpu, host_cost=host, device_cost=cost) if gpu is not None else None
+    with Recorder(clock=clock) as rec:
         ctx = None
         if offload:
-            kw = {"min_offload_size": 0, "max_fwd_stash_size": STASH, **engine_kw}
+            kw = {"min_offload_size": 0, **({} if gpu is not None else {"max_fwd_stash_size": STASH}),
+                  **engine_kw}
             ctx = OffloadActivations(device="cpu", **kw)
+            if region is not None:
+                for m in list(model)[region:]:
+                    ctx.exclude(m)
             rec.watch(ctx)
         for step in range(steps):
             with rec.record() if step == steps - 1 else contextlib.nullcontext() as trace:
@@ -117,7 +129,7 @@ def _patched(obj: Any, name: str, fn: Callable[[Callable], Callable]) -> Iterato
 
 
 def _no_prefetch(orig: Callable) -> Callable:
-    return lambda self, h, p: None
+    return lambda self, p, load: None
 
 
 def _sync_after_offload(orig: Callable) -> Callable:
@@ -160,33 +172,58 @@ def _per_tensor_pinned(orig: Callable) -> Callable:
 
 def _stash_until_forward_ends(orig: Callable) -> Callable:
     def push(self, entry):
-        with self._lock:
-            self._stash.append(entry)
-            self._stash_bytes += entry.nbytes
+        with self.lock:
+            self.inflight.append(entry)
+            self.inflight_bytes += entry.nbytes
     return push
+
+
+def _no_poll(orig: Callable) -> Callable:
+    return lambda self: None
 
 
 def _drain_at_exit(orig: Callable) -> Callable:
     def exit_(self, *exc):
         orig(self, *exc)
         if self._thread().enter_depth == 0:
-            self._drain_stash()
+            self._sched.drain()
     return exit_
+
+
+def _kept_unpack_loads_nothing(orig: Callable) -> Callable:
+    return lambda self, step: self._begin_backward_pass(step.order)
+
+
+def _count_cap(orig: Callable) -> Callable:
+    def bound(self, upcoming):
+        while len(self.inflight) > 1:  # the engine's old default: compute waits to honour a count
+            self._release(self.inflight[0], wait=True)
+        return orig(self, upcoming)
+    return bound
+
+
+def _window_of_two_copies(orig: Callable) -> Callable:
+    return lambda self, p, nbytes: p.prefetched_bytes + nbytes <= 2 * self.max_copy
 
 
 def mutant(name: str) -> contextlib.AbstractContextManager:
     """The engine with one schedule bug (the issue's list, plus the D2H twin of an early wait)."""
-    from offload import _backward, _copies, engine, pool, streams
+    from offload import _backward, _copies, _schedule, engine, pool, streams
     stack = contextlib.ExitStack()
+    sched = _schedule._Schedule
     patches = {
-        "no_prefetch_in_backward": [(_backward._Backward, "_prefetch_after", _no_prefetch)],
+        "no_prefetch_in_backward": [(sched, "ahead", _no_prefetch)],
         "sync_after_each_offload": [(streams.StreamBackend, "d2h", _sync_after_offload)],
         "both_directions_one_stream": [(streams.StreamBackend, "_side_stream", _one_stream)],
         "reload_waited_at_issue": [(_copies._Copies, "_load", _reload_waited_at_issue)],
         "offload_waited_at_pack": [(_copies._Copies, "_copy_out", _offload_waited_at_pack)],
         "per_tensor_pinned_allocation": [(pool.HostPool, "take", _per_tensor_pinned)],
-        "stash_released_at_forward_end": [(_copies._Copies, "_stash_push", _stash_until_forward_ends),
+        "stash_released_at_forward_end": [(sched, "push", _stash_until_forward_ends), (sched, "kept", _no_poll),
                                           (engine.OffloadActivations, "__exit__", _drain_at_exit)],
+        "kept_unpack_issues_no_reload": [(_backward._Backward, "_kept_unpacked", _kept_unpack_loads_nothing)],
+        "compute_waits_to_honour_a_count": [(sched, "_bound", _count_cap)],
+        "kept_pack_does_not_poll": [(sched, "kept", _no_poll)],
+        "reloads_windowed_by_two_copies": [(sched, "_room", _window_of_two_copies)],
     }[name]
     for obj, attr, fn in patches:
         stack.enter_context(_patched(obj, attr, fn))
@@ -195,7 +232,8 @@ def mutant(name: str) -> contextlib.AbstractContextManager:
 
 MUTANTS = ("no_prefetch_in_backward", "sync_after_each_offload", "both_directions_one_stream",
            "reload_waited_at_issue", "offload_waited_at_pack", "per_tensor_pinned_allocation",
-           "stash_released_at_forward_end")
+           "stash_released_at_forward_end", "kept_unpack_issues_no_reload", "compute_waits_to_honour_a_count",
+           "kept_pack_does_not_poll", "reloads_windowed_by_two_copies")
 
 
 # -- the independent reference schedule (the scarce-bandwidth bound) ----------------------------
@@ -345,4 +383,76 @@ def violations(off: Trace, none: Trace) -> dict[str, str]:
     bound = forward_peak_bytes(n) - offloaded_bytes(off) + (STASH + 2) * ACT_BYTES
     if forward_peak_bytes(a) > bound:
         out["forward memory"] = f"{forward_peak_bytes(a)} B > {bound} B"
+    return out
+
+
+# -- the copy schedule's own properties (NOTE [ Copy schedule ]), on captures with a clock -------------
+
+REGION, REGION_LAYERS = 10, 24
+"""The region captures: a model of 24 Linear + ReLU pairs whose first 10 modules (five pairs) are
+offloaded, the 19 pairs after them kept: a plan's first blocks."""
+OVERLAP = gpu_at(0.15 * NEED)
+"""A link at which the region's reloads take longer than the region's own backward, and less than the
+backward of the blocks after it: they hide only if issued before backward reaches the region."""
+POLLED = gpu_at(0.5 * NEED)
+"""A link at which the region's copies are still running when its last offloaded tensor is packed and are
+done long before the forward's end: only polls at later (kept) packs free their sources in time."""
+NEVER_WAIT = 1 << 40
+"""A ``device_budget_bytes`` no step reaches: compute may then never wait on a copy (NOTE item 2)."""
+
+
+def schedule_captures() -> dict[str, Trace]:
+    """The traces the schedule properties read (the engine's own schedule: no caps)."""
+    return {"no_wait": capture(True, gpu=POLLED, region=REGION, n_layers=REGION_LAYERS,
+                               device_budget_bytes=NEVER_WAIT),
+            "at_once": capture(True, gpu=POLLED, region=REGION, n_layers=REGION_LAYERS, max_fwd_stash_size=1,
+                               max_inflight_bytes=1),
+            "region": capture(True, gpu=OVERLAP, region=REGION, n_layers=REGION_LAYERS)}
+
+
+def d2h_waits(trace: Trace) -> int:
+    """Stream waits on a device-to-host copy's event (a source released before its copy was known done)."""
+    d2h_streams = {it.stream for it in trace.items if type(it) is Copy and it.direction == "d2h"}
+    recorded = {it.event: it.stream for it in trace.items if type(it) is RecordEvent}
+    return sum(1 for it in trace.items if type(it) is WaitEvent and it.why == "free"
+               and recorded.get(it.event) in d2h_streams)
+
+
+def reloads_before_offloaded_unpack(trace: Trace) -> int:
+    """Reloads issued in backward before its first unpack of an offloaded tensor (so by kept unpacks)."""
+    n = 0
+    for it in trace.items:
+        if type(it) is HostWork and it.what == "unpack hook":
+            return n
+        if type(it) is Copy and it.direction == "h2d":
+            n += 1
+    return n
+
+
+def reload_exposure_ns(res: TimelineResult) -> int:
+    """Compute time spent waiting on reloads (stalls whose awaited copy is a host-to-device one)."""
+    items = res.trace.items
+    return sum(st.ns for st in res.stalls if st.copy >= 0 and items[st.copy].direction == "h2d")
+
+
+def schedule_violations(traces: dict[str, Trace]) -> dict[str, str]:
+    """Each copy-schedule property the captures break (name -> what was seen)."""
+    out: dict[str, str] = {}
+    region = traces["region"]
+    got = reloads_before_offloaded_unpack(region)
+    if not got:
+        out["kept unpacks issue reloads"] = "no reload before backward's first offloaded unpack"
+    n = d2h_waits(traces["no_wait"])
+    if n:
+        out["no compute wait on a copy while the budget holds"] = f"{n} waits on a D2H"
+    polled = forward_peak_bytes(run(traces["no_wait"], POLLED))
+    at_once = forward_peak_bytes(run(traces["at_once"], POLLED))
+    if polled > at_once:
+        out["a finished copy's source is freed at the next pack"] = (
+            f"forward holds {polled} B, {polled - at_once} B more than releasing at once")
+    exposed = reload_exposure_ns(run(region, OVERLAP))
+    total = sum(1 for it in region.items if type(it) is Copy and it.direction == "h2d")
+    if exposed or got < total:
+        out["a region's reloads overlap the backward before it"] = (
+            f"{got} of {total} reloads issued before backward reached the region; {exposed} ns waiting on them")
     return out

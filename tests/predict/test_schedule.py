@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from schedule_testkit import (ACT_BYTES, AMPLE, HOST_BOUND, MUTANTS, NEED, SCARCE_RATES, STASH, TOLERANCE,
-                              capture, forward_peak_bytes, gpu_at, host_bound_units, mutant, offloaded_bytes,
-                              reference_exposed_ns, run, violations)
+from schedule_testkit import (ACT_BYTES, AMPLE, HOST_BOUND, MUTANTS, NEED, OVERLAP, POLLED, SCARCE_RATES, STASH,
+                              TOLERANCE, capture, d2h_waits, forward_peak_bytes, gpu_at, host_bound_units, mutant,
+                              offloaded_bytes, reference_exposed_ns, reload_exposure_ns,
+                              reloads_before_offloaded_unpack, run, schedule_captures, schedule_violations,
+                              violations)
 
 pytestmark = pytest.mark.schedule
 
@@ -90,9 +92,50 @@ def test_forward_frees_the_offloaded_bytes(off, none):
     assert forward_peak_bytes(a) <= forward_peak_bytes(n) - offloaded_bytes(off) + (STASH + 2) * ACT_BYTES
 
 
-def test_intact_engine_breaks_no_property(off, none):
+def test_intact_engine_breaks_no_property(off, none, sched):
     """The checker the mutation test uses finds nothing wrong with the engine as it is."""
     assert violations(off, none) == {}
+    assert schedule_violations(sched) == {}
+
+
+# -- the copy schedule (NOTE [ Copy schedule ]): captures whose polls see the modelled device ----------
+
+@pytest.fixture(scope="module")
+def sched():
+    return schedule_captures()
+
+
+def test_kept_unpacks_issue_reloads(sched):
+    """Backward issues reloads before its first unpack of an offloaded tensor: unpacks of kept tensors (the
+    blocks after the offloaded region) start them."""
+    assert reloads_before_offloaded_unpack(sched["region"]) > 0
+
+
+def test_a_regions_reloads_overlap_the_backward_before_it(sched):
+    """Where the region's reloads take longer than its own backward, all of them start while backward runs
+    the blocks after it (memory permitting), and compute never waits on one."""
+    region = sched["region"]
+    res = run(region, OVERLAP)
+    reloads = [it for it in region.items if type(it).__name__ == "Copy" and it.direction == "h2d"]
+    assert len(reloads) >= 3 and res.copy_seconds["h2d"] > 0
+    assert reloads_before_offloaded_unpack(region) == len(reloads)
+    assert reload_exposure_ns(res) == 0, res.stall_causes
+
+
+def test_no_compute_wait_on_a_copy_while_the_budget_holds(sched):
+    """With a device budget the step never reaches, compute never waits on a device-to-host copy: its sources
+    are freed when polls find the copies done."""
+    assert d2h_waits(sched["no_wait"]) == 0
+    assert d2h_waits(sched["at_once"]) > 0  # (the count sees waits where they happen)
+
+
+def test_a_finished_copys_source_is_freed_at_the_next_pack(sched):
+    """No wait allowed, and the region's copies still running at its last offload but done long before the
+    forward's end: the forward peaks where releasing every source at once (with waits) peaks. Each finished
+    copy's source goes at the next pack, kept or not."""
+    polled = forward_peak_bytes(run(sched["no_wait"], POLLED))
+    at_once = forward_peak_bytes(run(sched["at_once"], POLLED))
+    assert polled <= at_once, (polled, at_once)
 
 
 EXPECTED = {
@@ -103,6 +146,10 @@ EXPECTED = {
     "offload_waited_at_pack": "ample: no wait on a copy",
     "per_tensor_pinned_allocation": "no pinned allocation",
     "stash_released_at_forward_end": "forward memory",
+    "kept_unpack_issues_no_reload": "kept unpacks issue reloads",
+    "compute_waits_to_honour_a_count": "no compute wait on a copy while the budget holds",
+    "kept_pack_does_not_poll": "a finished copy's source is freed at the next pack",
+    "reloads_windowed_by_two_copies": "a region's reloads overlap the backward before it",
 }
 
 
@@ -112,5 +159,6 @@ def test_each_mutant_breaks_its_property(name, none):
     to catch it)."""
     with mutant(name):
         trace = capture(True)
-    broken = violations(trace, none)
+        sched = schedule_captures()
+    broken = {**violations(trace, none), **schedule_violations(sched)}
     assert EXPECTED[name] in broken, f"{name} passed: {broken}"
