@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 from ._trace import Copy, HostWork, Kernel
 
 if TYPE_CHECKING:
-    from ._timeline import TimelineResult
+    from ._sim import _Sim
+    from ._stalls import Stall
+    from ._trace import Trace
 
 __all__ = ["write_chrome_trace", "chrome_events"]
 
@@ -25,13 +27,12 @@ def _slice(name: str, pid: int, tid: int, start_ns: int, dur_ns: int, **args: An
             "args": args}
 
 
-def chrome_events(res: "TimelineResult") -> list[dict[str, Any]]:
-    """The trace events of ``res`` (see the module docstring)."""
-    sim, trace = res._sim, res.trace
+def chrome_events(sim: "_Sim", trace: "Trace", stalls: "list[Stall]", gpu_name: str) -> list[dict[str, Any]]:
+    """The trace events of a replayed step (see the module docstring)."""
     ev: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": _HOST, "args": {"name": "host (predicted)"}},
         {"name": "process_name", "ph": "M", "pid": _DEVICE,
-         "args": {"name": f"device (predicted, {res.gpu.name})"}},
+         "args": {"name": f"device (predicted, {gpu_name})"}},
         {"name": "thread_name", "ph": "M", "pid": _HOST, "tid": 0, "args": {"name": "issue"}},
     ]
     for s in sorted(sim.on_stream):
@@ -50,7 +51,7 @@ def chrome_events(res: "TimelineResult") -> list[dict[str, Any]]:
     for a, b, i in sim.host_blocks:
         why = getattr(trace.items[i], "why", "") or type(trace.items[i]).__name__
         ev.append(_slice(f"blocked: {why}", _HOST, 0, a, b - a))
-    for st in res.stalls:
+    for st in stalls:
         ev.append(_slice(f"stall: {st.cause}", _DEVICE, st.stream, st.start_ns, st.ns, item=st.item, copy=st.copy))
     for t, b in sim.memory():
         ev.append({"name": "device memory (step)", "ph": "C", "pid": _DEVICE, "ts": t / 1e3,
@@ -58,10 +59,9 @@ def chrome_events(res: "TimelineResult") -> list[dict[str, Any]]:
     return ev
 
 
-def write_chrome_trace(res: "TimelineResult", path: str) -> None:
-    """Write ``res`` to ``path`` as Chrome trace JSON, labelled as a prediction for its spec."""
-    doc = {"traceEvents": chrome_events(res), "displayTimeUnit": "ns",
-           "metadata": {"predicted": True, "gpu": res.gpu.name, "assumes": res.gpu.describe(),
-                        "step_seconds": res.step_seconds, "exposed_copy_seconds": res.exposed_copy_seconds}}
+def write_chrome_trace(events: list[dict[str, Any]], metadata: dict[str, Any], path: str) -> None:
+    """Write ``events`` (``chrome_events``) to ``path`` as Chrome trace JSON with ``metadata`` (the caller labels
+    it as a prediction for its spec)."""
+    doc = {"traceEvents": events, "displayTimeUnit": "ns", "metadata": metadata}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f)

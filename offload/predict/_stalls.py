@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from ._trace import Copy, Kernel, RecordEvent, WaitEvent
 
 if TYPE_CHECKING:
-    from ._timeline import _Sim
+    from ._sim import _Sim
 
 __all__ = ["label_stalls", "Stall"]
 
