@@ -80,9 +80,9 @@ if TYPE_CHECKING:
 __all__ = ["_Schedule"]
 
 _FIRST_FORWARD_CAPS = (5, 1 << 30)
-"""NOTE item 2: the bounds of a forward with no history (copies, bytes in flight)."""
+"""NOTE item 2: the bounds of a step with no history (copies, bytes in flight)."""
 _HISTORY = 4
-"""Forwards whose saved bytes the end-of-forward bound remembers (NOTE item 2)."""
+"""Steps whose forwards' bytes the end-of-forward bound remembers (NOTE item 2)."""
 _WINDOW, _TAIL = 4, 0.15
 """NOTE item 2: the copies that may always stay in flight: two of the largest size seen, up to four while
 they are within 15% of the bytes a forward offloads (so the peak still falls by >= 85% of them)."""
@@ -96,9 +96,8 @@ class _Schedule:
     """The engine's copy schedule (NOTE [ Copy schedule ]): in-flight copies, their sources, the
     memory budget and the reload window."""
 
-    def __init__(self, backend: Any, ledger: "Ledger", lock: "threading.RLock", tiers: Any, *,
-                 max_count: int | None, max_bytes: int | None, budget: int | None,
-                 prefetch_bytes: int | None) -> None:
+    def __init__(self, backend: Any, ledger: "Ledger", lock: "threading.RLock", *, max_count: int | None,
+                 max_bytes: int | None, budget: int | None, prefetch_bytes: int | None) -> None:
         self.backend = backend
         self.ledger = ledger
         self.lock = lock
@@ -118,7 +117,6 @@ class _Schedule:
         self.max_save = 0
         """Bytes of the largest distinct save seen."""
         self._stats = getattr(backend, "memory_stats", None)  # (None: no allocator statistics)
-        self._tiers = tiers  # (its disk tier may change: looked up when needed)
         self._log: list[int] | None = None  # the ledger's distinct-bytes log read so far, and where
         self._off: list[int] | None = None  # its offloaded-bytes log
         self._cur = self._saved = self._ocur = self._moved = 0
@@ -161,7 +159,8 @@ class _Schedule:
                 self.fwd_end = stats[0]
 
     def end_step(self) -> None:
-        """The step closed (its log of saved bytes starts again)."""
+        """The step closed (its logs were consumed: ``progress`` reads them from the start again)."""
+        self._log = None
         self._step_seen = False
         self._est = None
         self.fwd_end = 0
