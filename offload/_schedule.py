@@ -96,8 +96,9 @@ class _Schedule:
     """The engine's copy schedule (NOTE [ Copy schedule ]): in-flight copies, their sources, the
     memory budget and the reload window."""
 
-    def __init__(self, backend: Any, ledger: "Ledger", lock: "threading.RLock", *, max_count: int | None,
-                 max_bytes: int | None, budget: int | None, prefetch_bytes: int | None) -> None:
+    def __init__(self, backend: Any, ledger: "Ledger", lock: "threading.RLock", tiers: Any, *,
+                 max_count: int | None, max_bytes: int | None, budget: int | None,
+                 prefetch_bytes: int | None) -> None:
         self.backend = backend
         self.ledger = ledger
         self.lock = lock
@@ -117,6 +118,7 @@ class _Schedule:
         self.max_save = 0
         """Bytes of the largest distinct save seen."""
         self._stats = getattr(backend, "memory_stats", None)  # (None: no allocator statistics)
+        self._tiers = tiers  # its disk tier reads ahead a record a reload waits for (NOTE item 3)
         self._log: list[int] | None = None  # the ledger's distinct-bytes log read so far, and where
         self._off: list[int] | None = None  # its offloaded-bytes log
         self._cur = self._saved = self._ocur = self._moved = 0

@@ -359,7 +359,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         self._running_owner = _owner_lookup(self._owner_memo)  # policy._classify's owner(ptr)
         self._process = psutil.Process()
         self._native = _load_native() if config.native_hooks else None
-        self._sched = _Schedule(self._backend, self.ledger, self._lock,
+        self._sched = _Schedule(self._backend, self.ledger, self._lock, self.tiers,
                                 max_count=config.max_fwd_stash_size, max_bytes=config.max_inflight_bytes,
                                 budget=config.device_budget_bytes, prefetch_bytes=config.prefetch_bytes)
         """The copy schedule (NOTE [ Copy schedule ] in offload/_schedule.py)."""
