@@ -27,7 +27,8 @@ from .planner.install import caching_off
 from .regions import exclude_output_head
 from .tiling import TilingHandle, _causal_lm, tile_loss, tile_mlp
 
-__all__ = ["LongContextHandle", "long_context", "checkpoint_blocks", "is_hf_causal_lm", "hf_checkpointing"]
+__all__ = ["LongContextHandle", "long_context", "checkpoint_blocks", "checkpoint_model", "is_hf_causal_lm",
+           "hf_checkpointing"]
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +130,21 @@ def _size(value: int | None, none: str) -> str:
     return none if value is None else format_bytes(value)
 
 
-def _checkpoint(handle: LongContextHandle, model: nn.Module, blocks: list[tuple[str, nn.Module]] | None) -> None:
-    """Activation checkpointing on every block, unless the model's own (transformers') is on already."""
+def checkpoint_model(model: nn.Module, blocks: list[tuple[str, nn.Module]] | None = None
+                     ) -> tuple[str, Callable[[], None]]:
+    """Activation checkpointing on every block (``blocks``, default the model's largest ``nn.ModuleList``),
+    unless a Hugging Face model's own is on already; a Hugging Face KV cache is off meanwhile. Returns
+    (who checkpoints: "offload" or "transformers", the undo)."""
     if hf_checkpointing(model):
-        handle.checkpointing = "transformers"
-        return
-    handle._undo.append(caching_off(model, "while long_context is applied"))
-    handle._undo.append(checkpoint_blocks(blocks if blocks is not None else find_blocks(model)))
-    handle.checkpointing = "offload"
+        return "transformers", lambda: None
+    cache_undo = caching_off(model, "while its blocks are checkpointed for long context")
+    blocks_undo = checkpoint_blocks(blocks if blocks is not None else find_blocks(model))
+
+    def undo() -> None:
+        blocks_undo()
+        cache_undo()
+
+    return "offload", undo
 
 
 def long_context(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool | None = None,
@@ -161,7 +169,8 @@ def long_context(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool |
                      "offload.tiling.linear_cross_entropy in your loss)", type(model).__name__)
     handle = LongContextHandle(engine, model)
     try:
-        _checkpoint(handle, model, blocks)
+        handle.checkpointing, undo = checkpoint_model(model, blocks)
+        handle._undo.append(undo)
         handle._undo.append(engine.attach(model).remove)
         for region in exclude_output_head(engine, model):
             handle._undo.append(region.remove)

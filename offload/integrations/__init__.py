@@ -81,6 +81,7 @@ def _callback_config(owner: str, config: OffloadConfig | None, engine_kwargs: di
         raise TypeError(f"{owner}: config must be an OffloadConfig, got {type(config).__name__}.")
     if config is None:
         check_keywords(owner, ("config", "exclude_head", "budget_bytes", "budget", "plan_kwargs", "all_figures",
+                              "tiled_mlp", "tiled_loss", "long_context",
                               *OffloadConfig.field_names()), engine_kwargs)
         config = OffloadConfig(**engine_kwargs)
     try:
