@@ -91,7 +91,9 @@ class LongContextHandle:
         self._undo: list[Callable[[], None]] = []
 
     def remove(self) -> None:
-        """Detach the engine, untile, restore each block's forward (idempotent); the engine stays usable."""
+        """Detach the engine, untile, restore each block's forward (idempotent); the engine stays usable.
+        Not between a forward and its backward: the checkpoints' recompute runs the blocks' forwards
+        again, and must find them as the forward did."""
         while self._undo:
             self._undo.pop()()
 
@@ -150,6 +152,7 @@ def checkpoint_model(model: nn.Module, blocks: list[tuple[str, nn.Module]] | Non
 def long_context(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool | None = None,
                  mlp_tokens: int | None = None, loss_tokens: int | None = None, loss_impl: str = "auto",
                  blocks: list[tuple[str, nn.Module]] | None = None, config: OffloadConfig | None = None,
+                 engine: OffloadActivations | None = None, exclude_head: bool = True,
                  **engine_kwargs: Any) -> LongContextHandle:
     """AC + offloaded checkpoint inputs + tiled MLP + tiled loss on ``model``, in one call (module doc).
 
@@ -159,9 +162,16 @@ def long_context(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool |
     ``pageable_budget_bytes``, ``disk_dir``...) is attached to the model with the output head kept on
     the device; ``tile_mlp`` tiles each block's ``.mlp`` (``mlp_tokens`` a tile) and ``tile_loss`` the
     labels= loss of a Hugging Face causal LM (``tiled_loss=None``: when the model is one; with your own
-    loss, call ``offload.tiling.linear_cross_entropy`` on the head's input). Returns a handle
+    loss, call ``offload.tiling.linear_cross_entropy`` on the head's input). ``engine``: an engine to use
+    instead of building one (then pass no setting): installing and removing around each step keeps its
+    pool. ``exclude_head=False`` when the head module never runs (a loss that only reads its weight:
+    ``linear_cross_entropy``), else the engine warns that its exclusion did nothing. Returns a handle
     (``engine``, ``report()``, ``remove()``)."""
-    engine = OffloadActivations(model=model, config=config, **engine_kwargs)
+    if engine is not None and (config is not None or engine_kwargs):
+        raise TypeError(f"offload.long_context: pass engine= or engine settings, not both (got engine and "
+                        f"{'config' if config is not None else sorted(engine_kwargs)})")
+    if engine is None:
+        engine = OffloadActivations(model=model, config=config, **engine_kwargs)
     if tiled_loss is None:
         tiled_loss = is_hf_causal_lm(model)
         if not tiled_loss:
@@ -172,7 +182,7 @@ def long_context(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool |
         handle.checkpointing, undo = checkpoint_model(model, blocks)
         handle._undo.append(undo)
         handle._undo.append(engine.attach(model).remove)
-        for region in exclude_output_head(engine, model):
+        for region in exclude_output_head(engine, model) if exclude_head else ():
             handle._undo.append(region.remove)
         if tiled_mlp:
             handle.mlp = tile_mlp(model, tokens=mlp_tokens, engine=engine)

@@ -1,7 +1,7 @@
 """The tiled loss: cross-entropy of a linear head's logits, computed in tiles of tokens so the full
 ``tokens x vocabulary`` logits never exist (NOTE [ Tiles ] in offload/tiling.py).
 
-``linear_cross_entropy`` picks the implementation: on a CUDA tensor, Liger-Kernel's fused linear
+``cross_entropy_tiles`` picks the implementation: on a CUDA tensor, Liger-Kernel's fused linear
 cross-entropy when it is installed, else Apple's cut-cross-entropy when installed, else the built-in tiles
 (``TiledLinearCrossEntropy``, any device). The built-in forward keeps per token only the log-sum-exp
 (4 bytes); backward recomputes each tile's logits and forms ``softmax - one_hot`` from it, so at most one
@@ -21,7 +21,7 @@ from torch import nn
 
 from ._tiled_mlp import tile_slices
 
-__all__ = ["LOSS_IMPLS", "TiledLinearCrossEntropy", "linear_cross_entropy", "select_loss_impl",
+__all__ = ["LOSS_IMPLS", "TiledLinearCrossEntropy", "cross_entropy_tiles", "select_loss_impl",
            "default_loss_rows", "loss_bytes_not_saved"]
 
 log = logging.getLogger("offload.tiling")
@@ -184,10 +184,10 @@ def _weight_bias(head: nn.Module | torch.Tensor, bias: torch.Tensor | None) -> t
     return head.weight, head.bias
 
 
-def linear_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, targets: torch.Tensor, *,
-                         bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
-                         tokens: int | None = None, impl: str = "auto",
-                         record: Callable[[str, int, int], None] | None = None) -> torch.Tensor:
+def cross_entropy_tiles(hidden: torch.Tensor, head: nn.Module | torch.Tensor, targets: torch.Tensor, *,
+                        bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                        tokens: int | None = None, impl: str = "auto",
+                        record: Callable[[str, int, int], None] | None = None) -> torch.Tensor:
     """``F.cross_entropy(head(hidden).float(), targets, ignore_index=..., reduction=...)`` without the full
     logits: ``hidden`` (..., H) is the head's input, ``head`` an ``nn.Linear`` or its weight (V, H),
     ``targets`` (...) class indices (``ignore_index`` ones left out). ``reduction``: "mean" over the

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .errors import OffloadError
+from .policy import storage_ptr
 
 __all__ = ["MLPRun", "TiledMLP", "tile_slices", "AutocastState", "RngState"]
 
@@ -71,7 +72,7 @@ def _static(t: torch.Tensor, params: list[nn.Parameter], ptrs: set[int], shapes:
     activation: its storage is a parameter's, or its history is a chain of one-input ops from a
     parameter's ``AccumulateGrad``, or (no history: a frozen parameter's cast) it is 2-D with a
     parameter's shape or its transpose."""
-    if t.untyped_storage().data_ptr() in ptrs:
+    if storage_ptr(t) in ptrs:
         return True
     fn = t.grad_fn
     if fn is None:
@@ -175,7 +176,7 @@ def _accumulate(acc: list[torch.Tensor | None], grads: tuple[torch.Tensor | None
         if g is None:
             continue
         if acc[i] is None:
-            shared = g.untyped_storage().data_ptr() == grad_out.untyped_storage().data_ptr()
+            shared = storage_ptr(g) == storage_ptr(grad_out)
             acc[i] = g.float() if g.dtype != torch.float32 else (g.clone() if shared else g)
         else:
             acc[i].add_(g)
@@ -187,13 +188,13 @@ class _SavedBytes:
 
     def __init__(self, module: nn.Module, x: torch.Tensor) -> None:
         self.params = list(module.parameters())
-        self.ptrs = {p.untyped_storage().data_ptr() for p in self.params} | {x.untyped_storage().data_ptr()}
+        self.ptrs = {storage_ptr(p) for p in self.params} | {storage_ptr(x)}
         self.shapes = {tuple(p.shape) for p in self.params}
         self.seen: set[int] = set()
         self.nbytes = 0
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
+        key = storage_ptr(t)
         if key not in self.seen and not _static(t, self.params, self.ptrs, self.shapes):
             self.seen.add(key)  # a storage saved twice in one tile (x and its view) counts once
             self.nbytes += t.untyped_storage().nbytes()

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._observers import active_engine
-from ._tiled_loss import LOSS_IMPLS, _positive, linear_cross_entropy, select_loss_impl
+from ._tiled_loss import LOSS_IMPLS, _positive, cross_entropy_tiles, select_loss_impl
 from ._tiled_mlp import MLPRun, TiledMLP
 from .errors import OffloadError
 from .regions import _unwrap, find_output_head
@@ -207,7 +207,32 @@ def tile_mlp(model: nn.Module, *, tokens: int | None = None, modules: list[nn.Mo
     return handle
 
 
-# -- the loss (a Hugging Face causal LM's labels= path) ------------------------------------------
+# -- the loss ---------------------------------------------------------------------------------------
+
+
+def linear_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, targets: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                         tokens: int | None = None, impl: str = "auto", engine: Any = None) -> torch.Tensor:
+    """``F.cross_entropy(head(hidden).float(), targets, ignore_index=..., reduction=...)`` in tiles of tokens,
+    without the full logits: the tiled loss for your own training step (``tile_loss`` does it inside a
+    Hugging Face model). ``hidden`` (..., H) is the head's input, ``head`` an ``nn.Linear`` or its weight
+    (V, H) (then ``bias`` its bias), ``targets`` (...) class indices, ``ignore_index`` ones left out;
+    ``reduction`` "mean" (over the labelled tokens) or "sum"; ``tokens`` per tile (default: 256 MiB of
+    float32 logits a tile); ``impl``: ``LOSS_IMPLS``. Each backward adds to the ledger of ``engine``
+    (default: the one entered around this call, if any; NOTE [ Tiles ])."""
+    eng = engine if engine is not None else active_engine()
+    ref = weakref.ref(eng) if eng is not None else None
+
+    def record(impl_ran: str, nbytes: int, tiles: int) -> None:
+        e = ref() if ref is not None else None
+        if e is not None:
+            e.ledger.log_tiling("loss", nbytes, tiles)
+
+    return cross_entropy_tiles(hidden, head, targets, bias=bias, ignore_index=ignore_index, reduction=reduction,
+                               tokens=tokens, impl=impl, record=record if ref is not None else None)
+
+
+# -- the loss of a Hugging Face causal LM (labels=) ---------------------------------------------------
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
@@ -273,9 +298,9 @@ class _LabelsCall:
                                "head; tile_loss supports causal LMs that call lm_head and then loss_function.")
         if shift_labels is None:  # tokens < n predict n, as ForCausalLMLoss
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        loss = linear_cross_entropy(self.hidden, self.head, shift_labels, ignore_index=ignore_index,
-                                    reduction="sum" if num_items_in_batch is not None else "mean",
-                                    tokens=self.tokens, impl=self.impl, record=self.handle._recorder(self.engine))
+        loss = cross_entropy_tiles(self.hidden, self.head, shift_labels, ignore_index=ignore_index,
+                                   reduction="sum" if num_items_in_batch is not None else "mean",
+                                   tokens=self.tokens, impl=self.impl, record=self.handle._recorder(self.engine))
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
