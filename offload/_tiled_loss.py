@@ -37,12 +37,15 @@ _EXTERNAL = {
 """Library -> (module, function): Liger-Kernel's fused linear cross-entropy, cut-cross-entropy's."""
 
 LOSS_TILE_BYTES = 256 << 20
-"""A loss tile's float32 logits by default (``tokens=None``): 256 MiB, 523 tokens of a 128,256 vocabulary."""
+"""The most float32 logits a loss tile holds by default (``tokens=None``): 256 MiB, 523 tokens of a
+128,256-token vocabulary."""
 
 
-def default_loss_rows(vocab: int) -> int:
-    """Tokens per loss tile by default: ``LOSS_TILE_BYTES`` of float32 logits, at least 64."""
-    return max(64, LOSS_TILE_BYTES // (4 * vocab))
+def default_loss_rows(vocab: int, hidden: int, tokens: int) -> int:
+    """Tokens per loss tile by default: as many as make a tile's logits no more than all the hidden states
+    (``tokens x hidden / vocab``, Liger-Kernel's rule), and at most ``LOSS_TILE_BYTES`` of float32 logits;
+    at least 64 (a matmul that short is already inefficient)."""
+    return max(64, min(-(-tokens * hidden // vocab), LOSS_TILE_BYTES // (4 * vocab)))
 
 
 def loss_bytes_not_saved(rows: int, vocab: int) -> int:
@@ -191,7 +194,7 @@ def cross_entropy_tiles(hidden: torch.Tensor, head: nn.Module | torch.Tensor, ta
     """``F.cross_entropy(head(hidden).float(), targets, ignore_index=..., reduction=...)`` without the full
     logits: ``hidden`` (..., H) is the head's input, ``head`` an ``nn.Linear`` or its weight (V, H),
     ``targets`` (...) class indices (``ignore_index`` ones left out). ``reduction``: "mean" over the
-    labelled tokens or "sum". ``tokens``: tokens per tile (default: 256 MiB of float32 logits a tile).
+    labelled tokens or "sum". ``tokens``: tokens per tile (default: ``default_loss_rows``).
     ``impl``: see ``LOSS_IMPLS``. ``record(impl, bytes_not_saved, tiles)`` is called once per backward."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"offload.tiling.linear_cross_entropy: reduction={reduction!r} must be 'mean' or 'sum'")
@@ -201,7 +204,7 @@ def cross_entropy_tiles(hidden: torch.Tensor, head: nn.Module | torch.Tensor, ta
     if y.shape[0] != h.shape[0]:
         raise ValueError(f"offload.tiling.linear_cross_entropy: {h.shape[0]} tokens of hidden states "
                          f"(hidden {tuple(hidden.shape)}) but {y.shape[0]} targets (targets {tuple(targets.shape)})")
-    rows = default_loss_rows(w.shape[0]) if tokens is None else _positive("tokens", tokens)
+    rows = default_loss_rows(w.shape[0], w.shape[1], h.shape[0]) if tokens is None else _positive("tokens", tokens)
     name, fn = select_loss_impl(impl, h.device.type)
     if fn is not None:
         if torch.is_autocast_enabled(h.device.type):  # the kernels take one dtype: the head's, under autocast

@@ -217,9 +217,9 @@ def linear_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, t
     without the full logits: the tiled loss for your own training step (``tile_loss`` does it inside a
     Hugging Face model). ``hidden`` (..., H) is the head's input, ``head`` an ``nn.Linear`` or its weight
     (V, H) (then ``bias`` its bias), ``targets`` (...) class indices, ``ignore_index`` ones left out;
-    ``reduction`` "mean" (over the labelled tokens) or "sum"; ``tokens`` per tile (default: 256 MiB of
-    float32 logits a tile); ``impl``: ``LOSS_IMPLS``. Each backward adds to the ledger of ``engine``
-    (default: the one entered around this call, if any; NOTE [ Tiles ])."""
+    ``reduction`` "mean" (over the labelled tokens) or "sum"; ``tokens`` per tile (default: a tile's logits
+    no larger than all the hidden states, and at most 256 MiB in float32); ``impl``: ``LOSS_IMPLS``. Each
+    backward adds to the ledger of ``engine`` (default: the one entered around this call; NOTE [ Tiles ])."""
     eng = engine if engine is not None else active_engine()
     ref = weakref.ref(eng) if eng is not None else None
 
@@ -343,10 +343,11 @@ def _labels_forward(handle: TilingHandle, lm: nn.Module, head: nn.Linear, orig: 
 
 
 def tile_loss(model: nn.Module, *, tokens: int | None = None, impl: str = "auto", engine: Any = None) -> TilingHandle:
-    """Compute a Hugging Face causal LM's ``labels=`` loss in tiles of ``tokens`` tokens (default: 256 MiB
-    of float32 logits a tile) from its head's input, never the full logits (NOTE [ Tiles ]). Training calls
-    with labels (grad enabled) return ``logits=None``; other calls run the model as it is. ``impl``:
-    ``LOSS_IMPLS``. ``engine``: whose ledger records the tiles. Returns a handle; ``remove()`` undoes it.
+    """Compute a Hugging Face causal LM's ``labels=`` loss in tiles of ``tokens`` tokens (default: a tile's
+    logits no larger than all the hidden states, at most 256 MiB in float32) from its head's input, never
+    the full logits (NOTE [ Tiles ]). Training calls with labels (grad enabled) return ``logits=None``;
+    other calls run the model as it is. ``impl``: ``LOSS_IMPLS``. ``engine``: whose ledger records the
+    tiles. Returns a handle; ``remove()`` undoes it.
 
     For your own loss on the logits, call ``linear_cross_entropy(hidden, head, targets)`` on the head's
     input (the body's last hidden state) instead of computing the logits."""
@@ -358,5 +359,5 @@ def tile_loss(model: nn.Module, *, tokens: int | None = None, impl: str = "auto"
     handle = TilingHandle("loss", engine)
     _replace_forward(handle, lm, _labels_forward(handle, lm, head, lm.forward, tokens, impl), "__offload_tiled_loss__")
     log.info("offload.tiling: %s's labels= loss tiled (%s tokens a tile, impl=%s)", type(lm).__name__,
-             tokens if tokens is not None else "256 MiB of logits", impl)
+             tokens if tokens is not None else "default", impl)
     return handle

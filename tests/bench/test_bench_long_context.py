@@ -13,7 +13,7 @@ from bench.strategies import STRATEGIES, Prepared
 from bench.verdict import Snapshot, compare, reordered_tolerance
 from bench.workloads import PRESETS
 
-WL = PRESETS["tiny"].replace(dim=64, n_heads=4, n_layers=2, seq_len=256, vocab_size=256)
+WL = PRESETS["tiny"].replace(dim=32, n_heads=4, n_layers=2, seq_len=128, vocab_size=256, batch=1)
 
 
 @pytest.mark.parametrize("deterministic_check", [False, True])
@@ -53,3 +53,20 @@ def test_reordered_tolerance_scales_with_the_dtype():
     ref = Snapshot(torch.tensor(1.0), [torch.ones(3)])
     assert not compare(ref, Snapshot(torch.tensor(1.0), [torch.tensor([1.0, 1.0, 2.0])]),
                        tolerance=reordered_tolerance(torch.bfloat16)).within_noise
+
+
+@pytest.mark.slow  # ~30 s: the peak property is tests/offload/test_long_context.py's, the verdict the test above
+def test_max_seq_long_context_trains_longer_than_ac_with_checked_grads():
+    """--max-seq on the HF Llama at one budget (none's peak at the start length): long_context trains a
+    longer sequence than ac and offload_ac, and each arm's loss and grads at its longest length check
+    against none's (bitwise for ac and offload_ac, within the tolerance for long_context)."""
+    pytest.importorskip("transformers")
+    from bench.plan import run_max_seq
+
+    wl = PRESETS["tiny"].replace(dim=32, n_heads=4, n_layers=2, seq_len=64, vocab_size=1024, batch=1)
+    res = run_max_seq(wl, "cpu", arms=("ac", "offload_ac", "long_context"), model="hf_llama", check_grads=True,
+                      max_doublings=1, progress=False)
+    by = {r["arm"]: r for r in res["rows"]}
+    assert by["long_context"]["max_seq"] > max(by["ac"]["max_seq"], by["offload_ac"]["max_seq"]), by
+    assert by["ac"]["grads"] == by["offload_ac"]["grads"] == "bitwise equal"
+    assert by["long_context"]["grads"].startswith("within the tolerance")
