@@ -95,15 +95,53 @@ def _base_model_fn(layers: int | None) -> Callable[[], nn.Module]:
     return preset_model_fn(name, layers=layers)
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_BUILT: list[str] = []
+"""How each LoRA model of this process was built: "peft", or "stand-in" (see ``_LoRALinear``)."""
+
+
+class _LoRALinear(nn.Module):
+    """peft's LoRA layer as it computes with dropout 0: ``base(x) + B(A(x)) * alpha / r``, the base frozen.
+    The LoRA workload uses it where peft cannot build its model on fake tensors (peft moves each adapter
+    with ``Module.to``, which swaps parameters, and a fake parameter that the capture follows cannot be
+    swapped: "Couldn't swap Linear.weight")."""
+
+    def __init__(self, base: nn.Linear, r: int = 16, alpha: int = 32) -> None:
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+        self.scaling = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+def _lora_stand_in(model: nn.Module) -> nn.Module:
+    model.requires_grad_(False)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in LORA_TARGETS and type(child) is nn.Linear:
+                setattr(parent, name, _LoRALinear(child))
+    return model
+
+
 def _lora_model_fn(layers: int | None) -> Callable[[], nn.Module]:
     base = _base_model_fn(layers)
 
     def model_fn() -> nn.Module:
         import peft
 
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        return peft.get_peft_model(base(), peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                           target_modules=targets))
+        config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+        try:
+            model = peft.get_peft_model(base(), config)
+        except RuntimeError as e:  # peft on fake tensors (offload.predict's LoRA support not in yet)
+            if "Couldn't swap" not in str(e):
+                raise
+            LORA_BUILT.append("stand-in")
+            return _lora_stand_in(base())
+        LORA_BUILT.append("peft")
+        return model
 
     return model_fn
 
@@ -314,6 +352,9 @@ def format_markdown(res: dict[str, Any]) -> str:
                 f"{v['seq']:,} tokens: peak {v['peak_bytes'] / _GiB:.2f} GiB (fitted {v['fitted_peak_bytes'] / _GiB:.2f}),"
                 f" {'fits' if v['fits'] else 'does NOT fit'} in {v['usable_bytes'] / _GiB:.2f} GiB; step "
                 f"{v['step_seconds']:.1f} s (fitted {v['fitted_step_seconds']:.1f}).", ""]
+    if "stand-in" in res.get("lora_built_with", ()):
+        out += ["LoRA built with `bench.max_context._LoRALinear` (peft's layer as it computes, dropout 0), not "
+                "peft: peft cannot build its model on fake tensors in this version of offload.predict.", ""]
     out += ["PREDICTED by offload.predict (fake tensors, no GPU), not measured; per card the spec of "
             "`offload.predict.GPUS` and the host of `bench.max_context.HOSTS`. " + res["method"], ""]
     out += [f"- {card}: {h}" for card, h in res["hosts"].items()]
@@ -409,21 +450,22 @@ def run_max_context(*, workloads: Sequence[str] = tuple(WORKLOADS), strategies: 
                        "need on the card's host and the step's lower bound from moving them through it. Llama-3.1's "
                        "trained positions end at 131,072; longer contexts run RoPE beyond them, as the published "
                        "long-context runs do."),
+            "lora_built_with": sorted(set(LORA_BUILT)) if "lora" in workloads else [],
             "fits": [asdict(f) for f in fits], "rows": rows, "verify": v,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def main_max_context(args: argparse.Namespace, argv: list[str] | None) -> int:
     """``--predict --max-context``: the table, its markdown and JSON and PNG in ``--out``."""
-    from bench.env import default_run_dir
+    from bench.env import default_run_dir, run_metadata
 
     res = run_max_context(layers=args.layers, progress=not args.quiet)
     text = format_markdown(res)
     print(text)
     if args.no_write:
         return 0
-    cmd = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    res["command"] = cmd
+    res = {"meta": run_metadata("cpu", argv), **res}
+    cmd = res["meta"]["command"]
     stem = "max_context_llama3.1-8b" + (f"_L{args.layers}" if args.layers else "")
     out = args.out if args.out is not None else default_run_dir("max_context", "llama3.1-8b")
     out.mkdir(parents=True, exist_ok=True)

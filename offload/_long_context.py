@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ._format import format_bytes
+from .compat.trl import _checkpointing_on
 from .config import OffloadConfig
 from .engine import OffloadActivations
 from .planner.blocks import find_blocks
@@ -60,12 +61,8 @@ def checkpoint_blocks(blocks: list[tuple[str, nn.Module]]) -> Callable[[], None]
 
 
 def hf_checkpointing(model: nn.Module) -> bool:
-    """Whether a Hugging Face model's own activation (gradient) checkpointing is on."""
-    lm = _causal_lm(model)
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers >= 5 first
-        if isinstance(getattr(type(lm), name, None), property):
-            return bool(getattr(lm, name))
-    return False
+    """Whether a Hugging Face model's own activation (gradient) checkpointing is on (wrappers looked through)."""
+    return _checkpointing_on(_causal_lm(model))
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
