@@ -380,13 +380,20 @@ def write_png(res: dict[str, Any], path: Path) -> bool:
         width = 0.8 / len(strategies)
         for i, s in enumerate(strategies):
             ys = [next(r["max_context"] for r in rows if r["card"] == c and r["strategy"] == s) for c in cards]
-            ax.bar([j + i * width for j in range(len(cards))], [max(y, 1) for y in ys], width, label=s)
+            xs = [j + i * width for j in range(len(cards))]
+            ax.bar([x for x, y in zip(xs, ys) if y], [y for y in ys if y], width, label=s, color=f"C{i}")
+            ax.set_xlim(-0.5, len(cards) - 0.1)
+        for j, c in enumerate(cards):  # no bars: a card where no strategy fits at any length
+            if not any(r["max_context"] for r in rows if r["card"] == c):
+                ax.annotate("does not fit", (j + 0.4 - width / 2, 0.02), xycoords=("data", "axes fraction"),
+                            rotation=90, ha="center", va="bottom", fontsize=7, color="dimgray")
         if wname == "lora":
             for value, text in ((342_733, "Unsloth, published: 342,733 (QLoRA, H100 80GB)"),
                                 (500_000, "ALST, published: 500K (H100)")):
                 ax.axhline(value, color="gray", ls="--", lw=0.8)
                 ax.annotate(text, (0, value), xytext=(2, 2), textcoords="offset points", fontsize=7, color="dimgray")
         ax.set_yscale("log")
+        ax.set_ylim(bottom=1000)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cards))], cards, rotation=30, fontsize=8)
         ax.set_ylabel("largest context, tokens (PREDICTED)")
         ax.set_title(res["workloads"][wname]["title"], fontsize=8)

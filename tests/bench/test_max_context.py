@@ -91,3 +91,18 @@ def test_host_split_follows_the_tiers_order():
     s = h.split(120 << 30)
     assert s["pinned"] == 50 << 30 and s["pageable"] == int(90 * (1 << 30)) - (50 << 30) and \
         sum(s.values()) == 120 << 30
+
+
+def test_committed_table_backs_the_readme():
+    """The committed table predicts Llama-3.1-8B LoRA on h100-sxm at >= Unsloth's published 342,733 tokens,
+    its direct prediction fits, its host memory is named, and the README quotes the file's number."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    res = json.loads((root / "bench/results/predicted/max_context_llama3.1-8b.json").read_text())
+    row = next(r for r in res["rows"] if (r["workload"], r["card"], r["strategy"]) == mc.VERIFY)
+    assert row["max_context"] >= 342_733 and sum(row["host_split"].values()) == row["host_bytes"] > 0
+    assert res["verify"]["fits"] and res["verify"]["seq"] == row["max_context"]
+    assert len(res["rows"]) == len(mc.CARDS) * len(mc.STRATEGIES) * 2
+    assert f"{row['max_context']:,}" in (root / "README.md").read_text()

@@ -56,6 +56,12 @@ def labels_step(model: nn.Module, ids: torch.Tensor, **kwargs) -> tuple[torch.Te
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def labels_peak(model: nn.Module, ids: torch.Tensor) -> int:
+    """Peak memory of one labels= step, measured on CPU with MemTracker (offload.planner.meter)."""
+    return measure_step(lambda: model(input_ids=ids, labels=ids).loss.backward(), device="cpu", model=model,
+                        warmup=0, timed=0).peak_bytes
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach(), b.detach()
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
@@ -158,14 +164,9 @@ def test_tiled_mlp_lowers_the_measured_peak():
     model = hf_model()
     twin = copy.deepcopy(model)
     ids = torch.randint(0, 300, (1, 512))
-
-    def peak(m: nn.Module) -> int:
-        return measure_step(lambda: m(input_ids=ids, labels=ids).loss.backward(), device="cpu", model=m,
-                            warmup=0, timed=0).peak_bytes
-
-    untiled = peak(twin)
+    untiled = labels_peak(twin, ids)
     handle = tile_mlp(model, tokens=64)
-    tiled = peak(model)
+    tiled = labels_peak(model, ids)
     spared = handle.stats()["bytes_not_saved"]
     assert spared > 0 and untiled - tiled >= spared // 2, (untiled, tiled, spared)
 
@@ -178,14 +179,9 @@ def test_tiled_loss_lowers_the_measured_peak():
     model = transformers.LlamaForCausalLM(cfg).train()
     twin = copy.deepcopy(model)
     ids = torch.randint(0, 8192, (1, 256))
-
-    def peak(m: nn.Module) -> int:
-        return measure_step(lambda: m(input_ids=ids, labels=ids).loss.backward(), device="cpu", model=m,
-                            warmup=0, timed=0).peak_bytes
-
-    untiled = peak(twin)
+    untiled = labels_peak(twin, ids)
     tile_loss(model, tokens=32)
-    assert untiled - peak(model) >= 256 * 8192 * 4
+    assert untiled - labels_peak(model, ids) >= 256 * 8192 * 4
 
 
 def test_linear_cross_entropy_matches_cross_entropy():
