@@ -51,9 +51,7 @@ from ..engine import OffloadActivations
 from ..engine import active_engine
 from .._warn import user_stacklevel
 from ..regions import find_backbone, find_output_head
-from .._long_context import checkpoint_model
-from ..tiling import tile_loss, tile_mlp
-from . import _StepReporter, _callback_config
+from . import _LongContext, _StepReporter, _callback_config
 from ._plan import StepPlanner
 
 __all__ = ["OffloadCallback"]
@@ -78,9 +76,10 @@ class OffloadCallback(TrainerCallback):
         all_figures: log every ``offload/*`` figure each step (``offload.integrations.FIGURE_KEYS``,
             the kept bytes per reason); by default only ``LOGGED_BY_DEFAULT``: offloaded and kept
             bytes, exposed copy time, the host pool's bytes (and the plan's peaks when planning).
-        tiled_mlp: compute each decoder layer's MLP in tiles along the sequence (``offload.tile_mlp``).
+        tiled_mlp: compute each decoder layer's MLP in tiles along the sequence (``offload.tile_mlp``);
+            None: as ``long_context``.
         tiled_loss: compute the labels= loss in tiles, never the full logits (``offload.tile_loss``;
-            training outputs then carry ``logits=None``).
+            training outputs then carry ``logits=None``); None: as ``long_context``.
         long_context: the long-context strategy: every decoder layer checkpointed (unless the Trainer's
             ``gradient_checkpointing=True`` does it), its inputs offloaded, MLP and loss tiled
             (``offload.long_context``); the host budgets and ``disk_dir`` come from the engine's settings.
@@ -90,7 +89,7 @@ class OffloadCallback(TrainerCallback):
     def __init__(self, config: OffloadConfig | None = None, *, exclude_head: bool = True,
                  budget_bytes: SizeLike | None = None, budget: str | float | None = None,
                  plan_kwargs: dict[str, Any] | None = None, all_figures: bool = False,
-                 tiled_mlp: bool = False, tiled_loss: bool = False, long_context: bool = False,
+                 tiled_mlp: bool | None = None, tiled_loss: bool | None = None, long_context: bool = False,
                  **engine_kwargs: Any) -> None:
         self.planner = (StepPlanner("OffloadCallback", budget_bytes, budget, plan_kwargs,
                                     shown="transformers.offload")
@@ -106,15 +105,9 @@ class OffloadCallback(TrainerCallback):
         self._attached: AttachHandle | None = None
         self._head: Any = None
         self._reporter = _StepReporter("OffloadCallback", all_figures)
-        self.long_context = _flag("long_context", long_context)
-        if self.long_context and self.planner is not None:
-            raise ValueError("OffloadCallback: long_context=True checkpoints every layer, while budget_bytes/budget "
-                             "plans per layer what to keep, offload or recompute; pass one of them (tiled_mlp=True "
-                             "and tiled_loss=True go with a budget).")
-        self.tiled = tuple(k for k, on in (("mlp", _flag("tiled_mlp", tiled_mlp) or self.long_context),
-                                           ("loss", _flag("tiled_loss", tiled_loss) or self.long_context)) if on)
-        """Which of the MLP and the loss are computed in tiles."""
-        self._undo: list[Any] = []
+        self.long_context = _LongContext("OffloadCallback", tiled_mlp, tiled_loss, long_context,
+                                         self.planner is not None)
+        """The long-context switches (what is tiled: ``long_context.tiled``)."""
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -127,29 +120,19 @@ class OffloadCallback(TrainerCallback):
         trl_flag = _warn_if_trl_offloading(args)
         if self.planner is not None:
             self._wrap_compute_loss(model)
-            self._tile(model)
+            self.long_context.tile(model, None)  # the plan's engine, entered around each block
             return
         if self.engine is None:
             self.engine = OffloadActivations.from_config(self.config, model=model)
         if trl_flag:
             self.engine._warned_foreign_hooks = True  # said once, here, with the TRL-specific fix
         self.detach()
-        if self.long_context:
-            who, undo = checkpoint_model(model)
-            self._undo.append(undo)
-            log.info("long context: %s's layers checkpointed by %s", type(model).__name__, who)
+        self.long_context.checkpoint_layers(model)
         self._attached = self.engine.attach(model)
         if self.exclude_head:
             self._head = _exclude_tail(self.engine, model, self._attached)
-        self._tile(model)
+        self.long_context.tile(model, self.engine)
         log.info("offloading %s's activations with %r", type(model).__name__, self.engine)
-
-    def _tile(self, model: nn.Module) -> None:
-        """The MLP and the loss in tiles, as asked (their figures go to the engine entered at each call)."""
-        if "mlp" in self.tiled:
-            self._undo.append(tile_mlp(model, engine=self.engine).remove)
-        if "loss" in self.tiled:
-            self._undo.append(tile_loss(model, engine=self.engine).remove)
 
     def _wrap_compute_loss(self, model: nn.Module) -> None:
         """Plan on the Trainer's first training ``compute_loss`` call, with that call as the step."""
@@ -203,8 +186,7 @@ class OffloadCallback(TrainerCallback):
         if self._head is not None:
             self._head.remove()
             self._head = None
-        while self._undo:
-            self._undo.pop()()
+        self.long_context.remove()
 
     # -- logs ----------------------------------------------------------------------
 
@@ -247,12 +229,6 @@ class OffloadCallback(TrainerCallback):
             f = f.f_back
         log.info("OffloadCallback: could not move ahead of the reporting callbacks; callbacks "
                  "listed before it will not see the offload/ figures")
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"OffloadCallback: {name}={value!r} must be True or False.")
-    return value
 
 
 def _loss_of(out: Any) -> Any:

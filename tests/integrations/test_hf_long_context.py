@@ -100,3 +100,50 @@ def test_tiles_alone_and_bad_flags(tmp_path):
         OffloadCallback(long_context=True, budget="80%")
     with pytest.raises(TypeError, match="tiled_mlp"):
         OffloadCallback(tiled_mpl=True)
+
+
+def test_lightning_long_context_trains_like_the_plain_trainer(tmp_path):
+    """lightning OffloadCallback(long_context=True) on a LightningModule whose .model is the toy Llama: the
+    blocks checkpointed and their inputs offloaded, the MLP tiled (the toy's own loss is left to the user:
+    tiled_loss would be refused), gradients within fp32 rounding of a run without the callback; at train
+    end no forward is replaced."""
+    pl = pytest.importorskip("lightning.pytorch")
+    import torch.nn.functional as F
+
+    from bench.model import ToyLlama, ToyLlamaConfig
+    from offload.integrations.lightning import OffloadCallback as LightningCallback
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = ToyLlama(ToyLlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=SEQ))
+            self.grads: list[dict[str, torch.Tensor]] = []
+
+        def training_step(self, batch, batch_idx):
+            logits = self.model(batch[0])
+            return F.cross_entropy(logits.flatten(0, 1), batch[0].flatten())
+
+        def on_before_optimizer_step(self, optimizer):
+            self.grads.append({n: p.grad.detach().clone() for n, p in self.named_parameters()})
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ids = torch.randint(0, 64, (STEPS * BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for cb in (LightningCallback(device="cpu", long_context=True, tiled_loss=False), None):
+        module = LM()
+        trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False,
+                             callbacks=[cb] if cb else [], enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(tmp_path))
+        trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=BATCH))
+        runs.append((module, cb))
+    (on, cb), (off, _) = runs
+    assert len(on.grads) == len(off.grads) == STEPS
+    for g, w in zip(on.grads, off.grads):
+        for n, ref in w.items():
+            assert float((g[n] - ref).abs().max() / ref.abs().max()) <= RTOL, n
+    s = cb.engine.ledger.summary()
+    assert s["offloaded_bytes"] > 0 and s["tiling"]["mlp"]["calls"] == STEPS * 2
+    assert not any("forward" in m.__dict__ for m in on.modules())
