@@ -119,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=1,
                    help="--predict: one rank of FSDP2 over this many GPUs (1: a single GPU)")
     p.add_argument("--no-max-context", action="store_true", help="--predict: skip the longest-context search")
+    p.add_argument("--max-context", action="store_true",
+                   help="--predict: the longest context per card and strategy for Llama-3.1-8B, full fine-tune and "
+                        "LoRA (bench/max_context.py)")
     p.add_argument("--no-predict", action="store_true", help="CPU main job: skip the 'predicted on an H100' section")
     p.add_argument("--model", default="toy", choices=("toy", "encoder", "hf_llama", "hf_gpt2", *_PRESETS),
                    help="--plan: the model planned (bench/plan_models.py; shaped by --dim/--layers/--seq/...); "
@@ -262,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print(_list())
         return 0
+    if args.predict and args.max_context:
+        from bench.max_context import main_max_context
+
+        return main_max_context(args, argv)
     if args.predict:
         from bench.predict import main_predict
 

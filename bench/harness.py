@@ -589,7 +589,7 @@ class _Bench:
             ref = self.references.get(against)
             if ref is not None:
                 got = Snapshot.take(loss, [p.grad for p in self.model.parameters()])
-                r.result.correctness = verdict.compare(ref.snapshot, got, against)
+                r.result.correctness = verdict.compare(ref.snapshot, got, against, tolerance=self._tolerance(r))
             return
         try:
             self.progress.phase(f"{r.spec.name}: deterministic correctness step")
@@ -606,7 +606,12 @@ class _Bench:
         ref = self.references.get(against)
         if ref is not None:
             ops = sorted(set(ref.nondeterministic_ops) | set(got.nondeterministic_ops))
-            r.result.correctness = verdict.compare(ref.snapshot, got.snapshot, against, floor=ref.floor, ops=ops)
+            r.result.correctness = verdict.compare(ref.snapshot, got.snapshot, against, floor=ref.floor, ops=ops,
+                                                   tolerance=self._tolerance(r))
+
+    def _tolerance(self, r: _Runner) -> float | None:
+        """The relative tolerance of a strategy that reorders sums over tokens (None: judged bitwise)."""
+        return verdict.reordered_tolerance(self.workload.torch_dtype) if r.spec.reorders_sums else None
 
     def _deterministic_step(self, r: _Runner) -> verdict.Step:
         """One step with deterministic algorithms enforced where the kernels allow (bench/verdict.py)."""

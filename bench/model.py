@@ -155,6 +155,10 @@ class ToyLlama(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.output(self.hidden_states(tokens))  # (B, T, vocab)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The output head's input: the final norm of the last block's output (a tiled loss starts here)."""
         h = self.tok_embeddings(tokens)  # (B, T, C)
         for layer in self.layers:
             if self.checkpoint_blocks:
@@ -164,7 +168,7 @@ class ToyLlama(nn.Module):
                 )
             else:
                 h = layer(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h))  # (B, T, vocab)
+        return self.norm(h)  # (B, T, C)
 
 
 def make_batch(

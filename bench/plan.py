@@ -28,8 +28,10 @@ diamonds) over its own peak bound (hollow).
 
 ``--max-seq``: for a fixed budget (default: the no-plan peak at ``--seq``),
 the longest sequence (doubling from ``--seq``, then one bisection step) each
-arm trains with a measured peak within the budget. Writes
-``plan_maxseq_<run_id>.{json,md}``.
+arm trains with a measured peak within the budget. ``--model toy|hf_llama``;
+``--strategies`` picks the arms (``MAX_SEQ_ARMS``, ``long_context`` among them)
+and then also checks each arm's loss and grads at its longest length against
+``none``'s there. Writes ``plan_maxseq_<run_id>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -54,10 +56,13 @@ from bench.strategies import Skip
 from bench.workloads import Workload
 from offload._format import format_bytes, render_table
 
-__all__ = ["FIXED_ARMS", "run_frontier", "run_max_seq", "main_plan", "main_max_seq"]
+__all__ = ["FIXED_ARMS", "MAX_SEQ_ARMS", "run_frontier", "run_max_seq", "main_plan", "main_max_seq"]
 
 FIXED_ARMS = ("none", "ac", "sac", "offload", "offload_ac")
 """Fixed strategies the planner is compared with."""
+MAX_SEQ_ARMS = (*FIXED_ARMS, "planner", "long_context")
+"""Arms ``--max-seq`` can run (``--strategies``): the fixed ones, the planner, and ``long_context``
+(``offload.long_context``: AC + offloaded checkpoint inputs + tiled MLP and loss)."""
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.75)
 _MiB = float(1 << 20)
 
@@ -154,6 +159,8 @@ def _arm_run(name: str, t: PlanTarget) -> tuple[Callable[[], None], Any]:
               if name in ("offload", "offload_ac") else None)
     if name.startswith("compile_amb_"):
         return _compile_arm(t, float(name.rsplit("_", 1)[1])), None
+    if name == "long_context":
+        return _long_context_arm(t)
     if name not in FIXED_ARMS:
         raise Skip(f"unknown arm {name!r}")
 
@@ -169,6 +176,21 @@ def _arm_run(name: str, t: PlanTarget) -> tuple[Callable[[], None], Any]:
             if undo is not None:
                 undo()
         loss.backward()
+
+    return run, engine
+
+
+def _long_context_arm(t: PlanTarget) -> tuple[Callable[[], None], Any]:
+    """``offload.long_context`` installed around each step (one engine: its pool persists) and kept through
+    backward, whose checkpoint recompute runs the tiled forwards again. A Hugging Face model's labels= loss
+    is tiled; the toy's own loss on the logits is not (its head runs)."""
+    import offload
+
+    engine = offload.OffloadActivations(device=t.engine_device, model=t.model)
+
+    def run() -> None:
+        with offload.long_context(t.model, engine=engine):
+            t.step().backward()
 
     return run, engine
 
@@ -482,11 +504,11 @@ def write_frontier_png(res: dict[str, Any], path: Path) -> bool:
 
 
 def _fits(name: str, workload: Workload, device: torch.device, seq: int, budget: int, seed: int,
-          steps: int) -> tuple[bool, int | None, str]:
+          steps: int, model: str = "toy") -> tuple[bool, int | None, str]:
     import offload
 
     wl = workload.replace(seq_len=seq)
-    t = _target(wl, device, seed)
+    t = _target(wl, device, seed, model)
     try:
         if name == "planner":
             try:
@@ -504,14 +526,43 @@ def _fits(name: str, workload: Workload, device: torch.device, seq: int, budget:
         gc.collect()
 
 
+def _grads_at(name: str, workload: Workload, device: torch.device, seed: int, model: str) -> str:
+    """The arm's loss and grads at ``workload``'s length against ``none``'s on an identical model: the
+    verdict (bitwise, or within the tolerance of reordered sums for ``long_context``)."""
+    from bench.verdict import Snapshot, compare, reordered_tolerance
+
+    if name == "planner":
+        return "not checked (the planner's arms are the fixed ones)"
+    snaps = []
+    for arm in ("none", name):
+        t = _target(workload, device, seed, model)
+        losses: list[torch.Tensor] = []
+        step = t.step
+        t.step = lambda _step=step: _kept(losses, _step())
+        run, _ = _arm_run(arm, t)
+        _zero(t.model)
+        run()
+        snaps.append(Snapshot.take(losses[-1], [p.grad for p in t.model.parameters()]))
+        del t, run
+        gc.collect()
+    tol = reordered_tolerance(workload.torch_dtype) if name == "long_context" else None
+    return compare(snaps[0], snaps[1], tolerance=tol).verdict
+
+
+def _kept(losses: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+    losses.append(loss.detach())
+    return loss
+
+
 def run_max_seq(workload: Workload, device: str, *, budget_bytes: int | None = None, arms: tuple[str, ...] = (
         "none", "ac", "offload", "offload_ac", "planner"), max_doublings: int = 4, seed: int = 0,
-        progress: bool = True) -> dict[str, Any]:
-    """Longest trainable sequence per arm under one budget (doubling, then one bisection)."""
+        progress: bool = True, model: str = "toy", check_grads: bool = False) -> dict[str, Any]:
+    """Longest trainable sequence per arm under one budget (doubling, then one bisection); with
+    ``check_grads`` each arm's loss and grads at its longest length are compared with ``none``'s there."""
     dev = torch.device(device)
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if progress else (lambda s: None)
     if budget_bytes is None:
-        t = _target(workload, dev, seed)
+        t = _target(workload, dev, seed, model)
         budget_bytes = _measure_arm("none", t, 0, 1).peak_bytes
         del t
     rows = []
@@ -519,7 +570,7 @@ def run_max_seq(workload: Workload, device: str, *, budget_bytes: int | None = N
         seq, best, best_peak, note = workload.seq_len, None, None, ""
         lo_fail = None
         for _ in range(max_doublings + 1):
-            ok, peak, note_ = _fits(name, workload, dev, seq, budget_bytes, seed, 0)
+            ok, peak, note_ = _fits(name, workload, dev, seq, budget_bytes, seed, 0, model)
             say(f"[max-seq] {name} seq={seq}: {'fits' if ok else 'over'} ({_mib(peak)})")
             if not ok:
                 lo_fail = seq
@@ -530,23 +581,32 @@ def run_max_seq(workload: Workload, device: str, *, budget_bytes: int | None = N
             mid = (best + lo_fail) // 2
             mid -= mid % 8
             if best < mid < lo_fail:
-                ok, peak, note_ = _fits(name, workload, dev, mid, budget_bytes, seed, 0)
+                ok, peak, note_ = _fits(name, workload, dev, mid, budget_bytes, seed, 0, model)
                 say(f"[max-seq] {name} seq={mid}: {'fits' if ok else 'over'} ({_mib(peak)})")
                 if ok:
                     best, best_peak, note = mid, peak, note_
-        rows.append({"arm": name, "max_seq": best, "peak_bytes": best_peak, "capped": lo_fail is None,
-                     "note": note})
-    return {"workload": {**asdict(workload), "run_id": workload.run_id}, "device": str(dev),
+        row = {"arm": name, "max_seq": best, "peak_bytes": best_peak, "capped": lo_fail is None, "note": note}
+        if check_grads and best is not None and name != "none":
+            say(f"[max-seq] {name} seq={best}: loss and grads against none")
+            row["grads"] = _grads_at(name, workload.replace(seq_len=best), dev, seed, model)
+        rows.append(row)
+    return {"workload": {**asdict(workload), "run_id": workload.run_id}, "model": model, "device": str(dev),
             "budget_bytes": budget_bytes, "rows": rows,
             "method": f"doubling from seq {workload.seq_len} (at most {max_doublings} times), then one bisection "
-                      "step; fits = measured peak <= budget"}
+                      "step; fits = measured peak <= budget (MemTracker on CPU, host pools left out)"
+                      + ("; grads: the arm's loss and grads at its longest length against none's there"
+                         if check_grads else "")}
 
 
 def format_max_seq(res: dict[str, Any]) -> str:
-    lines = [f"longest sequence under {_mib(res['budget_bytes'])}: {res['workload']['run_id']} on {res['device']}",
-             ""]
+    model = res.get("model", "toy")
+    lines = [f"longest sequence under {_mib(res['budget_bytes'])}: {res['workload']['run_id']}"
+             f"{'' if model == 'toy' else ' (' + model + ')'} on {res['device']}", ""]
+    grads = any("grads" in r for r in res["rows"])
     lines += _md([[r["arm"], "—" if r["max_seq"] is None else f"{r['max_seq']}{'+' if r['capped'] else ''}",
-                   _mib(r["peak_bytes"]), r["note"]] for r in res["rows"]], ["arm", "max seq", "peak", "note"])
+                   _mib(r["peak_bytes"]), *([r.get("grads", "reference")] if grads else []), r["note"]]
+                  for r in res["rows"]], ["arm", "max seq", "peak", *(["loss & grads vs none"] if grads else []),
+                                          "note"])
     lines += ["", f"Method: {res['method']}; '+' = still fitting at the last length tried."]
     return "\n".join(lines)
 
@@ -593,16 +653,27 @@ def main_plan(workload: Workload, device: str, args: Any, argv: list[str] | None
 
 
 def main_max_seq(workload: Workload, device: str, args: Any, argv: list[str] | None) -> int:
-    if (getattr(args, "model", "toy") or "toy") != "toy":
-        print("python -m bench: --max-seq runs the toy model only (--model toy)", file=sys.stderr)
+    model = getattr(args, "model", "toy") or "toy"
+    if model not in ("toy", "hf_llama"):
+        print("python -m bench: --max-seq runs --model toy or hf_llama", file=sys.stderr)
         return 2
-    res = run_max_seq(workload, device, budget_bytes=args.budget_bytes, seed=args.seed, progress=not args.quiet)
+    names = getattr(args, "strategies", "all") or "all"
+    arms = ("none", "ac", "offload", "offload_ac", "planner") if names == "all" else \
+        tuple(n.strip() for n in names.split(",") if n.strip())
+    unknown = [a for a in arms if a not in MAX_SEQ_ARMS]
+    if unknown:
+        print(f"python -m bench: --max-seq --strategies {','.join(unknown)}: not an arm of {MAX_SEQ_ARMS}",
+              file=sys.stderr)
+        return 2
+    res = run_max_seq(workload, device, budget_bytes=args.budget_bytes, seed=args.seed, progress=not args.quiet,
+                      arms=arms, model=model, check_grads=names != "all")
     text = format_max_seq(res)
     print(text)
     if not args.no_write:
         meta = run_metadata(device, argv if argv is not None else sys.argv[1:])
         meta["command"] = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
-        out = args.out if args.out is not None else default_run_dir("plan_maxseq", str(workload.run_id))
-        for p in _write(f"plan_maxseq_{workload.run_id}", res, text, out, meta, None):
+        run_id = workload.run_id if model == "toy" else f"{model}_{workload.run_id.split('_', 1)[1]}"
+        out = args.out if args.out is not None else default_run_dir("plan_maxseq", str(run_id))
+        for p in _write(f"plan_maxseq_{run_id}", res, text, out, meta, None):
             print(f"wrote {p}")
     return 0

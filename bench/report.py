@@ -40,6 +40,8 @@ def _correct(s: StrategyResult) -> str:
     if c.mode == "noise_floor":
         return {True: "within noise", False: "NO, beyond noise", None: "inconclusive"}[c.within_noise] + \
             f"{vs} (max|d| {c.max_abs_diff:.1e})"
+    if c.mode == "tolerance":  # reordered sums (tiles): relative difference against the allowed one
+        return f"{'within tolerance' if c.within_noise else 'NO, beyond tolerance'}{vs} (rel|d| {c.max_abs_diff:.1e})"
     return f"NO{vs} (max|d| {c.max_abs_diff:.1e})"
 
 

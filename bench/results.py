@@ -110,9 +110,12 @@ class Correctness:
     against: str = "none"
     """The strategy compared with (``compile`` for ``compile_offload``)."""
     mode: str = "bitwise"
-    """``"bitwise"`` (every kernel deterministic: any difference is the strategy's) or ``"noise_floor"``
+    """``"bitwise"`` (every kernel deterministic: any difference is the strategy's), ``"noise_floor"``
     (a kernel has no deterministic implementation: judged against the reference's run-to-run
-    difference; see ``bench/verdict.py``)."""
+    difference; see ``bench/verdict.py``) or ``"tolerance"`` (a strategy that reorders sums over tokens,
+    the tiled ones: judged by each tensor's max |difference| relative to its max |value|)."""
+    tolerance: float | None = None
+    """Mode ``tolerance``: the largest relative difference allowed (``bench.verdict.reordered_tolerance``)."""
     nondeterministic_ops: list[str] = field(default_factory=list)
     """The kernels torch reported as having no deterministic implementation (mode ``noise_floor``)."""
     noise_floor: float | None = None
@@ -132,6 +135,10 @@ class Correctness:
         inconclusive, naming the kernels."""
         if self.bitwise_equal:
             return "bitwise equal"
+        if self.mode == "tolerance":
+            return (f"{'within' if self.within_noise else 'DIFFERS beyond'} the tolerance of reordered sums: max "
+                    f"relative |d| {self.max_abs_diff:.1e} (allowed {self.tolerance:.1e}"
+                    f"{', worst at ' + self.worst_tensor if not self.within_noise else ''})")
         if self.mode != "noise_floor":
             return (f"DIFFERS with every kernel deterministic: the strategy changed the numbers "
                     f"(max|d| {self.max_abs_diff:.1e})")

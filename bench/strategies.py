@@ -88,17 +88,20 @@ class StrategySpec:
     gpu_only: str = ""
     """Why it cannot run without CUDA ("" if it can): the harness skips it before the run starts,
     so the progress bar's total is right from its first tick."""
+    reorders_sums: bool = False
+    """It changes the order of sums over tokens (tiles), so its loss and grads are judged within
+    ``bench.verdict.reordered_tolerance``, not bitwise."""
 
 
 STRATEGIES: dict[str, StrategySpec] = {}
 
 
 def _strategy(
-    name: str, group: str, description: str, reference: str = "none", gpu_only: str = ""
+    name: str, group: str, description: str, reference: str = "none", gpu_only: str = "", reorders_sums: bool = False
 ) -> Callable[[Callable[[BenchEnv], Prepared]], Callable]:
     def register(fn: Callable[[BenchEnv], Prepared]) -> Callable[[BenchEnv], Prepared]:
         STRATEGIES[name] = StrategySpec(name=name, description=description, prepare=fn, group=group,
-                                        reference=reference, gpu_only=gpu_only)
+                                        reference=reference, gpu_only=gpu_only, reorders_sums=reorders_sums)
         return fn
 
     return register
@@ -267,6 +270,28 @@ def offload_part_bytes(env: BenchEnv) -> Prepared:
     return _offload_part(env, **PART_ENGINE_KWARGS["offload_part_bytes"])
 
 
+@_strategy("long_context", "ours",
+           "Ours for long context (offload.long_context): AC + checkpoint inputs offloaded + MLP and loss in tiles "
+           "along the sequence; judged within the tolerance of reordered sums.", reorders_sums=True)
+def long_context(env: BenchEnv) -> Prepared:
+    offload = _offload_module()
+    model = env.model
+    engine = offload.OffloadActivations(device=env.engine_device, model=model)
+
+    def step() -> torch.Tensor:
+        model.checkpoint_blocks = False  # long_context checkpoints the blocks itself
+        # Installed per step (the model is shared with the strategies interleaved with this one), and kept
+        # through backward: the checkpoints' recompute calls the blocks' (tiled) forwards again.
+        with offload.long_context(model, engine=engine, tiled_loss=False, exclude_head=False):
+            with engine:  # attached to model(...) calls; the step calls model.hidden_states
+                h = model.hidden_states(env.tokens)  # (B, T, C): the head's input, never the logits
+            loss = offload.linear_cross_entropy(h, model.output, env.targets, engine=engine)
+            loss.backward()
+        return loss.detach()
+
+    return Prepared(step=step, engine=engine, hooks=engine)
+
+
 @_strategy(
     "account_only",
     "control",
@@ -408,9 +433,10 @@ def compile_offload(env: BenchEnv) -> Prepared:
     return _compiled(env, _compile_offload_patch())
 
 
-BY_NAME_ONLY = ("offload_verify", "offload_part", "offload_part_bytes")
-"""Run only when named (``--strategies``): a debugging mode, and the partial offloads (the GPU run names them;
-on the CPU main job's small model they add nothing to what ``offload`` shows)."""
+BY_NAME_ONLY = ("offload_verify", "offload_part", "offload_part_bytes", "long_context")
+"""Run only when named (``--strategies``): a debugging mode, the partial offloads (the GPU run names them;
+on the CPU main job's small model they add nothing to what ``offload`` shows), and long_context (its
+measured point is ``--max-seq --model hf_llama``'s)."""
 DEFAULT_ORDER: tuple[str, ...] = tuple(n for n in STRATEGIES if n not in BY_NAME_ONLY)
 """All strategies but those of ``BY_NAME_ONLY`` (run by name: ``--strategies
 none,offload,offload_verify``), ``none`` first (its step is the correctness reference; ``compile`` is

@@ -32,7 +32,7 @@ import torch
 from bench.results import Correctness
 
 __all__ = ["NOISE_FACTOR", "CUBLAS_WORKSPACE_CONFIG", "Snapshot", "Step", "deterministic_step", "compare",
-           "is_nondeterministic_alert", "set_cublas_workspace_config"]
+           "is_nondeterministic_alert", "set_cublas_workspace_config", "reordered_tolerance"]
 
 NOISE_FACTOR = 4.0
 """A strategy is within the noise when each tensor's max |difference| from the reference is at most this
@@ -126,14 +126,39 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return d if math.isfinite(d) else math.inf
 
 
+def reordered_tolerance(dtype: torch.dtype) -> float:
+    """The relative difference (max |d| / max |reference| per tensor) a strategy that reorders sums over
+    tokens may show: 64 float32 epsilons (what a sum of thousands of terms drifts by), or 4 of the
+    workload's dtype when coarser (one rounding of a tile's partial sum, bf16: 3.1e-2). A wrong tile (data
+    from another tile, a lost one) differs by order 1."""
+    return max(64 * torch.finfo(torch.float32).eps, 4 * torch.finfo(dtype).eps)
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    d = _max_diff(a, b)
+    if d in (0.0, math.inf):
+        return d
+    scale = float(b.double().abs().max()) if b.numel() else 0.0
+    return d / scale if scale > 0 else math.inf
+
+
 def compare(reference: Snapshot, got: Snapshot, against: str = "none", *, floor: Snapshot | None = None,
-            ops: list[str] | None = None) -> Correctness:
+            ops: list[str] | None = None, tolerance: float | None = None) -> Correctness:
     """``got`` against ``reference``: bitwise, or (when ``ops`` names non-deterministic kernels) against
     the noise floor, the per-tensor difference between ``reference`` and ``floor`` (a second run of it).
-    Without ``floor`` a non-bitwise result with non-deterministic kernels is inconclusive."""
+    Without ``floor`` a non-bitwise result with non-deterministic kernels is inconclusive. With a
+    ``tolerance`` (a strategy that reorders sums: ``reordered_tolerance``) each tensor's relative
+    difference must be within it instead (``max_abs_diff`` is then the largest relative one)."""
     diffs = [_max_diff(g, r) for g, r in zip(got.tensors(), reference.tensors())]
     c = Correctness(loss_equal=diffs[0] == 0.0, grads_equal=all(d == 0.0 for d in diffs[1:]),
                     grads_compared=len(reference.grads), max_abs_diff=max(diffs), against=against)
+    if tolerance is not None:
+        rel = [_rel_diff(g, r) for g, r in zip(got.tensors(), reference.tensors())]
+        worst = max(range(len(rel)), key=lambda i: rel[i])
+        c.mode, c.tolerance, c.max_abs_diff = "tolerance", tolerance, rel[worst]
+        c.within_noise = rel[worst] <= tolerance
+        c.worst_tensor = "loss" if worst == 0 else f"grad {worst - 1}"
+        return c
     if not ops:
         return c
     c.mode = "noise_floor"

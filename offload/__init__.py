@@ -46,6 +46,10 @@ from .policy import REASONS, is_static_tensor
 # The memory-budget planner (offload.planner)
 from .planner import Plan, plan
 
+# Long context: the MLP and the loss in tiles, and the whole strategy in one call
+from .tiling import TilingHandle, linear_cross_entropy, tile_loss, tile_mlp
+from ._long_context import LongContextHandle, long_context
+
 __all__ = [
     "__version__",
     # engine
@@ -80,4 +84,11 @@ __all__ = [
     # planner
     "plan",
     "Plan",
+    # long context
+    "tile_mlp",
+    "tile_loss",
+    "linear_cross_entropy",
+    "TilingHandle",
+    "long_context",
+    "LongContextHandle",
 ]

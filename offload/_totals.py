@@ -10,8 +10,8 @@ from typing import Any
 
 from ._format import format_bytes, render_table
 
-__all__ = ["OFFLOADED", "KEPT", "TIERS", "PackRecord", "StepTotals", "LedgerSummary", "one_line",
-           "report_tables", "empty_tier_row", "tier_of"]
+__all__ = ["OFFLOADED", "KEPT", "TIERS", "TILING_KINDS", "PackRecord", "StepTotals", "LedgerSummary", "one_line",
+           "report_tables", "empty_tier_row", "tier_of", "empty_tiling_row", "add_tiling"]
 
 OFFLOADED = "offloaded"
 KEPT = "kept"
@@ -24,6 +24,26 @@ def empty_tier_row() -> dict[str, float]:
     moving bytes into and out of it (copies; the disk tier's file writes and reads, on its
     threads), ``wait_seconds`` the compute thread waited for them (exposed)."""
     return {"bytes": 0, "count": 0, "seconds": 0.0, "wait_seconds": 0.0}
+
+
+TILING_KINDS = ("mlp", "loss")
+"""What ``offload.tiling`` computes in tiles along the sequence (``Ledger.summary()["tiling"]`` names both)."""
+
+
+def empty_tiling_row() -> dict[str, int]:
+    """One tiled kind's figures: ``calls`` (tiled forwards backpropagated), ``tiles`` (over those calls),
+    ``bytes_not_saved``: the bytes the untiled computation would have saved for backward and the tiled one
+    never held (NOTE [ Tiles ] in offload/tiling.py says how each kind counts them)."""
+    return {"calls": 0, "tiles": 0, "bytes_not_saved": 0}
+
+
+def add_tiling(totals: "StepTotals", kind: str, row: Mapping[str, int]) -> None:
+    """Add ``row``'s figures to ``totals``' row for tiled ``kind`` (added, zero, if the step has none yet)."""
+    mine = totals.tiling.get(kind)
+    if mine is None:
+        mine = totals.tiling[kind] = empty_tiling_row()
+    for k, v in row.items():
+        mine[k] = mine.get(k, 0) + v
 
 
 def tier_of(totals: "StepTotals", name: str) -> dict[str, float]:
@@ -102,6 +122,9 @@ class StepTotals:
     tiers: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per host tier used in the step (``TIERS``): bytes, count, seconds, wait_seconds (see
     ``empty_tier_row``); ``Ledger.summary()["tiers"]`` always names all three."""
+    tiling: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per kind computed in tiles in the step (``TILING_KINDS``): calls, tiles, bytes_not_saved (see
+    ``empty_tiling_row``); ``Ledger.summary()["tiling"]`` always names both kinds."""
     host_rss_bytes: int | None = None
     device_peak_allocated_bytes: int | None = None
 
@@ -145,6 +168,8 @@ class StepTotals:
             mine = tier_of(self, name)
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0) + v
+        for kind, row in other.tiling.items():
+            add_tiling(self, kind, row)
         for src, dst in ((other.kept_by_reason, self.kept_by_reason),
                          (other.kept_count_by_reason, self.kept_count_by_reason)):
             for k, v in src.items():
@@ -179,6 +204,11 @@ def one_line(t: Mapping[str, Any]) -> str:
     used = {k: v for k, v in tiers.items() if tier_bytes_text(v) != format_bytes(0)} if isinstance(tiers, Mapping) else {}
     if used:
         parts.append("tiers " + ", ".join(f"{k} {tier_bytes_text(v)}" for k, v in used.items()))
+    tiling = t.get("tiling")
+    tiled = {k: v for k, v in tiling.items() if v.get("calls")} if isinstance(tiling, Mapping) else {}
+    if tiled:
+        parts.append("not saved thanks to tiling " + ", ".join(
+            f"{k} {format_bytes(v['bytes_not_saved'])} ({v['tiles']:,} tiles)" for k, v in tiled.items()))
     return "; ".join(parts)
 
 

@@ -42,7 +42,8 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from ._totals import KEPT, one_line  # noqa: F401 - importable from offload.ledger, as before the split
-from ._totals import OFFLOADED, TIERS, LedgerSummary, PackRecord, StepTotals, empty_tier_row, report_tables, tier_of
+from ._totals import (OFFLOADED, TIERS, TILING_KINDS, LedgerSummary, PackRecord, StepTotals, add_tiling,
+                      empty_tier_row, empty_tiling_row, report_tables, tier_of)
 from .policy import REASONS, dtype_name
 
 __all__ = ["PackRecord", "StepTotals", "Ledger", "TIERS"]
@@ -134,6 +135,8 @@ class Ledger:
             """Tier -> bytes of each copy made into it in the open step (``log_tier``)."""
             self.tier_time_log: dict[str, list[tuple[float, float]]] = {t: [] for t in TIERS}
             """Tier -> (seconds, exposed wait seconds) of each move into or out of it (``add_tier_time``)."""
+            self.tiling_log: list[tuple[str, int, int]] = []
+            """(kind, bytes not saved, tiles) of each tiled call backpropagated in the open step (``log_tiling``)."""
             self.records_log = self._records
             """The records ring, for the pack hook's appends (``records`` is the read side)."""
 
@@ -201,6 +204,12 @@ class Ledger:
         self.tier_time_log[tier].append((seconds, wait_seconds))
         self._open_used = True
 
+    def log_tiling(self, kind: str, bytes_not_saved: int, tiles: int) -> None:
+        """Count one tiled call of ``kind`` (``TILING_KINDS``) in the open step: ``tiles`` tiles, and
+        ``bytes_not_saved`` bytes its untiled twin would have saved for backward (``offload.tiling``)."""
+        self.tiling_log.append((kind, int(bytes_not_saved), int(tiles)))
+        self._open_used = True
+
     def _sum_logs(self, into: StepTotals, consume: bool) -> None:
         """Add the open step's logs into ``into``; ``consume`` removes what was added (lock held)."""
 
@@ -251,6 +260,8 @@ class Ledger:
                 tier["seconds"] += sum(seconds)
                 tier["wait_seconds"] += sum(waits)
         into.unique_bytes += take(self.unique_log)[1]
+        for kind, nbytes, tiles in items(self.tiling_log) if self.tiling_log else ():
+            add_tiling(into, kind, {"calls": 1, "tiles": tiles, "bytes_not_saved": nbytes})
         self._sum_sync_logs(into, items)
 
     def _sum_sync_logs(self, into: StepTotals, items: Callable[[list], list]) -> None:
@@ -437,6 +448,8 @@ class Ledger:
         out = asdict(t)
         del out["step"], out["host_rss_bytes"], out["device_peak_allocated_bytes"]
         out["tiers"] = {name: {**empty_tier_row(), **t.tiers.get(name, {})} for name in TIERS}
+        out["tiling"] = {kind: {**empty_tiling_row(), **t.tiling.get(kind, {})}
+                         for kind in (*TILING_KINDS, *t.tiling)}
         out["steps"] = self.steps_closed
         if pool is None and self._pool_stats is not None:
             pool = self._pool_stats()

@@ -28,6 +28,8 @@ from ..ledger import TIERS, StepTotals
 
 __all__ = ["step_figures", "FIGURE_KEYS", "LOGGED_BY_DEFAULT"]
 
+_LONG_CONTEXT_KEYWORDS = ("tiled_mlp", "tiled_loss", "long_context")
+
 FIGURE_KEYS = (
     "offload/offloaded_bytes",
     "offload/kept_bytes",
@@ -81,6 +83,7 @@ def _callback_config(owner: str, config: OffloadConfig | None, engine_kwargs: di
         raise TypeError(f"{owner}: config must be an OffloadConfig, got {type(config).__name__}.")
     if config is None:
         check_keywords(owner, ("config", "exclude_head", "budget_bytes", "budget", "plan_kwargs", "all_figures",
+                              *_LONG_CONTEXT_KEYWORDS,
                               *OffloadConfig.field_names()), engine_kwargs)
         config = OffloadConfig(**engine_kwargs)
     try:
@@ -113,3 +116,49 @@ class _StepReporter:
         self._reported = (weakref.ref(engine), last.step)
         figures = step_figures(last)
         return figures if self.all_figures else {k: figures[k] for k in LOGGED_BY_DEFAULT}
+
+
+class _LongContext:
+    """A callback's long-context switches (``tiled_mlp``, ``tiled_loss``, ``long_context``), checked when the
+    callback is built; ``install`` puts them on the model at train start, ``remove`` takes them off."""
+
+    def __init__(self, owner: str, tiled_mlp: bool | None, tiled_loss: bool | None, long_context: bool,
+                 planning: bool) -> None:
+        for name, value in zip(_LONG_CONTEXT_KEYWORDS, (tiled_mlp, tiled_loss, long_context)):
+            if not isinstance(value, bool) and (value is not None or name == "long_context"):
+                raise TypeError(f"{owner}: {name}={value!r} must be True or False"
+                                f"{'' if name == 'long_context' else ' (None: as long_context)'}.")
+        if long_context and planning:
+            raise ValueError(f"{owner}: long_context=True checkpoints every layer, while budget_bytes/budget plans "
+                             "per layer what to keep, offload or recompute; pass one of them (tiled_mlp=True and "
+                             "tiled_loss=True go with a budget).")
+        self.checkpoint = long_context
+        self.tiled = tuple(k for k, on in (("mlp", tiled_mlp), ("loss", tiled_loss))
+                           if (long_context if on is None else on))
+        """Which of the MLP and the loss are computed in tiles."""
+        self._undo: list[Any] = []
+
+    def checkpoint_layers(self, model: Any) -> None:
+        """With ``long_context``: every layer checkpointed, unless the model's own checkpointing is on."""
+        if self.checkpoint:
+            import logging
+
+            from .._long_context import checkpoint_model
+
+            who, undo = checkpoint_model(model)
+            self._undo.append(undo)
+            logging.getLogger(__name__).info("long context: %s's layers checkpointed by %s", type(model).__name__,
+                                             who)
+
+    def tile(self, model: Any, engine: OffloadActivations | None) -> None:
+        """The MLP and the loss in tiles, as asked (their figures go to ``engine``, else the one entered)."""
+        from ..tiling import tile_loss, tile_mlp
+
+        if "mlp" in self.tiled:
+            self._undo.append(tile_mlp(model, engine=engine).remove)
+        if "loss" in self.tiled:
+            self._undo.append(tile_loss(model, engine=engine).remove)
+
+    def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()

@@ -17,6 +17,11 @@ sequences) than the one planned for (see ``offload.integrations._plan``).
 Works with Trainer subclasses (TRL's ``SFTTrainer``...), PEFT models and
 ``gradient_checkpointing=True`` with either ``use_reentrant``: a reentrant
 checkpoint's recompute runs in backward, outside the engine.
+
+For long context, ``OffloadCallback(long_context=True)`` checkpoints every decoder layer (unless
+``gradient_checkpointing=True`` already does), so the engine offloads the checkpoint inputs, and tiles
+the MLPs and the labels= loss (``offload.tiling``); ``tiled_mlp=True`` / ``tiled_loss=True`` tile one
+without the other. The tiles' figures land in the engine's ledger (``summary()["tiling"]``).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from ..engine import OffloadActivations
 from ..engine import active_engine
 from .._warn import user_stacklevel
 from ..regions import find_backbone, find_output_head
-from . import _StepReporter, _callback_config
+from . import _LongContext, _StepReporter, _callback_config
 from ._plan import StepPlanner
 
 __all__ = ["OffloadCallback"]
@@ -71,12 +76,20 @@ class OffloadCallback(TrainerCallback):
         all_figures: log every ``offload/*`` figure each step (``offload.integrations.FIGURE_KEYS``,
             the kept bytes per reason); by default only ``LOGGED_BY_DEFAULT``: offloaded and kept
             bytes, exposed copy time, the host pool's bytes (and the plan's peaks when planning).
+        tiled_mlp: compute each decoder layer's MLP in tiles along the sequence (``offload.tile_mlp``);
+            None: as ``long_context``.
+        tiled_loss: compute the labels= loss in tiles, never the full logits (``offload.tile_loss``;
+            training outputs then carry ``logits=None``); None: as ``long_context``.
+        long_context: the long-context strategy: every decoder layer checkpointed (unless the Trainer's
+            ``gradient_checkpointing=True`` does it), its inputs offloaded, MLP and loss tiled
+            (``offload.long_context``); the host budgets and ``disk_dir`` come from the engine's settings.
         **engine_kwargs: ``OffloadConfig`` fields.
     """
 
     def __init__(self, config: OffloadConfig | None = None, *, exclude_head: bool = True,
                  budget_bytes: SizeLike | None = None, budget: str | float | None = None,
                  plan_kwargs: dict[str, Any] | None = None, all_figures: bool = False,
+                 tiled_mlp: bool | None = None, tiled_loss: bool | None = None, long_context: bool = False,
                  **engine_kwargs: Any) -> None:
         self.planner = (StepPlanner("OffloadCallback", budget_bytes, budget, plan_kwargs,
                                     shown="transformers.offload")
@@ -92,6 +105,9 @@ class OffloadCallback(TrainerCallback):
         self._attached: AttachHandle | None = None
         self._head: Any = None
         self._reporter = _StepReporter("OffloadCallback", all_figures)
+        self.long_context = _LongContext("OffloadCallback", tiled_mlp, tiled_loss, long_context,
+                                         self.planner is not None)
+        """The long-context switches (what is tiled: ``long_context.tiled``)."""
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -104,15 +120,18 @@ class OffloadCallback(TrainerCallback):
         trl_flag = _warn_if_trl_offloading(args)
         if self.planner is not None:
             self._wrap_compute_loss(model)
+            self.long_context.tile(model, None)  # the plan's engine, entered around each block
             return
         if self.engine is None:
             self.engine = OffloadActivations.from_config(self.config, model=model)
         if trl_flag:
             self.engine._warned_foreign_hooks = True  # said once, here, with the TRL-specific fix
         self.detach()
+        self.long_context.checkpoint_layers(model)
         self._attached = self.engine.attach(model)
         if self.exclude_head:
             self._head = _exclude_tail(self.engine, model, self._attached)
+        self.long_context.tile(model, self.engine)
         log.info("offloading %s's activations with %r", type(model).__name__, self.engine)
 
     def _wrap_compute_loss(self, model: nn.Module) -> None:
@@ -167,6 +186,7 @@ class OffloadCallback(TrainerCallback):
         if self._head is not None:
             self._head.remove()
             self._head = None
+        self.long_context.remove()
 
     # -- logs ----------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from ..config import OffloadConfig
 from ..sizes import SizeLike
 from ..engine import OffloadActivations
 from ..regions import RegionHandle, exclude_output_head
-from . import _StepReporter, _callback_config
+from . import _LongContext, _StepReporter, _callback_config
 from ._plan import StepPlanner
 
 __all__ = ["OffloadCallback"]
@@ -60,12 +60,19 @@ class OffloadCallback(pl.Callback):
         all_figures: log every ``offload/*`` figure each step (``offload.integrations.FIGURE_KEYS``,
             the kept bytes per reason); by default only ``LOGGED_BY_DEFAULT``: offloaded and kept
             bytes, exposed copy time, the host pool's bytes (and the plan's peaks when planning).
+        tiled_mlp: compute each block's MLP in tiles along the sequence (``offload.tile_mlp``, on the
+            LightningModule's ``.model``, else on the LightningModule); None: as ``long_context``.
+        tiled_loss: compute a Hugging Face causal LM's labels= loss in tiles (``offload.tile_loss``); with
+            your own loss, pass False and call ``offload.linear_cross_entropy`` in ``training_step``;
+            None: as ``long_context``.
+        long_context: every block checkpointed (its inputs then offloaded), MLP and loss tiled.
         **engine_kwargs: ``OffloadConfig`` fields.
     """
 
     def __init__(self, config: OffloadConfig | None = None, *, exclude_head: bool = True,
                  budget_bytes: SizeLike | None = None, budget: str | float | None = None,
                  plan_kwargs: dict[str, Any] | None = None, all_figures: bool = False,
+                 tiled_mlp: bool | None = None, tiled_loss: bool | None = None, long_context: bool = False,
                  **engine_kwargs: Any) -> None:
         self.planner = (StepPlanner("OffloadCallback", budget_bytes, budget, plan_kwargs,
                                     shown="lightning.pytorch.offload")
@@ -79,6 +86,9 @@ class OffloadCallback(pl.Callback):
         self._head: list[RegionHandle] = []
         self._entered = False
         self._reporter = _StepReporter("OffloadCallback", all_figures)
+        self.long_context = _LongContext("OffloadCallback", tiled_mlp, tiled_loss, long_context,
+                                         self.planner is not None)
+        """The long-context switches (what is tiled: ``long_context.tiled``)."""
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -88,6 +98,7 @@ class OffloadCallback(pl.Callback):
                 raise ValueError("OffloadCallback(budget_bytes=...): planning runs training_step and backward "
                                  "itself, which needs automatic optimization; with manual optimization call "
                                  "offload.plan(model, step, budget_bytes=...) yourself.")
+            self.long_context.tile(_inner(pl_module), None)  # the plan's engine, entered around each block
             return
         if self.engine is None:
             self.engine = OffloadActivations.from_config(self.config, model=pl_module)
@@ -101,6 +112,8 @@ class OffloadCallback(pl.Callback):
             if not self._head:
                 log.info("no output head found on %s: its activations are offloaded too",
                          type(pl_module).__name__)
+        self.long_context.checkpoint_layers(_inner(pl_module))
+        self.long_context.tile(_inner(pl_module), self.engine)
         log.info("offloading %s's training steps with %r", type(pl_module).__name__, self.engine)
 
     def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
@@ -138,6 +151,7 @@ class OffloadCallback(pl.Callback):
         for handle in self._head:
             handle.remove()
         self._head = []
+        self.long_context.remove()
         if self.engine is not None:
             self.engine.close()  # the disk tier's files and run directory
 
@@ -148,6 +162,12 @@ class OffloadCallback(pl.Callback):
                 self.engine.__exit__(None, None, None)
             else:
                 self.engine.__exit__(type(exception), exception, exception.__traceback__)
+
+
+def _inner(pl_module: nn.Module) -> nn.Module:
+    """The model a LightningModule trains: its ``.model`` when that is a module, else itself."""
+    inner = getattr(pl_module, "model", None)
+    return inner if isinstance(inner, nn.Module) else pl_module
 
 
 def _planning_step(pl_module: Any, batch: Any, batch_idx: int) -> Any:

@@ -7,6 +7,8 @@
   (``engine.attach``: entered around the model's forward; the loss and backward run outside it, as
   the bench's ``offload`` strategy and torchtune recipes run it).
 - ``"offload_ac"``: both (the bench's ``offload_ac``: the engine moves the checkpoint inputs).
+- ``"long_context"``: ``offload.long_context(model, config=...)``: ``offload_ac`` with the output head kept
+  on the device, each block's MLP and (a Hugging Face causal LM's) labels= loss in tiles.
 - a ``Plan``: ``plan.apply(model)``.
 
 Engines run on the capture's stand-in device: ``device="cpu"`` under the emulated accelerator
@@ -19,19 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
-
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import OffloadConfig
 from ..engine import OffloadActivations
 from ..planner.blocks import find_blocks
 from ..planner.planning import Plan
+from .._long_context import checkpoint_blocks as _checkpointed
+from .._long_context import long_context
 
 __all__ = ["STRATEGIES", "Applied", "apply_strategy", "strategy_name"]
 
-STRATEGIES = ("none", "ac", "offload", "offload_ac")
+STRATEGIES = ("none", "ac", "offload", "offload_ac", "long_context")
 """Strategy names ``predict_step`` takes (or a ``Plan``)."""
 
 
@@ -62,29 +63,6 @@ def engine_config(config: OffloadConfig | None) -> OffloadConfig:
     return dataclasses.replace(cfg, device="cpu", virtual_memory_safe_pct=None)
 
 
-def _checkpointed(blocks: list[tuple[str, nn.Module]]) -> Callable[[], None]:
-    """Run each block's forward under non-reentrant checkpoint; returns the undo."""
-    undo = []
-    for _name, mod in blocks:
-        orig = mod.forward
-        had = "forward" in mod.__dict__
-
-        def forward(*args: Any, _orig: Callable = orig, **kwargs: Any) -> Any:
-            return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
-
-        mod.forward = forward  # type: ignore[method-assign]
-        undo.append((mod, had, orig))
-
-    def restore() -> None:
-        for mod, had, orig in reversed(undo):
-            if had:
-                mod.forward = orig  # type: ignore[method-assign]
-            else:
-                del mod.forward
-
-    return restore
-
-
 def apply_strategy(model: nn.Module, strategy: str | Plan, config: OffloadConfig | None) -> Applied:
     """Install ``strategy`` on ``model`` (see the module docstring); a callable is called with ``model``
     and returns its own ``Applied`` (the planner's per-decision profiles, ``offload.planner.predicted``)."""
@@ -97,6 +75,9 @@ def apply_strategy(model: nn.Module, strategy: str | Plan, config: OffloadConfig
         return Applied(handle.engine, [handle.remove])
     if strategy not in STRATEGIES:
         raise ValueError(f"offload.predict: strategy={strategy!r} is not one of {STRATEGIES} or a Plan")
+    if strategy == "long_context":
+        handle = long_context(model, config=engine_config(config))
+        return Applied(handle.engine, [handle.remove])
     applied = Applied(None, [])
     if strategy in ("ac", "offload_ac"):
         applied.undo.append(_checkpointed(find_blocks(model)))

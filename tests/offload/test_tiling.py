@@ -1,0 +1,386 @@
+"""Tiled MLP and tiled loss (offload.tiling, NOTE [ Tiles ]): the untiled step's numbers, less memory.
+
+Every model test follows the twin pattern: a model and its ``copy.deepcopy`` run the same step, one
+tiled and one not. Where the tiles leave the reduction order alone (the MLP's output and input gradient:
+per-token math) the comparison is ``torch.equal``; where they reorder a sum over tokens (parameter
+gradients, the loss) it is within float rounding, stated per test.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import offload
+from offload import OffloadActivations, OffloadError, linear_cross_entropy, tile_loss, tile_mlp
+from offload._tiled_loss import select_loss_impl
+from offload.planner.meter import measure_step
+
+transformers = pytest.importorskip("transformers")
+
+FP32_RTOL = 1e-5
+"""Largest |difference| / max |reference| of an fp32 gradient whose sum over tokens the tiles reorder."""
+
+ARCHS = {
+    "llama": lambda: transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=176,
+                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                              max_position_embeddings=512),
+    "qwen2": lambda: transformers.Qwen2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=176,
+                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                              max_position_embeddings=512, use_sliding_window=False),
+    "mistral": lambda: transformers.MistralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=176,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                                  max_position_embeddings=512, sliding_window=None),
+}
+
+
+def hf_model(arch: str = "llama") -> nn.Module:
+    cfg = ARCHS[arch]()
+    cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False
+    model = getattr(transformers, {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                   "mistral": "MistralForCausalLM"}[arch])(cfg)
+    return model.train()
+
+
+def labels_step(model: nn.Module, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, **kwargs)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def labels_peak(model: nn.Module, ids: torch.Tensor) -> int:
+    """Peak memory of one labels= step, measured on CPU with MemTracker (offload.planner.meter)."""
+    return measure_step(lambda: model(input_ids=ids, labels=ids).loss.backward(), device="cpu", model=model,
+                        warmup=0, timed=0).peak_bytes
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def assert_close_grads(got: dict, ref: dict, rtol: float) -> None:
+    assert got.keys() == ref.keys()
+    worst = max(ref, key=lambda n: rel_diff(got[n], ref[n]))
+    assert rel_diff(got[worst], ref[worst]) <= rtol, (worst, rel_diff(got[worst], ref[worst]))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_tiled_step_matches_untiled_on_hf_architectures(arch):
+    """Tiled MLP + tiled labels= loss: the loss and every gradient equal the untiled twin's within fp32 rounding."""
+    model = hf_model(arch)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 300, (2, 200))
+    ref_loss, ref = labels_step(twin, ids)
+    mlp, loss = tile_mlp(model, tokens=48), tile_loss(model, tokens=64)
+    got_loss, got = labels_step(model, ids)
+    assert mlp.stats()["calls"] == 2 and mlp.stats()["tiles"] == 2 * 9  # 400 tokens in tiles of 48
+    assert loss.stats() == {"calls": 1, "tiles": 7, "bytes_not_saved": 400 * 300 * 4 - 400 * 4, "impl": "builtin"}
+    assert rel_diff(got_loss, ref_loss) <= FP32_RTOL
+    assert_close_grads(got, ref, FP32_RTOL)
+
+
+def test_remove_restores_the_model_bitwise():
+    """After remove() the model computes exactly what it computed before tiling (no state left behind)."""
+    model = hf_model()
+    ids = torch.randint(0, 300, (1, 160))
+    before = labels_step(model, ids)
+    handles = [tile_mlp(model, tokens=32), tile_loss(model, tokens=32)]
+    labels_step(model, ids)
+    for h in handles:
+        h.remove()
+    after = labels_step(model, ids)
+    assert torch.equal(before[0], after[0]) and all(torch.equal(before[1][n], after[1][n]) for n in before[1])
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlp_output_and_input_grad_are_bitwise(dtype):
+    """Per-token math: the tiled MLP's output and input gradient are bitwise the untiled one's; its weight
+    gradients (a sum over tokens, reordered) agree within one rounding of the dtype."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = LlamaMLP(ARCHS["llama"]()).to(dtype)
+    twin = copy.deepcopy(mlp)
+    x = torch.randn(2, 300, 64, dtype=dtype, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    g = torch.randn(2, 300, 64, dtype=dtype)
+    y = twin(x)
+    y.backward(g)
+    tile_mlp(nn.Module(), modules=[mlp], tokens=64)
+    y2 = mlp(x2)
+    y2.backward(g)
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
+    rtol = FP32_RTOL if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    for (n, p), (_, q) in zip(twin.named_parameters(), mlp.named_parameters()):
+        assert q.grad.dtype == p.grad.dtype and rel_diff(q.grad, p.grad) <= rtol, n
+
+
+def _saved_activation_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    """Bytes the untiled module saves for backward that are not its input or a parameter."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        key = t.untyped_storage().data_ptr()
+        if key not in skip and key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x).sum().backward()
+    return total
+
+
+def test_mlp_bytes_not_saved_are_what_the_untiled_module_saves():
+    """The ledger's and the handle's MLP bytes_not_saved equal the activations the untiled twin saves."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = LlamaMLP(ARCHS["llama"]())
+    x = torch.randn(1, 256, 64, requires_grad=True)
+    expected = _saved_activation_bytes(copy.deepcopy(mlp), x.detach().requires_grad_())
+    assert expected >= 4 * 256 * 176 * 4  # gate, act, up, product: the test measures something real
+    engine = OffloadActivations(device="cpu")
+    handle = tile_mlp(nn.Module(), modules=[mlp], tokens=64, engine=engine)
+    mlp(x).sum().backward()
+    engine.close_step()
+    assert handle.stats() == {"calls": 1, "tiles": 4, "bytes_not_saved": expected}
+    assert engine.ledger.summary()["tiling"]["mlp"] == handle.stats()
+
+
+def test_tiled_mlp_lowers_the_measured_peak():
+    """MemTracker (offload.planner.meter) on CPU: the tiled model's step peaks lower than its untiled twin's
+    by at least half of the bytes the tiles report not saving (the rest is the one tile alive)."""
+    model = hf_model()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 300, (1, 512))
+    untiled = labels_peak(twin, ids)
+    handle = tile_mlp(model, tokens=64)
+    tiled = labels_peak(model, ids)
+    spared = handle.stats()["bytes_not_saved"]
+    assert spared > 0 and untiled - tiled >= spared // 2, (untiled, tiled, spared)
+
+
+def test_tiled_loss_lowers_the_measured_peak():
+    """MemTracker on CPU: a large-vocabulary labels= loss in tiles peaks lower than the full logits by at
+    least the float32 log-probabilities it does not save."""
+    cfg = ARCHS["llama"]()
+    cfg.vocab_size, cfg.num_hidden_layers = 8192, 1
+    model = transformers.LlamaForCausalLM(cfg).train()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 8192, (1, 256))
+    untiled = labels_peak(twin, ids)
+    tile_loss(model, tokens=32)
+    assert untiled - labels_peak(model, ids) >= 256 * 8192 * 4
+
+
+def test_linear_cross_entropy_matches_cross_entropy():
+    """linear_cross_entropy == F.cross_entropy(head(h).float(), y) with ignored labels, mean and sum, and its
+    hidden, weight and bias gradients agree within fp32 rounding."""
+    head = nn.Linear(32, 100)
+    h = torch.randn(3, 50, 32, requires_grad=True)
+    y = torch.randint(0, 100, (3, 50))
+    y[:, ::7] = -100
+    for reduction in ("mean", "sum"):
+        twin = copy.deepcopy(head)
+        h2 = h.detach().clone().requires_grad_()
+        ref = F.cross_entropy(twin(h).float().flatten(0, 1), y.flatten(), reduction=reduction)
+        ref.backward()
+        got = linear_cross_entropy(h2, head, y, reduction=reduction, tokens=16)
+        got.backward()
+        assert rel_diff(got, ref) <= FP32_RTOL
+        for a, b in ((h2.grad, h.grad), (head.weight.grad, twin.weight.grad), (head.bias.grad, twin.bias.grad)):
+            assert rel_diff(a, b) <= FP32_RTOL
+        h.grad = head.weight.grad = head.bias.grad = None
+
+
+def test_labels_path_with_num_items_in_batch():
+    """HF's num_items_in_batch (a Trainer's gradient accumulation) divides the summed loss, as ForCausalLMLoss."""
+    model = hf_model()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 300, (2, 100))
+    n = torch.tensor(123)
+    ref_loss, ref = labels_step(twin, ids, num_items_in_batch=n)
+    tile_loss(model, tokens=40)
+    got_loss, got = labels_step(model, ids, num_items_in_batch=n)
+    assert rel_diff(got_loss, ref_loss) <= FP32_RTOL
+    assert_close_grads(got, ref, FP32_RTOL)
+
+
+def test_labels_path_returns_no_logits_and_leaves_inference_alone():
+    """A training call with labels returns logits=None; a call without labels, or without grad, returns
+    the untiled logits bitwise."""
+    model = hf_model()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 300, (1, 64))
+    tile_loss(model, tokens=16)
+    assert model(input_ids=ids, labels=ids).logits is None
+    assert torch.equal(model(input_ids=ids).logits, twin(input_ids=ids).logits)
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids)
+        assert torch.equal(out.logits, twin(input_ids=ids, labels=ids).logits)
+
+
+def test_autocast_bf16_matches_untiled_within_bf16_rounding():
+    """Under CPU autocast (bf16 compute, fp32 weights) the tiled step's loss and gradients are the untiled
+    step's within bf16 rounding, in the parameters' dtype."""
+    model = hf_model()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 300, (1, 256))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref = labels_step(twin, ids)
+    tile_mlp(model, tokens=64)
+    tile_loss(model, tokens=64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_loss, got = labels_step(model, ids)
+    assert all(got[n].dtype == torch.float32 for n in got)
+    assert rel_diff(got_loss, ref_loss) <= 1e-2
+    assert_close_grads(got, ref, 5e-2)
+
+
+def test_recompute_replays_the_forward_dropout_masks():
+    """A module with dropout: backward's recompute draws the forward's masks (RNG state restored), so the
+    input gradient is the gradient of what forward computed."""
+    drop = nn.Dropout(0.5)
+    x = torch.randn(1, 400, 16, requires_grad=True)
+    tile_mlp(nn.Module(), modules=[drop], tokens=64)
+    y = drop(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    kept = (y != 0).float()
+    assert 0.3 < kept.mean() < 0.7
+    assert torch.allclose(x.grad, g * kept * 2.0)
+
+
+def test_parameter_gradients_reach_autograd_grad_once():
+    """torch.autograd.grad(loss, params) works through the tiles and leaves .grad alone; a parameter's
+    gradient hook fires once per backward (DDP's and FSDP's hooks assume so)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = LlamaMLP(ARCHS["llama"]())
+    fired = []
+    mlp.up_proj.weight.register_hook(lambda g: fired.append(1))
+    tile_mlp(nn.Module(), modules=[mlp], tokens=32)
+    loss = mlp(torch.randn(1, 200, 64, requires_grad=True)).square().sum()
+    grads = torch.autograd.grad(loss, list(mlp.parameters()))
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    assert all(p.grad is None for p in mlp.parameters()) and fired == [1]
+
+
+def test_ledger_names_both_kinds_when_nothing_is_tiled():
+    """summary()["tiling"] always has the mlp and loss rows (zero without tiles)."""
+    engine = OffloadActivations(device="cpu")
+    with engine:
+        x = torch.randn(4, 4, requires_grad=True)
+        y = (x * x).sum()
+    y.backward()
+    assert engine.ledger.summary()["tiling"] == {k: {"calls": 0, "tiles": 0, "bytes_not_saved": 0}
+                                                 for k in ("mlp", "loss")}
+
+
+# -- choosing the loss implementation ---------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_libraries(monkeypatch):
+    """Fake liger_kernel and cut_cross_entropy modules whose functions compute the loss with torch ops
+    (reduction "sum") and count their calls."""
+    calls = {"liger": 0, "cut_cross_entropy": 0}
+
+    def make(name):
+        def fn(h, w, y, bias=None, ignore_index=-100, reduction="mean"):
+            calls[name] += 1
+            return F.cross_entropy(F.linear(h, w, bias).float(), y, ignore_index=ignore_index, reduction=reduction)
+        return fn
+
+    liger = types.ModuleType("liger_kernel.transformers.functional")
+    liger.liger_fused_linear_cross_entropy = make("liger")
+    cce = types.ModuleType("cut_cross_entropy")
+    cce.linear_cross_entropy = make("cut_cross_entropy")
+    mods = {"liger_kernel": types.ModuleType("liger_kernel"),
+            "liger_kernel.transformers": types.ModuleType("liger_kernel.transformers"),
+            "liger_kernel.transformers.functional": liger, "cut_cross_entropy": cce}
+    for k, v in mods.items():
+        monkeypatch.setitem(sys.modules, k, v)
+    return calls, monkeypatch
+
+
+def test_auto_picks_a_fused_kernel_on_cuda_only(fake_libraries):
+    """impl="auto": Liger first, then cut-cross-entropy, on CUDA tensors; the built-in tiles on CPU."""
+    _, monkeypatch = fake_libraries
+    assert select_loss_impl("auto", "cuda")[0] == "liger"
+    assert select_loss_impl("auto", "cpu") == ("builtin", None)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", None)  # not importable
+    assert select_loss_impl("auto", "cuda")[0] == "cut_cross_entropy"
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)
+    assert select_loss_impl("auto", "cuda") == ("builtin", None)
+
+
+def test_missing_library_is_refused_when_tiling_not_at_the_first_step():
+    """impl="liger" without Liger installed raises ImportError naming it at tile_loss time."""
+    if select_loss_impl("auto", "cuda")[0] == "liger":
+        pytest.skip("Liger-Kernel is installed here")
+    with pytest.raises(ImportError, match="liger_kernel"):
+        tile_loss(hf_model(), impl="liger")
+
+
+def test_the_chosen_library_runs_and_is_reported(fake_libraries):
+    """A named library computes the loss (its function is called) and the handle says which ran."""
+    calls, _ = fake_libraries
+    model = hf_model()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 300, (1, 64))
+    ref_loss, _ = labels_step(twin, ids)
+    handle = tile_loss(model, impl="cut_cross_entropy")
+    got_loss, _ = labels_step(model, ids)
+    assert calls == {"liger": 0, "cut_cross_entropy": 1}
+    assert handle.stats()["impl"] == "cut_cross_entropy" and handle.stats()["calls"] == 1
+    assert rel_diff(got_loss, ref_loss) <= FP32_RTOL
+
+
+# -- what is refused, and how ------------------------------------------------------------------------
+
+
+def test_bad_inputs_are_refused_with_the_fix():
+    """Non-HF model for tile_loss, a module that is not per-token, zero tokens, tiling twice, a softcapped
+    head: each raises an error that names the problem and the way out."""
+    with pytest.raises(OffloadError, match="linear_cross_entropy"):
+        tile_loss(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="tokens=0"):
+        tile_mlp(hf_model(), tokens=0)
+    model = hf_model()
+    tile_mlp(model)
+    with pytest.raises(OffloadError, match="already tiled"):
+        tile_mlp(model)
+
+    class TwoOut(nn.Module):
+        def forward(self, x):
+            return x * 2, x
+
+    m = TwoOut()
+    tile_mlp(nn.Module(), modules=[m], tokens=4)
+    with pytest.raises(OffloadError, match="per-token"):
+        m(torch.randn(1, 16, 8, requires_grad=True))
+    gemma = copy.deepcopy(hf_model())
+    gemma.config.final_logit_softcapping = 30.0
+    with pytest.raises(OffloadError, match="final_logit_softcapping"):
+        tile_loss(gemma)
+    with pytest.raises(OffloadError, match="no .mlp|nn.ModuleList"):
+        tile_mlp(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_public_names():
+    """The tiling entry points are public in offload's __init__."""
+    for name in ("tile_mlp", "tile_loss", "linear_cross_entropy", "TilingHandle", "long_context",
+                 "LongContextHandle"):
+        assert name in offload.__all__ and hasattr(offload, name)
