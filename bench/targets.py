@@ -113,19 +113,23 @@ def _ratio_text(label: str, point: float | None, ci: tuple[float, float] | None)
     return text
 
 
+def _gpu_ratio_row(result: BenchResult, key: str, a: str, b: str, what: str, on_cpu: bool,
+                   cpu_note: str) -> TargetRow:
+    """The row of a GPU target judged by the step-time ratio ``a`` / ``b`` (n/a on CPU, with ``cpu_note``)."""
+    t = TARGETS[key]
+    r, ci = result.time_ratio(a, b), result.time_ratio_ci(a, b)
+    return TargetRow(target=t.statement, measured=_ratio_text(f"{a} / {b} {what}", r, ci),
+                     verdict=NA_CPU if on_cpu else (NOT_RUN if r is None else judge_ratio(r, ci, t.threshold)),
+                     note=cpu_note if on_cpu else "")
+
+
 def evaluate_targets(result: BenchResult) -> list[TargetRow]:
     on_cpu = str(result.meta.get("device", "cpu")).startswith("cpu")
     rows: list[TargetRow] = []
 
     # 1. AC + offload of checkpoint inputs <= 1.01x AC-only.
-    t = TARGETS["offload_ac"]
-    r, ci = result.time_ratio("offload_ac", "ac"), result.time_ratio_ci("offload_ac", "ac")
-    rows.append(TargetRow(
-        target=t.statement,
-        measured=_ratio_text("offload_ac / ac step time", r, ci),
-        verdict=NA_CPU if on_cpu else (NOT_RUN if r is None else judge_ratio(r, ci, t.threshold)),
-        note="CPU copies are memcpy on the compute thread; nothing can overlap" if on_cpu else "",
-    ))
+    rows.append(_gpu_ratio_row(result, "offload_ac", "offload_ac", "ac", "step time", on_cpu,
+                               "CPU copies are memcpy on the compute thread; nothing can overlap"))
 
     # 2. Offload without AC at the frontier: offload_part <= 1.03x none, peak down by >= 85% of its copies.
     t = TARGETS["offload_frontier"]
@@ -220,14 +224,8 @@ def evaluate_targets(result: BenchResult) -> list[TargetRow]:
         ))
 
     # 5a. The engine installed, moving nothing: <= 1.02x on a GPU.
-    t = TARGETS["accounting_gpu"]
-    r, ci = result.time_ratio("account_only", "none"), result.time_ratio_ci("account_only", "none")
-    rows.append(TargetRow(
-        target=t.statement,
-        measured=_ratio_text("account_only / none step wall time", r, ci),
-        verdict=NA_CPU if on_cpu else (NOT_RUN if r is None else judge_ratio(r, ci, t.threshold)),
-        note="stated for a GPU; the CPU's own target is the next row" if on_cpu else "",
-    ))
+    rows.append(_gpu_ratio_row(result, "accounting_gpu", "account_only", "none", "step wall time", on_cpu,
+                               "stated for a GPU; the CPU's own target is the next row"))
 
     # 5. Accounting on, offloading nothing: <= 3% step-time cost on CPU.
     t = TARGETS["accounting"]
