@@ -7,7 +7,7 @@
 #   scripts/gpu_run.sh --budget 330 --commit abc1234 --run 2026-12-01-abc1234 --label call1 \
 #       env errors tests sanitizer probe 1b-hooks                                 # call 1: correctness (~5.5 min)
 #   scripts/gpu_run.sh --budget 330 --commit abc1234 --run 2026-12-01-abc1234 --label call2 \
-#       env 8b plans long predict                                                  # call 2: speed (~5.5 min)
+#       env plans 8b long predict                                                  # call 2: speed (~5.5 min)
 #   scripts/gpu_run.sh --dry-run --budget 120                                # CPU: the same phases, tiny
 #   scripts/gpu_run.sh                                                       # every default phase, no budget
 #
@@ -27,8 +27,9 @@
 #                     (tests/offload/test_gpu_offload.py's emulated twins for errors, tests and sanitizer). CI
 #                     runs it (tests/test_gpu_run.py) so this script cannot rot between GPU runs.
 #
-# Phases, in priority order (default: env errors tests sanitizer probe 8b plans long predict 1b-hooks 1b 3b 8b-8k;
-# plan-* by name):
+# Phases, in priority order (default: env errors tests sanitizer probe plans 8b long predict 1b-hooks 1b 3b 8b-8k;
+# plan-* by name). A phase that writes its files only at its end (plans) goes before one that rewrites them after
+# every strategy (the bench presets), so a budget that runs out cuts the latter's last strategies, not the former.
 #   env        python -m bench.env: versions, device, the host CPU (model, clock, governor, load), memory,
 #              settings, and the GPU-trace callbacks registered after importing what the run imports -> env.json
 #   errors     the in-place / unpack-hook error variants first (SystemError on the H200 runs), in a process that
@@ -39,13 +40,14 @@
 #   sanitizer  TORCH_CUDA_SANITIZER=1 pytest over the stream/race/in-place tests, in its own process (its
 #              callbacks asserted on) -> sanitizer.txt + sanitizer.xml + gpu_trace_sanitizer.json
 #   probe      python -m bench.probe --max-mb 256: pinned/pageable H2D/D2H -> probe.json
-#   8b         python -m bench --preset 8b --seq 4096: none, ac, offload_ac, the partial sweep (the first k
-#              blocks offloaded, k = 4, 6 (offload_part), 8, 10, 0), offload, account_only (the engine's
-#              default hooks, then Python and native), STEPS_8B (6) measured steps; one profiled step of none
-#              and of offload_part summarised (bench/trace_summary.py) -> 8b_L<fit>_s4096_b1_bfloat16.json/.md,
-#              trace_*.json.gz
 #   plans      python -m bench --plan --preset 8b: offload.plan at 70 % and 50 % of none's activation memory,
-#              each measured (peak within budget, step) beside none, ac and offload_ac -> plan_8b_*.json/.md
+#              each measured (peak within budget, step) beside none, ac and offload_ac, STEPS_PLAN (5) timed
+#              steps each -> plan_8b_*.json/.md/.png
+#   8b         python -m bench --preset 8b --seq 4096: none, ac, offload_ac, the partial sweep (the first k
+#              blocks offloaded, k = 6 (offload_part), 4, 8, 10), account_only (the engine's default hooks, then
+#              native and Python), k = 0, offload, STEPS_8B (6) measured steps; one profiled step of none and of
+#              offload_part summarised (bench/trace_summary.py) -> 8b_L<fit>_s4096_b1_bfloat16.json/.md,
+#              trace_*.json.gz
 #   long       python -m bench --preset 8b --seq 8192: none, ac, offload_ac, long_context (one long-context
 #              point; skipped with the reason where bench/strategies.py has no long_context)
 #   predict    python -m bench.predicted_vs_measured over the bench JSONs in the run's folder (CPU work:
@@ -54,7 +56,8 @@
 #   1b-hooks   python -m bench --preset 1b: none and account_only (default, Python and native hooks)
 #   1b 3b 8b-8k   python -m bench --preset 1b | 3b | 8b --seq 8192, every strategy but the compiled ones
 #   plan-1b plan-8b   the planner's whole frontier (needs pulp + pwlf wheels in .whl/)
-# STEPS=N changes the measured steps of the other bench phases (default 3).
+# STEPS_8B=N (default 6) the measured steps of 8b and 1b-hooks, STEPS_PLAN=N (5) the timed steps of plans, STEPS=N
+# (3) those of the other bench phases.
 #
 # Each phase's row in summary[_LABEL].json has its status, seconds, estimate, limit, reason, the host's load
 # over it (1-minute load average at start and end, CPU busy / iowait / steal %, mean clock in MHz, from /proc)
@@ -78,6 +81,7 @@ RESERVE=10         # seconds kept for the last copy into $OUT
 PACK_EVERY=${PACK_EVERY:-15}
 STEPS=${STEPS:-3}
 STEPS_8B=${STEPS_8B:-6}
+STEPS_PLAN=${STEPS_PLAN:-5}
 TAR_MAX=15728640   # the device tool returns files of 16 MiB at most
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -111,20 +115,21 @@ for opt in "label=$LABEL" "run=$RUN"; do
   fi
 done
 SFX=${LABEL:+_$LABEL}
-[ ${#phases[@]} -eq 0 ] && phases=(env errors tests sanitizer probe 8b plans long predict 1b-hooks 1b 3b 8b-8k)
+[ ${#phases[@]} -eq 0 ] && phases=(env errors tests sanitizer probe plans 8b long predict 1b-hooks 1b 3b 8b-8k)
 
 # name: estimate and cap in seconds on a GPU, then in --dry-run. The estimate decides whether a phase starts;
 # the cap bounds how long it may run. From the H200 runs (bench/results/nvidia-h200/2026-11-26-49b9263/
 # summary_call*.json and gpu_tests.xml: env 5 s; the 51 tests 174 s in 194 s of pytest, 20 of them the native
 # build; the sanitizer's 19 tests 62 s, 22 of them the synchronous bitwise variants now left out; probe 8 s;
-# 8b, per strategy at 3 steps: none 17 s with its two deterministic steps, ac and offload_ac 8 s, offload 45 s
-# (pinning 24 GB), a partial offload 13 s, account_only 8 s; 1b 94+ s for 11 strategies), plus 0.4-1 s per extra
-# 8b step, ~5 s per profiled step and the native build when call 1 did not leave it cached; the planner:
-# (1 + warmup + steps) steps per decision, 4 decisions, 2 budgets measured. The rest from
+# 8b: 10 s to start, then per strategy at 3 steps none 17 s with its two deterministic steps, ac and offload_ac
+# 8 s, offload 47 s (pinning 24 GB), a partial offload 13 s, account_only 8 s; 1b 94+ s for 11 strategies), plus
+# 0.4-1 s per extra 8b step, ~6 s per profiled step and a 20 s native build where call 1 left none cached: ~230 s
+# for ORDER_8B, so its cap cuts the last ones (offload first); the planner: (1 + warmup + steps) steps without a
+# plan and per decision (4), 3 arms and 2 budgets measured, pinning included: ~90 s. The rest from
 # ../shared/research/gpu-readiness-2026-11.md. GPU_RUN_EST_<phase> (e.g. GPU_RUN_EST_8b_8k=400) overrides one.
 declare -A EST=(
   [env]="10 40 5 60" [errors]="25 90 10 90" [tests]="200 250 15 120" [sanitizer]="50 120 15 120"
-  [probe]="15 75 8 60" [8b]="210 250 15 120" [plans]="100 140 10 90" [long]="90 120 10 90"
+  [probe]="15 75 8 60" [8b]="200 250 15 120" [plans]="90 130 10 90" [long]="90 120 10 90"
   [predict]="45 120 10 90" [1b-hooks]="40 60 8 60" [1b]="90 120 15 120" [3b]="150 240 15 120"
   [8b-8k]="300 420 15 120" [plan-1b]="450 590 2 30" [plan-8b]="590 590 2 30" [sleep]="600 600 1 600"
 )
@@ -257,12 +262,13 @@ ERRORS_K="error_raised_in_an_unpack_hook or inplace_write_racing or shared_reloa
 # The sanitizer's tests: the stream, race and in-place tests (the synchronous bitwise variants add nothing there).
 RACE_K="race or known_bug or retain_graph or streams- or inplace or exception_mid_forward or error_raised"
 # The 8b phase's strategies, most valuable first (the bench rewrites its files after each, so a cap keeps what
-# ran): the targets' references and the frontier point (offload_part: 6 of 32 blocks), the rest of the partial
-# sweep, offload everything, the account-only control with each pack hook (account_only: the engine's default).
-ORDER_8B=none,ac,offload_ac,offload_part,account_only,offload_first4,offload_first8,offload_first10,offload
-ORDER_8B+=,account_only_native,account_only_python,offload_first0
-SKIP_8B_DRY=ac,offload_ac,account_only,offload_first4,offload_first8,offload_first10,offload,account_only_native
-SKIP_8B_DRY+=,offload_first0
+# ran): the targets' references and the frontier point (offload_part: 6 of 32 blocks), the account-only control
+# (account_only: the engine's default hooks), the rest of the partial sweep, the control with each pack hook, the
+# engine with every block kept whole (k = 0), and offload everything (link-bound, measured twice before: ~50 s).
+ORDER_8B=none,ac,offload_ac,offload_part,account_only,offload_first4,offload_first8,offload_first10
+ORDER_8B+=,account_only_native,account_only_python,offload_first0,offload
+SKIP_8B_DRY=ac,offload_ac,account_only,offload_first4,offload_first8,offload_first10,account_only_native
+SKIP_8B_DRY+=,offload_first0,offload
 skip_reason() {  # why a phase cannot run here ("" if it can)
   case "$1" in
     predict)
@@ -311,7 +317,7 @@ phase_cmd() {  # the command of phase $1, GPU or dry-run
     8b:dry)       CMD=("$PY" -m bench --seq 24 --strategies "$ORDER_8B" --trace none,offload_part --no-predict
                        --skip "$SKIP_8B_DRY" "${tiny[@]}") ;;
     plans:)       CMD=("$PY" -m bench --plan --device cuda --preset 8b --seq 4096 --budgets 0.7,0.5
-                       --strategies none,ac,offload_ac --steps "$STEPS_8B" --warmup 1 --out "$RES") ;;
+                       --strategies none,ac,offload_ac --steps "$STEPS_PLAN" --warmup 1 --out "$RES") ;;
     plans:dry)    CMD=("$PY" -m bench --plan --seq 16 --budgets 0.7,0.5 --strategies none,ac,offload_ac "${tiny[@]}") ;;
     long:)        CMD=("$PY" -m bench --preset 8b --seq 8192 --device cuda --steps "$STEPS" --warmup 1 --out "$RES"
                        --strategies none,ac,offload_ac,long_context) ;;

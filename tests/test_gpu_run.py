@@ -47,7 +47,7 @@ def _within_device_limits(out: Path) -> None:
 
 
 CALL1 = ("env", "errors", "sanitizer", "probe")
-CALL2 = ("8b", "plans", "predict")
+CALL2 = ("plans", "8b", "predict")
 """docs/gpu-run.md's two calls, dry, less what repeats a phase shown here (CI time): the tests phase is the errors
 phase's pytest process with another selection, call 2's env is call 1's, its 1b-hooks and long phases are plain bench
 runs of strategies tested in tests/bench."""
