@@ -1,7 +1,9 @@
-"""scripts/gpu_run.sh cannot rot between GPU runs (issue 36 items 1 and 5): its --dry-run runs the same
-phases at tiny sizes on CPU (the emulated accelerator where a phase needs a device), plans them within a
+"""scripts/gpu_run.sh cannot rot between GPU runs (issue 36 items 1 and 5, issue 41): its --dry-run runs the
+same phases at tiny sizes on CPU (the emulated accelerator where a phase needs a device), plans them within a
 time budget, and copies what it has into $OUT after every phase, so a kill mid-phase (the device tool's
-time limit) still returns the earlier phases' files, within the tool's limits (8 files, 2 folders deep)."""
+time limit) still returns the earlier phases' files, within the tool's limits (8 files, 2 folders deep). The two
+calls of docs/gpu-run.md share one run's folder without appending to each other, and a test process that has
+GPU-trace callbacks registered fails the clean check (scripts/pytest_gpu_trace.py)."""
 
 from __future__ import annotations
 
