@@ -274,8 +274,8 @@ def _offload_first(env: BenchEnv, name: str) -> Prepared:
 
 
 @_strategy("offload_part", "ours",
-           "Ours on the first 3/16 of the blocks only (engine.exclude(layers[k], keep_after=True)); default bounds "
-           "on the copies in flight (5 tensors, 1 GiB). Offload alone, partly: its best trade-off.")
+           "Ours on the first 3/16 of the blocks only (engine.exclude(layers[k], keep_after=True)), the engine's "
+           "default copy schedule. Offload alone, partly: its best trade-off.")
 def offload_part(env: BenchEnv) -> Prepared:
     return _offload_first(env, "offload_part")
 
