@@ -92,6 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default: a new ./bench_runs/<time>_bench_<run_id>/; "
                         "bench/results/<device> refreshes the files the README cites)")
+    p.add_argument("--trace", default="",
+                   help="comma list of strategies (of those run) that get one more step under torch.profiler after "
+                        "their measured ones: the chrome trace is written beside the results "
+                        "(trace_<run_id>_<strategy>.json.gz) and summarised in them: GPU idle time, the copies and "
+                        "where the exposed ones land (bench/trace_summary.py)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-probe", action="store_true", help="skip the copy-ceiling measurement")
     p.add_argument("--no-write", action="store_true",
@@ -191,6 +196,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if unknown:
         raise ValueError(f"--skip names unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
     names = tuple(n for n in names if n not in skip)
+    trace = tuple(n.strip() for n in args.trace.split(",") if n.strip())
+    if any(n not in names for n in trace):
+        raise ValueError(f"--trace {args.trace}: {[n for n in trace if n not in names]} not among the strategies "
+                         f"run ({','.join(names)}); add them to --strategies or trace one of those")
+    if trace and not args.no_write and args.out is None:  # the traces go beside the results: fix the folder now
+        args.out = default_run_dir("bench", str(wl.run_id))
     if args.emulate:
         defaults = _EMULATED_DEFAULTS
     return BenchConfig(
@@ -202,6 +213,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         order=args.order or defaults["order"],
         seed=args.seed,
         progress=not args.quiet,
+        trace=trace,
+        trace_dir=None if args.no_write else args.out,
     )
 
 

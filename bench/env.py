@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 __all__ = ["default_device", "device_name", "device_slug", "results_dir", "default_run_dir", "run_metadata",
-           "environment_record", "REPO_ROOT", "COMMIT_ENV"]
+           "environment_record", "gpu_trace_state", "cpu_record", "REPO_ROOT", "COMMIT_ENV"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,8 +93,71 @@ def _loadavg() -> float | None:
         return None
 
 
+def gpu_trace_state() -> dict[str, Any]:
+    """The Python callbacks registered in torch's GPU trace (``torch.cuda._gpu_trace``), which fire on every CUDA
+    caching-allocator allocation and free, event record and wait, and synchronization of the process while the
+    trace is active: ``callbacks`` (their number; 0 is the only clean value for a timing), the non-empty
+    registries by name, and whether ``torch.cuda._sanitizer`` (which registers ten of them when imported) is
+    loaded. Every GPU timing before issue 40's fix was taken with ten of them registered."""
+    import torch.cuda._gpu_trace as gpu_trace
+
+    regs = {n: len(r.callback_list) for n in dir(gpu_trace) if hasattr(r := getattr(gpu_trace, n), "callback_list")}
+    return {"callbacks": sum(regs.values()), "registries": {n: k for n, k in regs.items() if k},
+            "registries_checked": len(regs), "sanitizer_imported": "torch.cuda._sanitizer" in sys.modules}
+
+
+def _cpu_mhz() -> list[float]:
+    """Each logical CPU's current clock (MHz), from ``/proc/cpuinfo`` (Linux), else psutil's."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(line.split(":", 1)[1]) for line in f if line.startswith("cpu MHz")]
+        if mhz:
+            return mhz
+    except (OSError, ValueError):
+        pass
+    try:
+        import psutil
+
+        return [f.current for f in psutil.cpu_freq(percpu=True) or []]
+    except Exception:  # psutil without cpu_freq on this platform
+        return []
+
+
+def cpu_record() -> dict[str, Any]:
+    """The host CPU a timing depends on: model, logical and physical cores, clock now (min/median/max over the
+    cores, MHz) and its limits, the frequency governor, and the load (1/5/15-minute averages). A host that
+    is slower or busier than the last run's shows here, so a slower step can be told from a slower engine."""
+    import statistics
+
+    import psutil
+
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    mhz = _cpu_mhz()
+    freq = psutil.cpu_freq() if hasattr(psutil, "cpu_freq") else None
+    governor = None
+    try:
+        governor = Path("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor").read_text().strip()
+    except OSError:
+        pass
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        load = None
+    return {"model": model or platform.processor() or None, "logical_cores": os.cpu_count(),
+            "physical_cores": psutil.cpu_count(logical=False),
+            "mhz_now": {"min": min(mhz), "median": statistics.median(mhz), "max": max(mhz)} if mhz else None,
+            "mhz_limits": {"min": freq.min, "max": freq.max} if freq is not None and freq.max else None,
+            "governor": governor, "loadavg_1_5_15m": load}
+
+
 def run_metadata(device: str | torch.device, argv: list[str] | None = None) -> dict[str, Any]:
-    """What a results file needs to be reproduced: versions, device, threads, command, commit, time."""
+    """What a results file needs to be reproduced: versions, device, threads, command, commit, time, the host
+    CPU and the GPU-trace callbacks registered when the run started (``gpu_trace_state``)."""
     dev = torch.device(device)
     meta: dict[str, Any] = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -108,6 +171,8 @@ def run_metadata(device: str | torch.device, argv: list[str] | None = None) -> d
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "loadavg_1m_at_start": _loadavg(),
+        "cpu": cpu_record(),
+        "gpu_trace_at_start": gpu_trace_state(),
     }
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
@@ -142,10 +207,20 @@ def _nvidia_smi() -> str | None:
     return (out.stdout or out.stderr).strip() or None
 
 
+IMPORTED_BY_THE_RUN = ("bench.cli", "bench.harness", "bench.plan", "bench.predicted_vs_measured", "offload.predict",
+                       "offload.testing", "offload.planner")
+"""What the GPU run's processes import: ``environment_record`` imports them before it counts the GPU-trace
+callbacks, so the count is what the bench and the tests run with (issue 40: ``offload.testing`` used to
+import ``torch.cuda._sanitizer``, whose ten callbacks were on in every timing taken before)."""
+
+
 def environment_record() -> dict[str, Any]:
     """What a GPU run's results depend on, read once at its start (``scripts/gpu_run.sh`` phase env):
-    versions, the device, host memory (``psutil.virtual_memory()``: a VM whose memory grows as used makes
-    the engine's RAM gauge read high), the pinned-memory APIs this torch has, and the settings in force."""
+    versions, the device, the host CPU (model, clock, governor, load), host memory
+    (``psutil.virtual_memory()``: a VM whose memory grows as used makes the engine's RAM gauge read high),
+    the pinned-memory APIs this torch has, the settings in force, and the GPU-trace callbacks registered
+    after importing what the run's processes import (``gpu_trace``: 0 callbacks for a clean timing)."""
+    import importlib
     import resource
     import shutil
 
@@ -173,6 +248,13 @@ def environment_record() -> dict[str, Any]:
         p = torch.cuda.get_device_properties(0)
         rec["device_properties"] = {"name": p.name, "total_memory": p.total_memory, "capability": [p.major, p.minor],
                                     "multi_processor_count": p.multi_processor_count}
+    failed = {}
+    for name in IMPORTED_BY_THE_RUN:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # recorded, not fatal: the count is still read
+            failed[name] = f"{type(e).__name__}: {e}"
+    rec["gpu_trace"] = {**gpu_trace_state(), "after_importing": list(IMPORTED_BY_THE_RUN), "import_errors": failed}
     return rec
 
 

@@ -50,6 +50,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import psutil
@@ -59,6 +60,7 @@ from torch.profiler import record_function
 from bench.model import ToyLlama, make_batch
 from bench.progress import bar, note
 from bench import verdict
+from bench.env import gpu_trace_state
 from bench.results import BenchResult, EngineStats, StrategyResult
 from bench.strategies import STRATEGIES, BenchEnv, Prepared, Skip, StrategySpec
 from bench.verdict import Snapshot
@@ -99,6 +101,11 @@ class BenchConfig:
     deterministic_check: bool | None = None
     """Judge correctness on one extra step per strategy with deterministic algorithms on
     (None: on GPU only, where default kernels may accumulate with atomics)."""
+    trace: tuple[str, ...] = ()
+    """Strategies that get one more step under ``torch.profiler`` after their measured ones, summarised by
+    ``bench.trace_summary`` into ``StrategyResult.trace``."""
+    trace_dir: Path | None = None
+    """Where each traced step's chrome trace goes (``trace_<run_id>_<strategy>.json.gz``); None: not kept."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -110,6 +117,10 @@ class BenchConfig:
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown:
             raise ValueError(f"BenchConfig: unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
+        untraced = [s for s in self.trace if s not in self.strategies]
+        if untraced:
+            raise ValueError(f"BenchConfig: trace={untraced} names strategies this run does not run; run them "
+                             f"(strategies={','.join(self.strategies)}) or trace one of those")
 
 
 class Progress:
@@ -646,9 +657,45 @@ class _Bench:
             eng.host_bytes_source = ("cpu: bytes of the host pool's live allocations after the measured steps "
                                      "(read from the storages themselves, not the pool's counters)")
 
+    def _trace_step(self, r: _Runner) -> None:
+        """One more step under ``torch.profiler`` (CPU, and CUDA on a GPU): the chrome trace is kept in
+        ``cfg.trace_dir`` and summarised (``bench.trace_summary``) into the strategy's result."""
+        import gzip
+        import shutil
+        import tempfile
+
+        from torch.profiler import ProfilerActivity, profile
+
+        from bench.trace_summary import summarize
+
+        assert r.prepared is not None
+        self.progress.phase(f"{r.spec.name}: one profiled step (trace)")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        _zero_grads(self.model)
+        _sync(self.device)
+        with _without_kineto_usdt_lines(), profile(activities=activities) as prof:
+            r.prepared.step()
+            _sync(self.device)
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            r.result.trace = summarize(raw)
+            if self.cfg.trace_dir is not None:
+                self.cfg.trace_dir.mkdir(parents=True, exist_ok=True)
+                name = f"trace_{self.workload.run_id}_{r.spec.name}.json.gz"
+                with open(raw, "rb") as src, gzip.open(self.cfg.trace_dir / name, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                r.result.trace["file"] = name
+
     def finish(self, r: _Runner) -> None:
-        """Memory numbers, then release the strategy's engine and caches."""
+        """Memory numbers (and the traced step, if asked for), then release the strategy's engine and caches."""
         res = r.result
+        if r.active and r.spec.name in self.cfg.trace:
+            try:
+                self._trace_step(r)
+            except Exception as e:  # the measured steps stand: a trace that fails is recorded, not the strategy
+                res.trace = {"error": f"{type(e).__name__}: {e}"}
+                self.progress.note(f"{r.spec.name}: the profiled step (trace) failed: {type(e).__name__}: {e}")
         if r.active:
             if self.device.type == "cuda":
                 res.static_bytes = r.static
@@ -813,6 +860,7 @@ def _result(cfg: BenchConfig, workload: Workload, meta: dict[str, Any], ceiling:
         meta["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     except (AttributeError, OSError):
         meta["loadavg_1m_at_end"] = None
+    meta["gpu_trace_at_end"] = gpu_trace_state()  # what the strategies ran with (0 callbacks: a clean timing)
     meta["order"] = cfg.order
     meta["steps"] = cfg.steps
     meta["warmup"] = cfg.warmup

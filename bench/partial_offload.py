@@ -16,7 +16,7 @@ budget no step reaches: the cut is then only what finished moving by the host's 
 engine had before that schedule (5 copies, 1 GiB in flight: compute waits at each copy beyond them).
 
 Every number here is PREDICTED (uncalibrated; the H200's calibration is in
-``bench/results/nvidia-h200/predicted_vs_measured.md``). The engine's polls see the modelled device, so
+``bench/results/nvidia-h200/``, one folder per run). The engine's polls see the modelled device, so
 sources are freed when the copies would be done on that GPU at the host's pace of the replay, and the
 peak is the caching allocator's count in the host's order, which is what a GPU needs. "cut / moved" is
 the fall of the step's peak over the bytes copied to the host; "x link-bound" is the step over the time

@@ -21,7 +21,9 @@ torch's module-wise auto-AC ILP runs at the same budgets as the arm
 ``torch_ilp`` (``bench/ilp_arm.py``; JSON ``"ilp"``), measured by the same
 meter; a budget it cannot meet is recorded as ``infeasible`` with its reason,
 and without ``offload[ilp]`` (pulp, pwlf) the arm is ``skipped`` with the
-import error. Writes ``plan_<run_id>.{json,md,png}``: the PNG is peak memory
+import error. ``--strategies`` names the arms instead (``none,ac,offload_ac``: only
+those, no compile arms, no ILP unless ``torch_ilp`` is named; the GPU run's
+``plans`` phase). Writes ``plan_<run_id>.{json,md,png}``: the PNG is peak memory
 vs step time, fixed strategies as points, planned points measured (filled) and
 predicted (hollow), joined per budget, and the ILP's points measured (filled
 diamonds) over its own peak bound (hollow).
@@ -56,7 +58,7 @@ from bench.strategies import Skip
 from bench.workloads import Workload
 from offload._format import format_bytes, render_table
 
-__all__ = ["FIXED_ARMS", "MAX_SEQ_ARMS", "run_frontier", "run_max_seq", "main_plan", "main_max_seq"]
+__all__ = ["FIXED_ARMS", "MAX_SEQ_ARMS", "frontier_arms", "run_frontier", "run_max_seq", "main_plan", "main_max_seq"]
 
 FIXED_ARMS = ("none", "ac", "sac", "offload", "offload_ac")
 """Fixed strategies the planner is compared with."""
@@ -263,10 +265,28 @@ def _compare(pt: PlannedPoint, arms: list[ArmPoint]) -> None:
         pt.vs_fastest_fixed = "ok" if (pt.measured_step_s <= best.step_s or mine[0] <= theirs[1]) else "slower"
 
 
+def frontier_arms(names: str, device: str) -> tuple[tuple[str, ...], bool]:
+    """``(fixed arms, whether torch's ILP arm runs)`` of ``--plan --strategies NAMES``: ``all`` is every fixed
+    arm (and on a GPU torch.compile's ``activation_memory_budget`` at 0.25/0.5/0.75) and the ILP; otherwise
+    exactly the arms named (``torch_ilp`` for the ILP). ValueError naming an unknown one."""
+    from bench.ilp_arm import ILP_ARM
+
+    compile_arms = ("compile_amb_0.25", "compile_amb_0.5", "compile_amb_0.75")
+    if names == "all":
+        return FIXED_ARMS + (compile_arms if torch.device(device).type == "cuda" else ()), True
+    chosen = tuple(n.strip() for n in names.split(",") if n.strip())
+    unknown = [n for n in chosen if n not in (*FIXED_ARMS, ILP_ARM) and not n.startswith("compile_amb_")]
+    if unknown:
+        raise ValueError(f"--plan --strategies: {unknown} are not arms of the frontier; use {', '.join(FIXED_ARMS)}, "
+                         f"compile_amb_<budget> (e.g. {compile_arms[1]}) or {ILP_ARM}, or 'all'")
+    return tuple(n for n in chosen if n != ILP_ARM), ILP_ARM in chosen
+
+
 def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...] = DEFAULT_FRACTIONS,
                  steps: int = 7, warmup: int = 1, seed: int = 0, progress: bool = True,
-                 model: str = "toy") -> dict[str, Any]:
-    """Fixed arms and planned points for one workload and model (see the module docstring)."""
+                 model: str = "toy", arms: tuple[str, ...] | None = None, ilp: bool = True) -> dict[str, Any]:
+    """Fixed arms and planned points for one workload and model (see the module docstring); ``arms``: the
+    fixed arms to measure (default: ``frontier_arms("all", device)``'s), ``ilp``: run torch's ILP arm."""
     import offload
     from offload.planner import plan_from_cost, plan_steps
 
@@ -276,8 +296,7 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
 
         workload = workload.replace(n_layers=fit_layers(workload, dev, 0.85, seed))
     t = _target(workload, dev, seed, model)
-    arms_names = list(FIXED_ARMS) + (["compile_amb_0.25", "compile_amb_0.5", "compile_amb_0.75"]
-                                     if dev.type == "cuda" else [])
+    arms_names = list(arms if arms is not None else frontier_arms("all", device)[0])
     pbar = bar(len(arms_names) + 1 + len(fractions), f"plan {t.name}", enabled=progress, unit="phase")
 
     def say(text: str) -> None:
@@ -321,11 +340,13 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
         planned.append(pt)
         pbar.update()
     pbar.close()
-    from bench.ilp_arm import run_ilp_arm
+    from bench.ilp_arm import ILP_ARM, run_ilp_arm
 
-    ilp = run_ilp_arm(t.model, t.step, [(p.fraction, p.budget_bytes) for p in planned],
-                      measure=lambda run: _measure(t, run, steps, warmup), before_each=lambda: _zero(t.model),
-                      say=say)
+    ilp_res = (run_ilp_arm(t.model, t.step, [(p.fraction, p.budget_bytes) for p in planned],
+                           measure=lambda run: _measure(t, run, steps, warmup), before_each=lambda: _zero(t.model),
+                           say=say) if ilp else
+               {"name": ILP_ARM, "status": "not_run", "reason": "not among the arms named (--strategies)",
+                "points": []})
     return {
         "workload": {**asdict(workload), "run_id": t.run_id},
         "model": t.name,
@@ -338,10 +359,10 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
         "hardware": asdict(cost.hardware),
         "arms": [asdict(a) for a in arms],
         "planned": [{**asdict(p), "peak_error": p.peak_error, "time_error": p.time_error} for p in planned],
-        "ilp": ilp,
+        "ilp": ilp_res,
         "unverified": ("GPU arms (compile activation_memory_budget), the streams cost model (hidden copies) and "
-                       "torch's ILP with torch's own CUDA operator timer were not run on this machine (its ILP "
-                       "arm ran with operators timed on CPU)"
+                       "torch's ILP with torch's own CUDA operator timer were not run on this machine"
+                       + (" (its ILP arm ran with operators timed on CPU)" if ilp else "")
                        if dev.type == "cpu" else "none: every arm ran on this device (see each arm's status)"),
     }
 
@@ -636,9 +657,14 @@ def _write(stem: str, res: dict[str, Any], text: str, out_dir: Path, meta: dict[
 def main_plan(workload: Workload, device: str, args: Any, argv: list[str] | None) -> int:
     fractions = tuple(float(x) for x in str(getattr(args, "budgets", "") or "0.25,0.5,0.75").split(","))
     steps = args.steps if args.steps is not None else 7  # 7: the medians' 95% intervals exist (n >= 6)
+    try:
+        arms, ilp = frontier_arms(getattr(args, "strategies", "all") or "all", device)
+    except ValueError as e:
+        print(f"python -m bench: {e}", file=sys.stderr)
+        return 2
     res = run_frontier(workload, device, fractions=fractions, steps=steps,
                        warmup=args.warmup if args.warmup is not None else 1, seed=args.seed,
-                       progress=not args.quiet, model=getattr(args, "model", "toy") or "toy")
+                       progress=not args.quiet, model=getattr(args, "model", "toy") or "toy", arms=arms, ilp=ilp)
     text = format_frontier(res)
     print(text)
     if not args.no_write:

@@ -122,19 +122,18 @@ def bench_step_fns(wl: Workload, grad_elems: list[int] | None = None) -> tuple[A
 
 def _predictable(name: str, wl: Workload) -> Any:
     """What ``predict_step`` runs for the bench strategy ``name`` (None: not modelled). The partial offloads
-    (``offload_part*``) are a ``Plan`` offloading the same first blocks with the same engine settings; the
-    bench runs one engine around the whole model with the later blocks excluded, so the embedding's few
-    saved bytes are the difference."""
+    (``offload_part*``, ``offload_first<k>``) are a ``Plan`` offloading the same first blocks with the same
+    engine settings; the bench runs one engine around the whole model with the later blocks excluded, so the
+    embedding's few saved bytes are the difference."""
     from offload.predict import STRATEGIES
 
     from bench.partial_offload import first_blocks_plan
-    from bench.strategies import PART_ENGINE_KWARGS, part_blocks
+    from bench.strategies import first_blocks
 
     if name in STRATEGIES:
         return name
-    if name in PART_ENGINE_KWARGS:
-        return first_blocks_plan(wl.n_layers, part_blocks(wl.n_layers), PART_ENGINE_KWARGS[name])
-    return None
+    first = first_blocks(name, wl.n_layers)
+    return None if first is None else first_blocks_plan(wl.n_layers, *first)
 
 
 def _predicted(wl: Workload, strategy: Any, gpu: str) -> dict[str, Any]:

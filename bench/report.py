@@ -12,6 +12,7 @@ from offload._format import render_table
 from bench.hardware import peak_for
 from bench.results import BenchResult, StrategyResult, to_jsonable
 from bench.targets import SOURCE, evaluate_targets
+from bench.trace_summary import format_markdown as format_trace_markdown
 
 __all__ = ["SHORT_COLUMNS", "format_tables", "write_json", "write_markdown", "write_png", "write_all"]
 
@@ -46,8 +47,8 @@ def _correct(s: StrategyResult) -> str:
 
 
 def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:
-    head = ["strategy", "step ms", "IQR ms", "CPU ms", "tok/s", "x none", "x ac", "act MiB", "act x none",
-            "peak alloc MiB", "host MiB", "loss & grads vs ref"]
+    head = ["strategy", "step ms", "IQR ms", "min / max ms", "CPU ms", "tok/s", "x none", "x ac", "act MiB",
+            "act x none", "peak alloc MiB", "host MiB", "loss & grads vs ref"]
     rows = []
     for s in result.strategies:
         if not s.ok:
@@ -56,6 +57,7 @@ def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:
             s.name,
             _f(s.median_s * 1e3, ".1f"),
             _f(s.times.iqr_s * 1e3, ".1f"),
+            f"{s.times.min_s * 1e3:.1f} / {s.times.max_s * 1e3:.1f}" if s.times.n else "—",
             _f(_median(s.times.cpu_seconds) * 1e3 if s.times.cpu_seconds else None, ".1f"),
             _f(s.tokens_per_s, ",.0f"),
             _f(result.time_ratio(s.name, "none"), ".3f"),
@@ -282,6 +284,9 @@ def write_markdown(result: BenchResult, path: Path, json_name: str, png_name: st
     sk = _skipped(result)
     if sk:
         lines += ["", "Not run:", ""] + [f"- {s.strip()}" for s in sk]
+    traced = format_trace_markdown({s.name: s.trace for s in result.strategies if s.ok and s.trace})
+    if traced:
+        lines += ["", traced.rstrip("\n")]
     lines += ["", f"## Performance targets (defined in `{SOURCE}`)", ""]
     lines.append(_table(["target", "measured", "verdict", "note"],
                         [[t.target, t.measured, t.verdict, t.note or "—"] for t in evaluate_targets(result)],

@@ -250,6 +250,8 @@ class StrategyResult:
     engine: EngineStats | None = None
     correctness: Correctness | None = None
     loss: float | None = None
+    trace: dict[str, Any] | None = None
+    """``bench.trace_summary.summarize`` of one extra profiled step (``--trace``); None when not traced."""
 
     @property
     def ok(self) -> bool:

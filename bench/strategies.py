@@ -246,9 +246,26 @@ PART_ENGINE_KWARGS: dict[str, dict[str, int]] = {
 """The engine settings of each partial offload (bench.predicted_vs_measured predicts them with the same)."""
 
 
-def _offload_part(env: BenchEnv, **kwargs: Any) -> Prepared:
+FIRST_BLOCKS_SWEEP = (0, 4, 8, 10)
+"""``offload_first<k>``: the engine on the first ``k`` blocks only, with its default copy schedule. With
+``offload_part`` (``part_blocks``: 6 of 32) they make the GPU run's partial sweep k = 0, 4, 6, 8, 10 at 8B width
+(``scripts/gpu_run.sh``); k = 0 is the engine installed with every block kept whole (an excluded region)."""
+
+
+def first_blocks(name: str, n_layers: int) -> tuple[int, dict[str, int]] | None:
+    """``(k, engine settings)`` of a strategy that offloads only the first ``k`` of ``n_layers`` blocks
+    (``offload_part*``, ``offload_first<k>``); None for any other strategy. ``bench.predicted_vs_measured``
+    predicts them with the same ``k`` and settings."""
+    if name in PART_ENGINE_KWARGS:
+        return part_blocks(n_layers), PART_ENGINE_KWARGS[name]
+    if name.startswith("offload_first") and name.removeprefix("offload_first").isdigit():
+        return min(n_layers, int(name.removeprefix("offload_first"))), {}
+    return None
+
+
+def _offload_first(env: BenchEnv, name: str) -> Prepared:
     layers = env.model.layers
-    k = part_blocks(len(layers))
+    k, kwargs = first_blocks(name, len(layers))
     prepared = _engine_strategy(env, checkpoint_blocks=False, use_streams=True, **kwargs)
     # The user's way to offload only the first blocks: keep everything from block k on (and the head after it).
     region = prepared.engine.exclude(layers[k], keep_after=True) if k < len(layers) else None
@@ -257,17 +274,25 @@ def _offload_part(env: BenchEnv, **kwargs: Any) -> Prepared:
 
 
 @_strategy("offload_part", "ours",
-           "Ours on the first 3/16 of the blocks only (engine.exclude(layers[k], keep_after=True)); default bounds "
-           "on the copies in flight (5 tensors, 1 GiB). Offload alone, partly: its best trade-off.")
+           "Ours on the first 3/16 of the blocks only (engine.exclude(layers[k], keep_after=True)), the engine's "
+           "default copy schedule. Offload alone, partly: its best trade-off.")
 def offload_part(env: BenchEnv) -> Prepared:
-    return _offload_part(env, **PART_ENGINE_KWARGS["offload_part"])
+    return _offload_first(env, "offload_part")
 
 
 @_strategy("offload_part_bytes", "ours",
            "offload_part with the copies in flight bounded by bytes only (max_fwd_stash_size=65536, "
            "max_inflight_bytes=4 GiB): the later blocks' compute hides the first blocks' copies.")
 def offload_part_bytes(env: BenchEnv) -> Prepared:
-    return _offload_part(env, **PART_ENGINE_KWARGS["offload_part_bytes"])
+    return _offload_first(env, "offload_part_bytes")
+
+
+for _k in FIRST_BLOCKS_SWEEP:
+    _strategy(f"offload_first{_k}", "ours",
+              f"Ours on the first {_k} blocks only (engine.exclude(layers[{_k}], keep_after=True)), the default copy "
+              "schedule: a point of the partial sweep" + (" (every block kept whole: the engine's presence)"
+                                                          if _k == 0 else "") + ".")(
+        functools.partial(_offload_first, name=f"offload_first{_k}"))
 
 
 @_strategy("long_context", "ours",
@@ -299,6 +324,30 @@ def long_context(env: BenchEnv) -> Prepared:
 )
 def account_only(env: BenchEnv) -> Prepared:
     return _engine_strategy(env, checkpoint_blocks=False, use_streams=True, min_offload_size=_NOTHING)
+
+
+def _account_only_hooks(env: BenchEnv, native: bool) -> Prepared:
+    if native:
+        from offload import _native
+
+        try:
+            _native.load()  # builds it once (about 20 s), before the strategy's steps
+        except _native.NativeUnavailable as e:  # no compiler or ninja here: not a defect of the strategy
+            raise Skip(f"the native pack hook cannot be built here: {e}") from e
+    return _engine_strategy(env, checkpoint_blocks=False, use_streams=True, min_offload_size=_NOTHING,
+                            native_hooks=native)
+
+
+@_strategy("account_only_python", "control",
+           "account_only with the pack hook in Python (native_hooks=False), whatever the engine's default.")
+def account_only_python(env: BenchEnv) -> Prepared:
+    return _account_only_hooks(env, native=False)
+
+
+@_strategy("account_only_native", "control",
+           "account_only with the pack hook's keep path in C++ (native_hooks=True; skipped where it cannot build).")
+def account_only_native(env: BenchEnv) -> Prepared:
+    return _account_only_hooks(env, native=True)
 
 
 # ---------------------------------------------------------------- peers
@@ -433,10 +482,13 @@ def compile_offload(env: BenchEnv) -> Prepared:
     return _compiled(env, _compile_offload_patch())
 
 
-BY_NAME_ONLY = ("offload_verify", "offload_part", "offload_part_bytes", "long_context")
+BY_NAME_ONLY = ("offload_verify", "offload_part", "offload_part_bytes",
+                *(f"offload_first{k}" for k in FIRST_BLOCKS_SWEEP), "account_only_python", "account_only_native",
+                "long_context")
 """Run only when named (``--strategies``): a debugging mode, the partial offloads (the GPU run names them;
-on the CPU main job's small model they add nothing to what ``offload`` shows), and long_context (its
-measured point is ``--max-seq --model hf_llama``'s)."""
+on the CPU main job's small model they add nothing to what ``offload`` shows), the account-only control with
+its pack hook pinned to one implementation, and long_context (its measured point is ``--max-seq --model
+hf_llama``'s)."""
 DEFAULT_ORDER: tuple[str, ...] = tuple(n for n in STRATEGIES if n not in BY_NAME_ONLY)
 """All strategies but those of ``BY_NAME_ONLY`` (run by name: ``--strategies
 none,offload,offload_verify``), ``none`` first (its step is the correctness reference; ``compile`` is

@@ -1,7 +1,9 @@
-"""scripts/gpu_run.sh cannot rot between GPU runs (issue 36 items 1 and 5): its --dry-run runs the same
-phases at tiny sizes on CPU (the emulated accelerator where a phase needs a device), plans them within a
+"""scripts/gpu_run.sh cannot rot between GPU runs (issue 36 items 1 and 5, issue 41): its --dry-run runs the
+same phases at tiny sizes on CPU (the emulated accelerator where a phase needs a device), plans them within a
 time budget, and copies what it has into $OUT after every phase, so a kill mid-phase (the device tool's
-time limit) still returns the earlier phases' files, within the tool's limits (8 files, 2 folders deep)."""
+time limit) still returns the earlier phases' files, within the tool's limits (8 files, 2 folders deep). The two
+calls of docs/gpu-run.md share one run's folder without appending to each other, and a test process that has
+GPU-trace callbacks registered fails the clean check (scripts/pytest_gpu_trace.py)."""
 
 from __future__ import annotations
 
@@ -46,37 +48,69 @@ def _within_device_limits(out: Path) -> None:
         assert not p.name.startswith("."), f"a temporary file came back: {p}"
 
 
-def test_dry_run_returns_every_phase_and_leaves_the_checkout_clean(clone, tmp_path):
-    """Call 1's and call 2's phases, dry: each ends ok, $OUT holds the results tar, streamed log, summary and
-    test logs within the device tool's limits, the environment record has the commit passed in and the host
-    memory, the predict phase put each measured preset's strategies beside their prediction, and the
-    checkout is not touched."""
-    out, res = tmp_path / "out", tmp_path / "res"
-    proc = subprocess.run(
-        ["bash", SCRIPT, "--dry-run", "--budget", "400", "--commit", "deadbee", "--results", str(res),
-         "env", "tests", "probe", "1b", "sanitizer", "8b", "predict"],
-        cwd=clone, env=_env(out), capture_output=True, text=True, timeout=600)
+CALL1 = ("env", "errors", "sanitizer", "probe")
+CALL2 = ("plans", "8b", "predict")
+"""docs/gpu-run.md's two calls, dry, less what repeats a phase shown here (CI time): the tests phase is the errors
+phase's pytest process with another selection, call 2's env is call 1's, its 1b-hooks and long phases are plain bench
+runs of strategies tested in tests/bench."""
+
+
+def _call(clone: Path, out: Path, res: Path, label: str, phases: tuple[str, ...]) -> dict[str, dict]:
+    proc = subprocess.run(["bash", SCRIPT, "--dry-run", "--budget", "400", "--commit", "deadbee", "--results", str(res),
+                           "--label", label, *phases], cwd=clone, env=_env(out), capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    phases = _summary(out)
-    assert [p for p, s in phases.items() if s["status"] != "ok"] == [], phases
+    phases_run = _summary(out, f"summary_{label}.json")
+    assert [p for p, s in phases_run.items() if s["status"] != "ok"] == [], phases_run
     _within_device_limits(out)
-    names = _tar_names(out)
-    assert {"env.json", "probe.json", "gpu_tests.xml", "sanitizer.xml", "gpu_run.log", "summary.json",
-            "tiny_L1_s16_b2_float32.json", "tiny_L1_s24_b2_float32.json", "predicted_vs_measured.json",
-            "predicted_vs_measured.md"} <= names, names
-    assert "passed" in (out / "gpu_tests.txt").read_text() and "passed" in (out / "sanitizer.txt").read_text()
-    assert "== [8b] ok" in (out / "gpu_run.log").read_text()
+    return phases_run
+
+
+def test_the_two_calls_dry_return_every_phase_into_one_run_folder(clone, tmp_path):
+    """Call 1's and call 2's phases, dry, into one run's folder: each ends ok; each call's $OUT holds the results
+    tar, streamed log, summary and test logs within the device tool's limits; the calls' own files do not collide
+    and nothing is appended (one session per test log); the errors phase's tests ran without a GPU-trace callback
+    (recorded), every phase's host load is recorded, the environment record has the commit, the host CPU
+    and the callback count; the bench ran a partial offload with two traced steps, the plans met their budgets
+    beside none/ac/offload_ac, the predict phase put every predictable strategy beside its prediction; and the
+    checkout is not touched."""
+    res = tmp_path / "res" / "dry-run-cpu" / "2026-01-01-deadbee"
+    one = _call(clone, tmp_path / "out1", res, "call1", CALL1)
+    two = _call(clone, tmp_path / "out2", res, "call2", CALL2)
+    trace = one["errors"]["gpu_trace"]
+    assert (trace["callbacks"], trace["sanitizer_imported"], trace["violation"]) == (0, False, ""), trace
+    for row in [*one.values(), *two.values()]:
+        load = row["load"]
+        assert load is None or (load["loadavg_1m_start"] >= 0 and 0 <= load["cpu_busy_pct"] <= 100), row
+    names = _tar_names(tmp_path / "out2")
+    assert {"env_call1.json", "summary_call1.json", "gpu_run_call1.log", "errors.xml", "sanitizer.xml", "probe.json",
+            "summary_call2.json", "gpu_run_call2.log", "tiny_L2_s24_b2_float32.json",
+            "plan_tiny_L2_s16_b2_float32.json", "predicted_vs_measured.json", "predicted_vs_measured.md",
+            "trace_tiny_L2_s24_b2_float32_none.json.gz", "trace_tiny_L2_s24_b2_float32_offload_part.json.gz"} <= names
+    for log in ("errors.txt", "sanitizer.txt"):
+        text = (tmp_path / "out1" / log).read_text()
+        assert text.count("test session starts") == 1 and " passed" in text, log
+    assert "== [8b]" not in (res / "gpu_run_call1.log").read_text()
+    assert "== [8b] ok" in (res / "gpu_run_call2.log").read_text()
+    env = json.loads((res / "env_call1.json").read_text())
+    assert env["git_commit"] == "deadbee" and env["virtual_memory"]["total"] > 0
+    assert env["gpu_trace"]["callbacks"] == 0 and env["gpu_trace"]["registries_checked"] >= 10
+    assert env["cpu"]["logical_cores"] > 0 and "model" in env["cpu"] and "loadavg_1_5_15m" in env["cpu"]
+    bench = json.loads((res / "tiny_L2_s24_b2_float32.json").read_text())
+    assert bench["meta"]["git_commit"] == "deadbee" and bench["meta"]["gpu_trace_at_end"]["callbacks"] == 0
+    ran = {s["name"]: s for s in bench["strategies"] if s["status"] == "ok"}
+    assert set(ran) == {"none", "offload_part", "account_only_python"}  # the others skipped by name (dry)
+    assert all(s["correctness"]["bitwise_equal"] for n, s in ran.items() if n != "none")
+    assert {n for n, s in ran.items() if s.get("trace")} == {"none", "offload_part"}
+    assert all(s["trace"]["file"] in names for s in ran.values() if s.get("trace"))
+    plans = json.loads((res / "plan_tiny_L2_s16_b2_float32.json").read_text())
+    assert [a["name"] for a in plans["arms"]] == ["none", "ac", "offload_ac"]
+    assert [p["fraction"] for p in plans["planned"]] == [0.7, 0.5]
+    assert all(p["measured_peak_bytes"] <= p["budget_bytes"] for p in plans["planned"] if p["status"] == "ok")
     pvm = {f["measured_file"]: f["strategies"] for f in
            json.loads((res / "predicted_vs_measured.json").read_text())["files"]}
-    assert {k: list(v) for k, v in pvm.items()} == {"tiny_L1_s16_b2_float32.json": ["none", "offload", "offload_ac",
-                                                                                    "offload_part"],
-                                                    "tiny_L1_s24_b2_float32.json": ["none", "offload"]}
-    assert all(r["measured"]["status"] == "ok" and r["predicted"]["status"] == "ok"
-               for v in pvm.values() for r in v.values())
-    env = json.loads((res / "env.json").read_text())
-    assert env["git_commit"] == "deadbee" and env["virtual_memory"]["total"] > 0
-    bench = json.loads((res / "tiny_L1_s16_b2_float32.json").read_text())
-    assert bench["meta"]["git_commit"] == "deadbee" and bench["meta"]["emulator"]["hazards"] == 0
+    rows = pvm["tiny_L2_s24_b2_float32.json"]
+    assert {n for n, r in rows.items() if (r["predicted"] or {}).get("status") == "ok"} == {"none", "offload_part"}
     assert subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone,
                           capture_output=True, text=True, check=True).stdout == ""
 
@@ -143,6 +177,50 @@ def test_the_budget_skips_phases_that_do_not_fit(tmp_path):
     phases = _summary(out, "summary_call2.json")
     assert phases["env"]["status"] == "ok"
     assert phases["tests"]["status"] == "skipped" and "left of the 300s budget" in phases["tests"]["reason"]
+    # The same call again (a rerun): its log and summary are replaced, not appended to.
+    again = subprocess.run(["bash", SCRIPT, "--dry-run", "--budget", "300", "--label", "call2", "--results",
+                            str(tmp_path / "res"), "tests"], cwd=ROOT, env={**_env(out), "GPU_RUN_EST_tests": "100000"},
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert (tmp_path / "res" / "gpu_run_call2.log").read_text().count(" device dry-run-cpu (dry run)") == 1
+    assert list(_summary(out, "summary_call2.json")) == ["tests"]
+
+
+def test_the_long_phase_is_skipped_with_the_reason_where_the_strategy_is_missing(tmp_path):
+    """A tree whose bench has no long_context strategy skips the long phase, saying why, and fails nothing."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "gpu_run.sh").write_text((ROOT / SCRIPT).read_text())
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "strategies.py").write_text('"""No long_context here."""\n')
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", "scripts/gpu_run.sh", "--dry-run", "--results", str(tmp_path / "res"), "long"],
+                          cwd=tmp_path, env=_env(out), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    long = _summary(out)["long"]
+    assert long["status"] == "skipped" and "no long_context strategy" in long["reason"], long
+
+
+_IMPORTS_THE_SANITIZER = """
+import torch.cuda._sanitizer  # noqa: F401  (what the H200 runs' test processes had, through offload.testing)
+
+def test_passes():
+    assert True
+"""
+
+
+def test_a_test_process_with_gpu_trace_callbacks_fails_the_clean_check(tmp_path):
+    """scripts/pytest_gpu_trace.py with --gpu-trace off: a session whose process imported torch.cuda._sanitizer
+    (ten callbacks on every CUDA allocation) fails though its tests pass, says why, and records the state."""
+    (tmp_path / "test_dirty.py").write_text(_IMPORTS_THE_SANITIZER)
+    record = tmp_path / "trace.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "pytest_gpu_trace", "--gpu-trace", "off", "--gpu-trace-record",
+         str(record), "-p", "no:cacheprovider", "-q", "test_dirty.py"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120, env=dict(os.environ, PYTHONPATH=f"{ROOT / 'scripts'}:{ROOT}"))
+    assert proc.returncode == 1 and "1 passed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "GPU TRACE CHECK FAILED (--gpu-trace off)" in proc.stdout and "sanitizer is imported" in proc.stdout
+    state = json.loads(record.read_text())
+    assert state["callbacks"] >= 10 and state["sanitizer_imported"] and state["expected"] == "off"
 
 
 def test_bad_arguments_and_no_gpu_say_what_to_do(tmp_path):
@@ -150,7 +228,7 @@ def test_bad_arguments_and_no_gpu_say_what_to_do(tmp_path):
     script says to use --dry-run."""
     env = _env(tmp_path / "out")
     for args, says in ((["nope"], "unknown phase 'nope'"), (["--budget", "5m"], "--budget '5m' must be whole"),
-                       ([], "--dry-run")):
+                       (["--run", "a/b"], "--run 'a/b' may hold only"), ([], "--dry-run")):
         proc = subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2 and says in proc.stderr, (args, proc.stderr)

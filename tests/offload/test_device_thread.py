@@ -6,8 +6,8 @@ it always runs on autograd's device thread. ``device_thread_child.py`` registers
 accelerator with a C++ device guard, so autograd gives it a device thread, and runs the scenarios in
 a fresh interpreter (autograd counts devices once per process). Why it exists: on an H200 the two
 in-place tests failed with "SystemError: run_backward returned NULL without setting an exception"
-(``bench/results/nvidia-h200/gpu_tests.txt``); here the same bodies, on the device thread, with
-in-flight copies, on torch 2.13/Python 3.11 and on torch 2.11/Python 3.12 (the GPU machine's),
+(``bench/results/nvidia-h200/2026-11-26-49b9263/gpu_tests.txt``); here the same bodies, on the device
+thread, with in-flight copies, on torch 2.13/Python 3.11 and on torch 2.11/Python 3.12 (the GPU machine's),
 raise the right error, so the cause is not the thread alone (``test_gpu_offload.py::
 test_gpu_error_raised_in_an_unpack_hook_reaches_the_caller`` separates torch's path from ours on the
 next GPU run).

@@ -617,8 +617,8 @@ def test_gpu_error_raised_in_an_unpack_hook_reaches_the_caller(who):
     two in-place tests below); on CPU, and on a CPU-backed device whose backward runs on a device
     thread (test_device_thread.py, torch 2.13 and 2.11), it is raised as itself. The three variants
     tell torch's path (a plain hook raising) from the engine's (sync copies, side streams). The H200 run of
-    49b9263 (bench/results/nvidia-h200/gpu_tests.txt): plain_hook passes, both engine variants fail. The
-    version-checking hooks narrow it down next time: the engine's logic without the engine (the first
+    49b9263 (bench/results/nvidia-h200/2026-11-26-49b9263/gpu_tests.txt): plain_hook passes, both engine
+    variants fail. The version-checking hooks narrow it down next time: the engine's logic without the engine (the first
     unpacks succeed, a later one raises), then with an end-of-backward callback queued as ``_Pass`` is."""
     a = torch.randn(1 << 20, device="cuda", requires_grad=True)
     if who == "plain_hook":
