@@ -19,6 +19,11 @@ Rule 3. If the caller already entered this engine (``with ctx:`` around the
 Rule 4. The hooks are excluded from torch.compile (``torch._dynamo.disable``):
         compile blocks (submodules) freely; a root compiled as a whole gets a
         graph break at each hook, so the engine is still entered eagerly.
+Rule 5. An attached call decides and names exactly as ``with ctx:`` around it:
+        the engine enters after the root's call began, so its module tracking
+        starts with the calls already running (NOTE [ Module names ] in
+        offload/modules.py): the root's own buffers are kept and its modules
+        get their qualified names.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 from . import _torch_private
 from ._warn import warn_user
 from ._observers import active_engine
+from .modules import _running_calls
 
 if TYPE_CHECKING:
     from .engine import OffloadActivations
@@ -52,17 +58,10 @@ class _CallState(threading.local):
     outer: FrameType | None = None
 
 
-_CALL_IMPL = nn.Module._call_impl.__code__
-
-
 def _call_frame() -> FrameType | None:
     """The frame of the module call whose pre-hook is running (live until its forward returns)."""
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code is _CALL_IMPL:
-            return f
-        f = f.f_back
-    return None
+    calls = _running_calls(sys._getframe(2))
+    return calls[0][0] if calls else None
 
 
 def _on_stack(frame: FrameType | None) -> bool:
