@@ -112,6 +112,8 @@ class DiskStore(RunLife):
         """Run directories of dead processes deleted when this store opened."""
         self.opens = 0
         """How many times a run directory was made (more than 1: reopened after close() or a fork)."""
+        self.recreated = 0
+        """How many times the open run directory was made again after something deleted it."""
         self._zero_counters()
         self._open()
         _STORES.add(self)
@@ -185,7 +187,12 @@ class DiskStore(RunLife):
         try:
             du = shutil.disk_usage(self.run_dir)
         except OSError:
-            return 0
+            if not self._renew_if_gone():
+                return 0
+            try:
+                du = shutil.disk_usage(self.run_dir)
+            except OSError:
+                return 0
         return du.free - min(_GiB, du.total // 20)
 
     def reserve(self, nbytes: int) -> DiskRecord | None:
@@ -212,7 +219,12 @@ class DiskStore(RunLife):
         rec.tensor = torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf.tensor
         rec.pooled_staging = buf
         try:
-            _disk_record.allocate(rec.path, nbytes)
+            try:
+                _disk_record.allocate(rec.path, nbytes)
+            except FileNotFoundError:
+                if not self._renew_if_gone():
+                    raise
+                _disk_record.allocate(rec.path, nbytes)  # in the run directory made again
         except OSError as e:
             with self._cv:
                 self._unstage(rec)
@@ -287,7 +299,22 @@ class DiskStore(RunLife):
         self._warned.add(kind)
         fix = ("Free space there, point disk_dir at a larger or writable directory, or lower "
                "disk_budget_bytes.")
-        if kind == "open":
+        if kind == "renew":
+            warn_user(
+                f"offload disk tier: the run directory {self.run_dir!r} was deleted while the engine was "
+                "using it (by something else: a tmp cleaner, a cleanup script, another job); it was made "
+                "again and the disk tier goes on (counted in ctx.tiers.stats()['disk']['recreated'], logged "
+                "each time). Saved tensors whose files were in it are lost: a backward that needs them "
+                "raises DiskTierError (copies not yet written stay in host memory). Point disk_dir at a "
+                "directory nothing else deletes from.")
+        elif kind == "renew_failed":
+            warn_user(
+                f"offload disk tier: the run directory {self.run_dir!r} was deleted while the engine was "
+                f"using it and cannot be made again ({cause}), so a copy the pool and pageable tiers cannot "
+                "hold goes to on_host_budget (keep it on the device, or raise), counted in "
+                "ctx.tiers.stats()['disk']['refused_bytes']; it is tried again once per step. Point "
+                "disk_dir at a writable directory nothing else deletes from.")
+        elif kind == "open":
             warn_user(
                 f"offload disk tier: cannot make a run directory in disk_dir={self.parent!r} ({cause}), so "
                 "the engine has no disk tier for now: a copy the pool and pageable tiers cannot hold goes "
@@ -339,6 +366,9 @@ class DiskStore(RunLife):
             err = e
         secs = time.perf_counter() - t0
         del data
+        # Its file went with the run directory: make that again now (its own warning), before the
+        # bytes are kept and the staging goes back (so whoever waits for the write sees it done).
+        renewed = isinstance(err, FileNotFoundError) and self._renew_if_gone() and self.recreated > 0
         with self._cv:
             if rec.state == "queued":
                 if err is None:
@@ -354,6 +384,8 @@ class DiskStore(RunLife):
             self._unstage(rec)
         if err is None:
             self._time("write", secs, rec.nbytes)
+        elif renewed:
+            pass  # the bytes are kept; the run directory's warning said so
         elif rec.state == "in_memory":
             self._warn_once("write", rec.nbytes, f"{os.strerror(err.errno) if err.errno else err}")
 
@@ -433,6 +465,20 @@ class DiskStore(RunLife):
         return out
 
     def _corrupt(self, rec: DiskRecord, what: str) -> DiskTierError:
+        if not os.path.exists(rec.path):
+            if not os.path.isdir(os.path.dirname(rec.path)):
+                how = "its run directory was deleted while in use"
+            elif self.recreated:
+                how = ("its run directory was deleted while in use and made again since "
+                       f"(ctx.tiers.stats()['disk']['recreated'] == {self.recreated})")
+            else:
+                how = "it was deleted"
+            return DiskTierError(
+                f"offload disk tier: the file {rec.path!r} of a saved tensor ({rec.nbytes} bytes) is gone: "
+                f"{how}, so the gradient cannot be computed from it. Something else deletes files there (a "
+                "tmp cleaner, a cleanup script, another job): point disk_dir at a directory nothing else "
+                "deletes from, then rerun the step."
+            )
         return DiskTierError(
             f"offload disk tier: the file {rec.path!r} of a saved tensor ({rec.nbytes} bytes) does not "
             f"hold what was written: {what}. Something else changed the run directory (another "
@@ -465,7 +511,14 @@ class DiskStore(RunLife):
             slot[0].wait()
             out = slot[1]
             if isinstance(out, BaseException):
-                raise out
+                # Raised without a reference to it left in this frame: the error's traceback holds
+                # the frame, and a cycle would keep the failed graph (and its ledger step) alive
+                # until a garbage collection, so a retried step would share its records.
+                slot[1] = None
+                try:
+                    raise out
+                finally:
+                    del out, slot
         else:
             out = self._read_file(rec)
         waited = time.perf_counter() - t0
@@ -573,6 +626,7 @@ class DiskStore(RunLife):
                 "dir": self.run_dir,
                 "open": not self._closed,
                 "opens": self.opens,
+                "recreated": self.recreated,
                 "received_bytes": self._received,
                 "count": self._count,
                 "file_bytes": self._live_file_bytes,
