@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import _torch_private
 from ._warn import warn_user
+from .errors import OffloadError
 from ._observers import active_engine
 from .modules import _running_calls
 
@@ -159,19 +159,14 @@ class AttachHandle:
             return
         # (force: remove() inside the model's forward leaves at once, since
         # the exit hook is about to be removed.)
-        eng = self.engine
-        top = _torch_private.top_saved_tensors_hooks()
-        if st.entered and eng is not None and (top is None or not eng._owns_pack_hook(top[0])):
-            st.depth, st.outer, st.entered = 0, None, False
-            warn_user(
-                f"OffloadActivations.attach({self.model_name}): a forward was interrupted (e.g. by "
-                "KeyboardInterrupt) and other saved-tensor hooks were entered since, so the engine "
-                "cannot be left without removing theirs: it stays active on this thread until "
-                "those exit. Leave those contexts (or restart the loop) before calling the model."
-            )
-            return
         log.info("attach(%s): leaving the engine after an interrupted forward", self.model_name)
-        self._leave((None, None, None))
+        try:
+            self._leave((None, None, None))
+        except OffloadError as e:
+            # Other hooks were entered since: the engine has left all the same, theirs kept in place
+            # (NOTE [ Nested hooks ] rule 4 in offload/_foreign_hooks.py).
+            warn_user(f"OffloadActivations.attach({self.model_name}): a forward was interrupted (e.g. by "
+                      f"KeyboardInterrupt) and left the engine entered; leaving it now. {e}")
 
 
 def attach(engine: "OffloadActivations", model: nn.Module) -> AttachHandle:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -139,6 +140,39 @@ def test_remove_after_keyboard_interrupt_leaves_the_engine():
     assert active_engine() is None and current_modules() == []
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert not handle.active and handle.engine is None
+
+
+def test_interrupted_forward_then_other_hooks_still_leaves_the_engine():
+    """A forward interrupted by KeyboardInterrupt, then the model called inside another saved-tensor hooks
+    context: the engine leaves (warned) with that context's hooks kept innermost; once it exits nothing
+    is left entered and later steps are bitwise."""
+    torch.manual_seed(0)
+    model = _Fails(KeyboardInterrupt())
+    twin = twin_of(model)
+    ctx = cpu_ctx()
+    ctx.attach(model)
+    x = torch.randn(4, 16)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    model.armed = twin.armed = False
+    packed = []
+    inner = torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t)
+    with inner:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            model(x).sum().backward()  # the leftover engine leaves; this call enters it inside `inner`
+        assert any("left the engine entered; leaving it now" in str(m.message) for m in w), [str(m.message) for m in w]
+        assert active_engine() is None
+        n = len(packed)
+        torch.randn(4, 4, requires_grad=True).sin()
+        assert len(packed) == n + 1, "the inner context's hooks stay innermost"
+    assert active_engine() is None and current_modules() == []
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    twin(x).sum().backward()
+    model(x).sum().backward()
+    twin(x).sum().backward()
+    assert_same_grads(model, twin)
+    assert ctx.ledger.summary()["offloaded_count"] > 0
 
 
 def test_remove_detaches():
