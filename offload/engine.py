@@ -275,7 +275,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             virtual_memory_safe_pct=virtual_memory_safe_pct, dedupe=dedupe, max_records=max_records,
             timing=timing, pin_allocator=pin_allocator, native_hooks=native_hooks, verify=verify,
         )
-        config = settled_config(settings, config)
+        config = settled_config(settings, config, owner=type(self).__name__)
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(
                 f"OffloadActivations: model={model!r} is not an nn.Module (got {type(model).__name__}). "
