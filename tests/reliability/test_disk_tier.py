@@ -59,6 +59,17 @@ def _no_files_after_gc(ctx, what: str) -> None:
     assert ctx.tiers.stats()["disk"]["file_bytes"] == 0, what
 
 
+def _next_step_bitwise(model, ref, ctx, what: str) -> None:
+    """From zeroed grads, one step through ``ctx`` trains bitwise like the twin ``ref`` and leaves no file;
+    then the engine is closed."""
+    model.zero_grad(set_to_none=True)
+    train_step(model, BATCH, ctx)
+    train_step(ref, BATCH)
+    assert_grads_equal(ref, model, what)
+    _no_files_after_gc(ctx, f"{what}: the next step")
+    ctx.close()
+
+
 def assert_tiers_reconcile(ctx) -> None:
     """Every byte copied off the device is in exactly one tier: the ledger's per-tier bytes sum to
     d2h_bytes, and so do the tiers' own counters."""
@@ -163,12 +174,7 @@ def test_exception_mid_forward_leaves_no_file(tmp_path, exc):
     h.remove()
     assert ctx.ledger.summary()["tiers"]["disk"]["count"] > 0, "the first layer went to disk"
     _no_files_after_gc(ctx, "after the exception")
-    model.zero_grad(set_to_none=True)
-    train_step(model, BATCH, ctx)
-    train_step(ref, BATCH)
-    assert_grads_equal(ref, model, "after the exception")
-    _no_files_after_gc(ctx, "after the next step")
-    ctx.close()
+    _next_step_bitwise(model, ref, ctx, "after the exception")
 
 
 def test_graph_freed_without_backward_leaves_no_file(tmp_path):
@@ -332,12 +338,7 @@ def test_files_deleted_before_backward_raise_a_named_error(tmp_path, kind):
     with pytest.raises(DiskTierError, match="is gone: its run directory was deleted"):
         loss.backward()
     del loss, logits
-    model.zero_grad(set_to_none=True)
-    train_step(model, BATCH, ctx)
-    train_step(ref, BATCH)
-    assert_grads_equal(ref, model, "after the failed backward")
-    _no_files_after_gc(ctx, "after the failed backward")
-    ctx.close()
+    _next_step_bitwise(model, ref, ctx, "after the failed backward")
 
 
 def _mount_tmpfs(path: str, size: str) -> bool:
