@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from . import _torch_private
@@ -46,8 +47,8 @@ from ._warn import warn_user
 from .errors import OffloadError
 from .modules import _tls as _module_tls
 
-__all__ = ["warn_if_inside_foreign_hooks", "hooks_owner", "check_exit", "misnested_error", "hooks_removed_error",
-           "watch_inner_hooks", "unwatch_inner_hooks"]
+__all__ = ["warn_if_inside_foreign_hooks", "hooks_owner", "check_exit", "leave_hooks", "misnested_error",
+           "hooks_removed_error", "watch_inner_hooks", "unwatch_inner_hooks"]
 
 _EXPECTED = ("torch.utils.checkpoint", "torch.distributed.algorithms._checkpoint", "offload.")
 """Modules whose hooks lose nothing around or inside an engine (checkpointing, our own regions)."""
@@ -184,6 +185,20 @@ def check_exit(engine: Any, enter_depth: int) -> str:
     if top is None:
         return "removed"
     return "innermost" if engine._owns_pack_hook(top[0]) else "buried"
+
+
+def leave_hooks(engine: Any, where: str, pop: Callable[..., Any], exc: tuple) -> OffloadError | None:
+    """Take the engine's hooks off this thread's stack where ``check_exit`` found them: ``pop(*exc)``
+    ("innermost"), out from under the inner context's, which stay innermost ("buried"), or nothing
+    ("removed"). Returns the error to raise once the engine's own state is undone (None: in order)."""
+    if where == "innermost":
+        pop(*exc)
+        return None
+    if where == "buried":
+        inner = hooks_owner(_torch_private.top_saved_tensors_hooks()[0])
+        if _torch_private.remove_saved_tensors_hooks(engine._owns_pack_hook):
+            return misnested_error(engine, inner)
+    return hooks_removed_error()
 
 
 def misnested_error(engine: Any, inner: str) -> OffloadError:

@@ -54,6 +54,7 @@ from typing import Any, Callable
 import torch
 
 from . import _disk_record
+from ._disk_messages import unreadable_error, warning_text
 from ._disk_record import HEADER_BYTES, DiskRecord, DiskTierError, RecordMismatch
 from ._disk_run import _STORES, LOCK_NAME, RUN_PREFIX, RunLife
 from ._warn import warn_user
@@ -290,48 +291,12 @@ class DiskStore(RunLife):
             self._cv.notify_all()
 
     def _warn_once(self, kind: str, nbytes: int, cause: str) -> None:
-        """One warning per ``kind`` per store, saying where the bytes go: "refuse" (a reserve fell
-        through to the next tier), "write" (a write failed: the bytes stay in host memory), "open"
-        (``disk_dir`` cannot be written: every copy falls through until it can)."""
+        """One warning per ``kind`` per store (the kinds and what each says: ``warning_text``)."""
         self._last_error = cause
         if kind in self._warned:
             return
         self._warned.add(kind)
-        fix = ("Free space there, point disk_dir at a larger or writable directory, or lower "
-               "disk_budget_bytes.")
-        if kind == "renew":
-            warn_user(
-                f"offload disk tier: the run directory {self.run_dir!r} was deleted while the engine was "
-                "using it (by something else: a tmp cleaner, a cleanup script, another job); it was made "
-                "again and the disk tier goes on (counted in ctx.tiers.stats()['disk']['recreated'], logged "
-                "each time). Saved tensors whose files were in it are lost: a backward that needs them "
-                "raises DiskTierError (copies not yet written stay in host memory). Point disk_dir at a "
-                "directory nothing else deletes from.")
-        elif kind == "renew_failed":
-            warn_user(
-                f"offload disk tier: the run directory {self.run_dir!r} was deleted while the engine was "
-                f"using it and cannot be made again ({cause}), so a copy the pool and pageable tiers cannot "
-                "hold goes to on_host_budget (keep it on the device, or raise), counted in "
-                "ctx.tiers.stats()['disk']['refused_bytes']; it is tried again once per step. Point "
-                "disk_dir at a writable directory nothing else deletes from.")
-        elif kind == "open":
-            warn_user(
-                f"offload disk tier: cannot make a run directory in disk_dir={self.parent!r} ({cause}), so "
-                "the engine has no disk tier for now: a copy the pool and pageable tiers cannot hold goes "
-                "to on_host_budget (keep it on the device, or raise), counted in "
-                "ctx.tiers.stats()['disk']['refused_bytes']; the directory is tried again once per step. "
-                "Point disk_dir at a writable directory, or pass disk_dir=None.")
-        elif kind == "write":
-            warn_user(
-                f"offload disk tier: writing {nbytes} bytes to {self.run_dir!r} failed ({cause}); those "
-                "bytes are kept in host memory, still counted in the disk tier (ctx.tiers.stats()['disk']"
-                "['memory_bytes']), so nothing is lost but they take host RAM until backward. Later copies "
-                f"still try the disk first. {fix}")
-        else:
-            warn_user(
-                f"offload disk tier: cannot write {nbytes} bytes to {self.run_dir!r} ({cause}); this "
-                "tensor, and any later one the disk cannot take, goes to on_host_budget instead (keep it "
-                f"on the device, or raise). {fix} Counted in ctx.tiers.stats()['disk']['refused_bytes'].")
+        warn_user(warning_text(kind, run_dir=self.run_dir, parent=self.parent, nbytes=nbytes, cause=cause))
 
     def _time(self, kind: str, seconds: float, nbytes: int) -> None:
         if self._on_time is not None:
@@ -456,35 +421,13 @@ class DiskStore(RunLife):
         try:
             _disk_record.read_checked(rec.path, memoryview(out.numpy()).cast("B"), self.token, rec.seq, rec.crc)
         except RecordMismatch as e:
-            raise self._corrupt(rec, str(e)) from e.__cause__
+            raise unreadable_error(rec, str(e), self.recreated) from e.__cause__
         secs = time.perf_counter() - t0
         with self._cv:
             self._read += rec.nbytes
             self._read_s += secs
         self._time("read", secs, rec.nbytes)
         return out
-
-    def _corrupt(self, rec: DiskRecord, what: str) -> DiskTierError:
-        if not os.path.exists(rec.path):
-            if not os.path.isdir(os.path.dirname(rec.path)):
-                how = "its run directory was deleted while in use"
-            elif self.recreated:
-                how = ("its run directory was deleted while in use and made again since "
-                       f"(ctx.tiers.stats()['disk']['recreated'] == {self.recreated})")
-            else:
-                how = "it was deleted"
-            return DiskTierError(
-                f"offload disk tier: the file {rec.path!r} of a saved tensor ({rec.nbytes} bytes) is gone: "
-                f"{how}, so the gradient cannot be computed from it. Something else deletes files there (a "
-                "tmp cleaner, a cleanup script, another job): point disk_dir at a directory nothing else "
-                "deletes from, then rerun the step."
-            )
-        return DiskTierError(
-            f"offload disk tier: the file {rec.path!r} of a saved tensor ({rec.nbytes} bytes) does not "
-            f"hold what was written: {what}. Something else changed the run directory (another "
-            "process, a cleanup job, a disk error); the gradient cannot be computed from it. Give "
-            "every job its own disk_dir on a local disk, then rerun the step."
-        )
 
     def load(self, rec: DiskRecord) -> torch.Tensor:
         """The bytes of ``rec`` as a flat uint8 host tensor (checked; see NOTE [ Disk tier ])."""

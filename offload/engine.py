@@ -95,8 +95,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _torch_private, policy
-from ._foreign_hooks import (check_exit, hooks_owner, hooks_removed_error, misnested_error, unwatch_inner_hooks,
-                             warn_if_inside_foreign_hooks, watch_inner_hooks)
+from ._foreign_hooks import (check_exit, leave_hooks, unwatch_inner_hooks, warn_if_inside_foreign_hooks,
+                             watch_inner_hooks)
 from ._backward import _Backward, _Pass
 from ._copies import _Copies
 from ._exclusion import RegionHandle, exclude_module, warn_unused_regions
@@ -474,14 +474,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
     def __exit__(self, *exc: Any) -> None:
         st = self._thread()
         where = check_exit(self, st.enter_depth)  # raises on an unmatched exit (NOTE [ Nested hooks ] rule 4)
-        inner = ""
-        try:
-            if where == "innermost":
-                super().__exit__(*exc)
-            elif where == "buried":  # misnested: leave all the same, the inner context's hooks in place
-                inner = hooks_owner(_torch_private.top_saved_tensors_hooks()[0])
-                if not _torch_private.remove_saved_tensors_hooks(self._owns_pack_hook):
-                    where = "removed"
+        try:  # a misnested exit leaves all the same, the inner context's hooks in place
+            err = leave_hooks(self, where, super().__exit__, exc)
         finally:
             _pop_engine(self)
             if st.enter_depth > 0:
@@ -507,10 +501,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 self._sched.drain()
             elif st.enter_depth == 0:
                 self._sched.exited()  # (NOTE [ Copy schedule ] items 1-3)
-        if where == "buried":
-            raise misnested_error(self, inner)
-        if where == "removed":
-            raise hooks_removed_error()
+        if err is not None:
+            raise err
 
     def _close_finished_step(self) -> None:
         """Close the open ledger step if its graphs are all gone without a backward.
