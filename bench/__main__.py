@@ -1,10 +1,5 @@
-"""``python -m bench``: see bench/cli.py."""
+"""``python -m bench``: see bench/cli.py (on a core install it names the extra: bench/__init__.py)."""
 
-from bench import MissingBenchExtra
-
-try:
-    from bench.cli import main
-except MissingBenchExtra as e:  # a core install: say which extra to install, not a traceback
-    raise SystemExit(f"python -m bench: {e}") from None
+from bench.cli import main
 
 raise SystemExit(main())

@@ -34,6 +34,7 @@ error is recorded.
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 import time
 from collections.abc import Callable
@@ -293,8 +294,8 @@ def run_ilp_arm(model: nn.Module, forward: Callable[[], torch.Tensor], budgets: 
 
     res: dict[str, Any] = {"name": ILP_ARM, "status": "ok", "reason": "", "points": []}
     try:
-        import torch.distributed._tools.sac_ilp  # noqa: F401  (imports pulp)
-        import pwlf  # noqa: F401
+        importlib.import_module("torch.distributed._tools.sac_ilp")  # imports pulp
+        importlib.import_module("pwlf")
     except ImportError as e:
         res.update(status="skipped", reason=f"{type(e).__name__}: {e} (pip install offload[ilp])")
         return res

@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.env import default_run_dir
-from bench.predicted_vs_measured import bench_step_fns
+from bench.predicted_vs_measured import bench_step_fns, first_blocks_plan
 from bench.strategies import PART_ENGINE_KWARGS
 from bench.workloads import PRESETS, Workload
 
-__all__ = ["SETTINGS", "first_blocks_plan", "frontier", "best_within", "format_markdown", "main"]
+__all__ = ["SETTINGS", "frontier", "best_within", "format_markdown", "main"]
 
 _GiB = 1 << 30
 
@@ -55,15 +55,6 @@ SETTINGS: dict[str, dict[str, int]] = {
 here more than any device has; ``max_fwd_stash_size`` / ``max_inflight_bytes``: caps on the copies in flight)."""
 FRONTIER_RATIO, FRONTIER_CUT = 1.03, 0.85
 """The frontier: the most bytes offloaded at a step within 1.03x ``none`` whose peak falls by >= 85% of them."""
-
-
-def first_blocks_plan(n_blocks: int, k: int, engine_kwargs: dict[str, int]) -> Any:
-    """A ``Plan`` offloading the bench ToyLlama's blocks ``0..k-1`` and keeping the rest."""
-    from offload.planner.planning import Plan
-
-    return Plan(decisions={f"layers.{i}": "offload" if i < k else "keep" for i in range(n_blocks)},
-                budget_bytes=0, predicted_peak_bytes=0, predicted_step_seconds=0.0, cost=None,
-                engine_kwargs=dict(engine_kwargs))
 
 
 def _row(p: Any, **fields: Any) -> dict[str, Any]:

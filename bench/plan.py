@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from bench.env import default_run_dir, run_metadata
 from bench.progress import bar, note

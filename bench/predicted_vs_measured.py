@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from bench.model import ToyLlama
 from bench.workloads import Workload
 
-__all__ = ["DEVICE_GPUS", "bench_step_fns", "gpu_for_device", "compare_file", "compare", "format_markdown", "main"]
+__all__ = ["DEVICE_GPUS", "bench_step_fns", "first_blocks_plan", "gpu_for_device", "compare_file", "compare",
+           "format_markdown", "main"]
 
 DEVICE_GPUS: dict[str, str] = {
     "NVIDIA H100 80GB HBM3": "h100-sxm",
@@ -120,6 +121,15 @@ def bench_step_fns(wl: Workload, grad_elems: list[int] | None = None) -> tuple[A
     return model_fn, step_fn
 
 
+def first_blocks_plan(n_blocks: int, k: int, engine_kwargs: dict[str, int]) -> Any:
+    """A ``Plan`` offloading the bench ToyLlama's blocks ``0..k-1`` and keeping the rest."""
+    from offload.planner.planning import Plan
+
+    return Plan(decisions={f"layers.{i}": "offload" if i < k else "keep" for i in range(n_blocks)},
+                budget_bytes=0, predicted_peak_bytes=0, predicted_step_seconds=0.0, cost=None,
+                engine_kwargs=dict(engine_kwargs))
+
+
 def _predictable(name: str, wl: Workload) -> Any:
     """What ``predict_step`` runs for the bench strategy ``name`` (None: not modelled). The partial offloads
     (``offload_part*``, ``offload_first<k>``) are a ``Plan`` offloading the same first blocks with the same
@@ -127,7 +137,6 @@ def _predictable(name: str, wl: Workload) -> Any:
     embedding's few saved bytes are the difference."""
     from offload.predict import STRATEGIES
 
-    from bench.partial_offload import first_blocks_plan
     from bench.strategies import first_blocks
 
     if name in STRATEGIES:

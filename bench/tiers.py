@@ -263,7 +263,7 @@ def _peak(workload: Workload, dev: torch.device, seq: int, seed: int, engine_kw:
     finally:
         if ctx is not None:
             ctx.close()
-        del model
+        model = None  # (its closures' cell too) freed before the collection
         gc.collect()
 
 

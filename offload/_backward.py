@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _torch_private, _verify
-from ._copies import _span
 from ._fake import FAKE_TENSOR as _FAKE_TENSOR
 from ._handles import _HostCopy, _inplace_error, _Offloaded
 from .streams import Copy

@@ -6,6 +6,15 @@ NOTE [ Disk run life ]
 - After ``close``: the next ``reserve`` opens a new run directory
   (logged); records of the closed run raise ``DiskTierError`` if loaded. So
   an engine used again (a second ``trainer.train()``) keeps its disk tier.
+- A run directory deleted under the store (a tmp cleaner, a script's
+  ``rm -rf`` of ``disk_dir``) is made again at the same path, with a new
+  lock and any parents it needs, when a reserve or a write finds it gone:
+  counted (``stats()["recreated"]``), logged each time, one warning that
+  says so. Copies not yet written stay in host memory (nothing is lost);
+  records whose files went with the directory raise ``DiskTierError`` when
+  backward loads them (never a wrong gradient). ``file_bytes`` counts
+  those files until their handles go. If it cannot be made again, copies
+  fall through as below, and it is tried again once per step.
 - A ``disk_dir`` that cannot be written (read-only, no permission) is not
   an error: the store opens without a run directory, warns once naming
   ``disk_dir``, refuses every reserve (counted in ``refused_bytes``: the
@@ -37,6 +46,7 @@ from collections import deque
 from typing import Any, Callable
 
 from ._disk_record import DiskRecord, DiskTierError
+from .errors import _internal_assert
 from .pool import HostPool
 
 __all__ = ["RUN_PREFIX", "LOCK_NAME", "RunLife", "make_dirs", "remove_dirs", "open_run_dir", "delete_run",
@@ -178,6 +188,7 @@ class RunLife:
     _retry: bool
     _run: tuple[int, int]
     _lock_fd: list[int]
+    _created: list[str]
     _finalizer: weakref.finalize | None
     _threads: list[threading.Thread]
     _warn_once: Callable[[str, int, str], None]
@@ -213,6 +224,7 @@ class RunLife:
         pid = os.getpid()
         with self._cv:
             self.stale_cleaned, self.token, self.run_dir, self._lock_fd = stale, token, run_dir, lock_fd
+            self._created = created
             self.opens += 1
             self._run = (pid, self.opens)
             self._closed = False
@@ -233,6 +245,43 @@ class RunLife:
         logger.info("offload disk tier: opened %s for new copies (the run directory %s was closed%s)",
                     self.run_dir, was, "" if was is None or self._run[0] == self._forked_from else
                     " by ctx.close(); graphs built before it cannot be backpropagated through")
+        return True
+
+    def _renew_if_gone(self) -> bool:
+        """Make the open run directory again if it was deleted under the store (NOTE [ Disk run
+        life ]): True when it exists now. Called after a file operation failed, never per copy."""
+        if self._closed or os.path.isdir(self.run_dir or ""):
+            return not self._closed
+        with self._open_lock:
+            if self._closed:
+                return False
+            if os.path.isdir(self.run_dir):
+                return True  # another thread made it again
+            if not self._retry:
+                return False  # failed this step already
+            try:
+                created = make_dirs(self.parent)
+                try:
+                    run_dir, lock_fd = open_run_dir(self.parent, self.token)
+                except BaseException:
+                    remove_dirs(created)
+                    raise
+            except OSError as e:
+                self._retry = False
+                cause = os.strerror(e.errno) if e.errno else str(e)
+                self._warn_once("renew_failed", 0, cause)
+                return False
+            with self._cv:
+                old_fd, self._lock_fd[0] = self._lock_fd[0], lock_fd[0]  # the finalizer's list
+                # Parents made now go with the run too (outermost first, as make_dirs lists them).
+                self._created[:] = sorted({*self._created, *created}, key=lambda d: d.count(os.sep))
+                self.recreated += 1
+                n = self.recreated
+            os.close(old_fd)  # the lock of the deleted LOCK file
+        _internal_assert(run_dir == self.run_dir, "a run directory made again under another name")
+        logger.info("offload disk tier: the run directory %s was deleted while in use; made it again "
+                    "(%d time(s))", run_dir, n)
+        self._warn_once("renew", 0, "")
         return True
 
     _forked_from = 0

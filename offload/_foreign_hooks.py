@@ -24,14 +24,22 @@ Only the innermost ``saved_tensors_hooks`` run (pytorch/pytorch#70932). So:
    context and the module, unless the context is one of rule 2's expected ones.
    Hooks entered and left with no module call between them are not seen.
 4. Leaving an engine checks the nesting first (``check_exit``): an exit with no
-   matching enter on this thread, or while another context's hooks are
-   innermost, raises ``OffloadError`` and pops nothing.
+   matching enter on this thread raises ``OffloadError`` and changes nothing.
+   An exit while another context's hooks are innermost (misnested: one
+   entered inside the engine is still open) leaves the engine all the same:
+   its per-thread state is undone (enter depth, engine stack, module
+   tracking, regions) and its hooks are taken out from under that context's,
+   which stay innermost and in effect until that context exits
+   (``_torch_private.remove_saved_tensors_hooks``); then it raises
+   ``OffloadError`` naming the context. Later uses of this engine and of
+   others behave as if it had been left in order.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from . import _torch_private
@@ -39,8 +47,8 @@ from ._warn import warn_user
 from .errors import OffloadError
 from .modules import _tls as _module_tls
 
-__all__ = ["warn_if_inside_foreign_hooks", "hooks_owner", "check_exit", "hooks_removed_error", "watch_inner_hooks",
-           "unwatch_inner_hooks"]
+__all__ = ["warn_if_inside_foreign_hooks", "hooks_owner", "check_exit", "leave_hooks", "misnested_error",
+           "hooks_removed_error", "watch_inner_hooks", "unwatch_inner_hooks"]
 
 _EXPECTED = ("torch.utils.checkpoint", "torch.distributed.algorithms._checkpoint", "offload.")
 """Modules whose hooks lose nothing around or inside an engine (checkpointing, our own regions)."""
@@ -162,10 +170,11 @@ def _inner_hooks(engine: Any, top: Any, module: Any) -> None:
 # -- rule 4: leaving an engine ---------------------------------------------------------------
 
 
-def check_exit(engine: Any, enter_depth: int) -> bool:
-    """Before an engine's ``__exit__`` pops hooks: it is entered on this thread (``enter_depth``) and
-    its hooks are the innermost (else popping would remove another context's). False when its hooks
-    are already gone (``hooks_removed_error`` after the engine's own bookkeeping)."""
+def check_exit(engine: Any, enter_depth: int) -> str:
+    """Before an engine's ``__exit__`` pops hooks: where its hooks are on this thread's stack (rule 4):
+    "innermost" (pop them), "buried" under another context's (take them out from under those), or
+    "removed" (none on the stack). Raises, changing nothing, when the engine is not entered on this
+    thread (``enter_depth`` 0)."""
     if enter_depth == 0:
         raise OffloadError(
             f"{type(engine).__name__}: __exit__ without a matching __enter__ on this thread "
@@ -174,16 +183,32 @@ def check_exit(engine: Any, enter_depth: int) -> bool:
         )
     top = _torch_private.top_saved_tensors_hooks()
     if top is None:
-        return False
-    if not engine._owns_pack_hook(top[0]):
-        raise OffloadError(
-            f"{type(engine).__name__}: left while the innermost saved-tensor hooks are another context's "
-            f"({hooks_owner(top[0])}): one entered inside the engine is still open, or one entered around "
-            "it was left first and took the engine's hooks with it. Leaving now would remove that "
-            "context's hooks, so nothing is popped. Leave contexts in the reverse order of entering them "
-            "(nest `with` blocks)."
-        )
-    return True
+        return "removed"
+    return "innermost" if engine._owns_pack_hook(top[0]) else "buried"
+
+
+def leave_hooks(engine: Any, where: str, pop: Callable[..., Any], exc: tuple) -> OffloadError | None:
+    """Take the engine's hooks off this thread's stack where ``check_exit`` found them: ``pop(*exc)``
+    ("innermost"), out from under the inner context's, which stay innermost ("buried"), or nothing
+    ("removed"). Returns the error to raise once the engine's own state is undone (None: in order)."""
+    if where == "innermost":
+        pop(*exc)
+        return None
+    if where == "buried":
+        inner = hooks_owner(_torch_private.top_saved_tensors_hooks()[0])
+        if _torch_private.remove_saved_tensors_hooks(engine._owns_pack_hook):
+            return misnested_error(engine, inner)
+    return hooks_removed_error()
+
+
+def misnested_error(engine: Any, inner: str) -> OffloadError:
+    """Rule 4: the engine was left while ``inner``'s hooks, entered inside it, were innermost."""
+    return OffloadError(
+        f"{type(engine).__name__}: left while a saved-tensor hooks context entered inside it ({inner}) is "
+        "still open. The engine has left (its hooks were taken out from under that context's, which stay "
+        "innermost and in effect until it exits): tensors saved until then go to that context, not to "
+        "this engine. Leave contexts in the reverse order of entering them (nest `with` blocks)."
+    )
 
 
 def hooks_removed_error() -> OffloadError:

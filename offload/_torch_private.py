@@ -29,6 +29,7 @@ __all__ = [
     "version_tracker",
     "profiler_enabled",
     "top_saved_tensors_hooks",
+    "remove_saved_tensors_hooks",
     "sanitizer_core",
     "cuda_allocated_and_peak",
 ]
@@ -230,6 +231,29 @@ def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     BaseException); it may only pop the hooks if they are still the engine's.
     """
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def remove_saved_tensors_hooks(owns: Callable[[Callable], bool]) -> bool:
+    """Remove the innermost (pack, unpack) pair of this thread whose pack hook ``owns`` accepts, leaving
+    every pair above it in place and in order; False (the stack as it was) when there is none.
+
+    Why private: the hook stack is push/pop only. An engine left while a context entered inside it is
+    still open (a misnested ``__exit__``) must take its own hooks out from under that context's without
+    removing them: the pairs above are popped and pushed back, the same objects in the same order, so
+    that context still runs innermost and its own exit pops them.
+    """
+    autograd = torch._C._autograd
+    above: list[tuple[Callable, Callable]] = []
+    found = False
+    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
+        autograd._pop_saved_tensors_default_hooks()
+        if owns(top[0]):
+            found = True
+            break
+        above.append(top)
+    for pack, unpack in reversed(above):
+        autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return found
 
 
 # The hooks run once per saved tensor: they call the C functions themselves

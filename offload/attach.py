@@ -19,6 +19,11 @@ Rule 3. If the caller already entered this engine (``with ctx:`` around the
 Rule 4. The hooks are excluded from torch.compile (``torch._dynamo.disable``):
         compile blocks (submodules) freely; a root compiled as a whole gets a
         graph break at each hook, so the engine is still entered eagerly.
+Rule 5. An attached call decides and names exactly as ``with ctx:`` around it:
+        the engine enters after the root's call began, so its module tracking
+        starts with the calls already running (NOTE [ Module names ] in
+        offload/modules.py): the root's own buffers are kept and its modules
+        get their qualified names.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import _torch_private
 from ._warn import warn_user
+from .errors import OffloadError
 from ._observers import active_engine
+from .modules import _running_calls
 
 if TYPE_CHECKING:
     from .engine import OffloadActivations
@@ -52,17 +58,10 @@ class _CallState(threading.local):
     outer: FrameType | None = None
 
 
-_CALL_IMPL = nn.Module._call_impl.__code__
-
-
 def _call_frame() -> FrameType | None:
     """The frame of the module call whose pre-hook is running (live until its forward returns)."""
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code is _CALL_IMPL:
-            return f
-        f = f.f_back
-    return None
+    calls = _running_calls(sys._getframe(2))
+    return calls[0][0] if calls else None
 
 
 def _on_stack(frame: FrameType | None) -> bool:
@@ -160,19 +159,14 @@ class AttachHandle:
             return
         # (force: remove() inside the model's forward leaves at once, since
         # the exit hook is about to be removed.)
-        eng = self.engine
-        top = _torch_private.top_saved_tensors_hooks()
-        if st.entered and eng is not None and (top is None or not eng._owns_pack_hook(top[0])):
-            st.depth, st.outer, st.entered = 0, None, False
-            warn_user(
-                f"OffloadActivations.attach({self.model_name}): a forward was interrupted (e.g. by "
-                "KeyboardInterrupt) and other saved-tensor hooks were entered since, so the engine "
-                "cannot be left without removing theirs: it stays active on this thread until "
-                "those exit. Leave those contexts (or restart the loop) before calling the model."
-            )
-            return
         log.info("attach(%s): leaving the engine after an interrupted forward", self.model_name)
-        self._leave((None, None, None))
+        try:
+            self._leave((None, None, None))
+        except OffloadError as e:
+            # Other hooks were entered since: the engine has left all the same, theirs kept in place
+            # (NOTE [ Nested hooks ] rule 4 in offload/_foreign_hooks.py).
+            warn_user(f"OffloadActivations.attach({self.model_name}): a forward was interrupted (e.g. by "
+                      f"KeyboardInterrupt) and left the engine entered; leaving it now. {e}")
 
 
 def attach(engine: "OffloadActivations", model: nn.Module) -> AttachHandle:

@@ -28,9 +28,13 @@ ON_HOST_BUDGET = ("keep", "pageable", "raise")
 _MiB = 1 << 20
 
 
+_OWN = "OffloadConfig: "
+"""How every OffloadConfig validation error starts (``settled_config`` names the engine instead)."""
+
+
 def _fail(name: str, value: Any, expected: str, fix: str = "", exc: type[Exception] = ValueError) -> None:
     raise exc(
-        f"OffloadConfig: {name}={value!r} is invalid: expected {expected}"
+        f"{_OWN}{name}={value!r} is invalid: expected {expected}"
         f" (got {type(value).__name__}).{' ' + fix if fix else ''}"
     )
 
@@ -345,11 +349,19 @@ def resolve_device(device: Any) -> torch.device | None:
     return torch.device(dev.type, idx)
 
 
-def settled_config(settings: dict[str, Any], config: OffloadConfig | None) -> OffloadConfig:
-    """The engine's OffloadConfig: built from ``settings`` (validated there), or ``config`` when
-    given, then with no setting also passed as an argument."""
+def settled_config(settings: dict[str, Any], config: OffloadConfig | None,
+                   owner: str = "OffloadActivations") -> OffloadConfig:
+    """The engine's OffloadConfig: built from ``settings`` (validated there, each error naming ``owner``,
+    what the user called, not the OffloadConfig built for it), or ``config`` when given, then with no
+    setting also passed as an argument."""
     if config is None:
-        return OffloadConfig(**settings)  # validates every setting (type and range)
+        try:
+            return OffloadConfig(**settings)  # validates every setting (type and range)
+        except (TypeError, ValueError) as e:
+            msg = str(e)
+            if not msg.startswith(_OWN):
+                raise
+            raise type(e)(f"{owner}: {msg[len(_OWN):]}") from None
     if not isinstance(config, OffloadConfig):
         raise TypeError(
             f"OffloadActivations: config={config!r} is not an OffloadConfig (got "

@@ -54,6 +54,7 @@ from typing import Any, Callable
 import torch
 
 from . import _disk_record
+from ._disk_messages import unreadable_error, warning_text
 from ._disk_record import HEADER_BYTES, DiskRecord, DiskTierError, RecordMismatch
 from ._disk_run import _STORES, LOCK_NAME, RUN_PREFIX, RunLife
 from ._warn import warn_user
@@ -112,6 +113,8 @@ class DiskStore(RunLife):
         """Run directories of dead processes deleted when this store opened."""
         self.opens = 0
         """How many times a run directory was made (more than 1: reopened after close() or a fork)."""
+        self.recreated = 0
+        """How many times the open run directory was made again after something deleted it."""
         self._zero_counters()
         self._open()
         _STORES.add(self)
@@ -185,7 +188,12 @@ class DiskStore(RunLife):
         try:
             du = shutil.disk_usage(self.run_dir)
         except OSError:
-            return 0
+            if not self._renew_if_gone():
+                return 0
+            try:
+                du = shutil.disk_usage(self.run_dir)
+            except OSError:
+                return 0
         return du.free - min(_GiB, du.total // 20)
 
     def reserve(self, nbytes: int) -> DiskRecord | None:
@@ -212,7 +220,12 @@ class DiskStore(RunLife):
         rec.tensor = torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf.tensor
         rec.pooled_staging = buf
         try:
-            _disk_record.allocate(rec.path, nbytes)
+            try:
+                _disk_record.allocate(rec.path, nbytes)
+            except FileNotFoundError:
+                if not self._renew_if_gone():
+                    raise
+                _disk_record.allocate(rec.path, nbytes)  # in the run directory made again
         except OSError as e:
             with self._cv:
                 self._unstage(rec)
@@ -278,33 +291,12 @@ class DiskStore(RunLife):
             self._cv.notify_all()
 
     def _warn_once(self, kind: str, nbytes: int, cause: str) -> None:
-        """One warning per ``kind`` per store, saying where the bytes go: "refuse" (a reserve fell
-        through to the next tier), "write" (a write failed: the bytes stay in host memory), "open"
-        (``disk_dir`` cannot be written: every copy falls through until it can)."""
+        """One warning per ``kind`` per store (the kinds and what each says: ``warning_text``)."""
         self._last_error = cause
         if kind in self._warned:
             return
         self._warned.add(kind)
-        fix = ("Free space there, point disk_dir at a larger or writable directory, or lower "
-               "disk_budget_bytes.")
-        if kind == "open":
-            warn_user(
-                f"offload disk tier: cannot make a run directory in disk_dir={self.parent!r} ({cause}), so "
-                "the engine has no disk tier for now: a copy the pool and pageable tiers cannot hold goes "
-                "to on_host_budget (keep it on the device, or raise), counted in "
-                "ctx.tiers.stats()['disk']['refused_bytes']; the directory is tried again once per step. "
-                "Point disk_dir at a writable directory, or pass disk_dir=None.")
-        elif kind == "write":
-            warn_user(
-                f"offload disk tier: writing {nbytes} bytes to {self.run_dir!r} failed ({cause}); those "
-                "bytes are kept in host memory, still counted in the disk tier (ctx.tiers.stats()['disk']"
-                "['memory_bytes']), so nothing is lost but they take host RAM until backward. Later copies "
-                f"still try the disk first. {fix}")
-        else:
-            warn_user(
-                f"offload disk tier: cannot write {nbytes} bytes to {self.run_dir!r} ({cause}); this "
-                "tensor, and any later one the disk cannot take, goes to on_host_budget instead (keep it "
-                f"on the device, or raise). {fix} Counted in ctx.tiers.stats()['disk']['refused_bytes'].")
+        warn_user(warning_text(kind, run_dir=self.run_dir, parent=self.parent, nbytes=nbytes, cause=cause))
 
     def _time(self, kind: str, seconds: float, nbytes: int) -> None:
         if self._on_time is not None:
@@ -339,6 +331,9 @@ class DiskStore(RunLife):
             err = e
         secs = time.perf_counter() - t0
         del data
+        # Its file went with the run directory: make that again now (its own warning), before the
+        # bytes are kept and the staging goes back (so whoever waits for the write sees it done).
+        renewed = isinstance(err, FileNotFoundError) and self._renew_if_gone() and self.recreated > 0
         with self._cv:
             if rec.state == "queued":
                 if err is None:
@@ -354,6 +349,8 @@ class DiskStore(RunLife):
             self._unstage(rec)
         if err is None:
             self._time("write", secs, rec.nbytes)
+        elif renewed:
+            pass  # the bytes are kept; the run directory's warning said so
         elif rec.state == "in_memory":
             self._warn_once("write", rec.nbytes, f"{os.strerror(err.errno) if err.errno else err}")
 
@@ -424,21 +421,13 @@ class DiskStore(RunLife):
         try:
             _disk_record.read_checked(rec.path, memoryview(out.numpy()).cast("B"), self.token, rec.seq, rec.crc)
         except RecordMismatch as e:
-            raise self._corrupt(rec, str(e)) from e.__cause__
+            raise unreadable_error(rec, str(e), self.recreated) from e.__cause__
         secs = time.perf_counter() - t0
         with self._cv:
             self._read += rec.nbytes
             self._read_s += secs
         self._time("read", secs, rec.nbytes)
         return out
-
-    def _corrupt(self, rec: DiskRecord, what: str) -> DiskTierError:
-        return DiskTierError(
-            f"offload disk tier: the file {rec.path!r} of a saved tensor ({rec.nbytes} bytes) does not "
-            f"hold what was written: {what}. Something else changed the run directory (another "
-            "process, a cleanup job, a disk error); the gradient cannot be computed from it. Give "
-            "every job its own disk_dir on a local disk, then rerun the step."
-        )
 
     def load(self, rec: DiskRecord) -> torch.Tensor:
         """The bytes of ``rec`` as a flat uint8 host tensor (checked; see NOTE [ Disk tier ])."""
@@ -465,7 +454,14 @@ class DiskStore(RunLife):
             slot[0].wait()
             out = slot[1]
             if isinstance(out, BaseException):
-                raise out
+                # Raised without a reference to it left in this frame: the error's traceback holds
+                # the frame, and a cycle would keep the failed graph (and its ledger step) alive
+                # until a garbage collection, so a retried step would share its records.
+                slot[1] = None
+                try:
+                    raise out
+                finally:
+                    del out, slot
         else:
             out = self._read_file(rec)
         waited = time.perf_counter() - t0
@@ -573,6 +569,7 @@ class DiskStore(RunLife):
                 "dir": self.run_dir,
                 "open": not self._closed,
                 "opens": self.opens,
+                "recreated": self.recreated,
                 "received_bytes": self._received,
                 "count": self._count,
                 "file_bytes": self._live_file_bytes,

@@ -95,7 +95,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _torch_private, policy
-from ._foreign_hooks import (check_exit, hooks_removed_error, unwatch_inner_hooks, warn_if_inside_foreign_hooks,
+from ._foreign_hooks import (check_exit, leave_hooks, unwatch_inner_hooks, warn_if_inside_foreign_hooks,
                              watch_inner_hooks)
 from ._backward import _Backward, _Pass
 from ._copies import _Copies
@@ -275,7 +275,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             virtual_memory_safe_pct=virtual_memory_safe_pct, dedupe=dedupe, max_records=max_records,
             timing=timing, pin_allocator=pin_allocator, native_hooks=native_hooks, verify=verify,
         )
-        config = settled_config(settings, config)
+        config = settled_config(settings, config, owner=type(self).__name__)
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(
                 f"OffloadActivations: model={model!r} is not an nn.Module (got {type(model).__name__}). "
@@ -473,10 +473,9 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
 
     def __exit__(self, *exc: Any) -> None:
         st = self._thread()
-        ours = check_exit(self, st.enter_depth)  # raises on an unmatched or misnested exit
-        try:
-            if ours:
-                super().__exit__(*exc)
+        where = check_exit(self, st.enter_depth)  # raises on an unmatched exit (NOTE [ Nested hooks ] rule 4)
+        try:  # a misnested exit leaves all the same, the inner context's hooks in place
+            err = leave_hooks(self, where, super().__exit__, exc)
         finally:
             _pop_engine(self)
             if st.enter_depth > 0:
@@ -502,8 +501,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 self._sched.drain()
             elif st.enter_depth == 0:
                 self._sched.exited()  # (NOTE [ Copy schedule ] items 1-3)
-        if not ours:
-            raise hooks_removed_error()
+        if err is not None:
+            raise err
 
     def _close_finished_step(self) -> None:
         """Close the open ledger step if its graphs are all gone without a backward.

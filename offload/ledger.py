@@ -41,12 +41,12 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any, Callable
 
-from ._totals import KEPT, one_line  # noqa: F401 - importable from offload.ledger, as before the split
+from ._totals import KEPT, one_line  # importable from offload.ledger, as before the split (__all__)
 from ._totals import (OFFLOADED, TIERS, TILING_KINDS, LedgerSummary, PackRecord, StepTotals, add_tiling,
                       empty_tier_row, empty_tiling_row, report_tables, tier_of)
 from .policy import REASONS, dtype_name
 
-__all__ = ["PackRecord", "StepTotals", "Ledger", "TIERS"]
+__all__ = ["PackRecord", "StepTotals", "Ledger", "TIERS", "KEPT", "one_line"]
 
 
 class _Known:

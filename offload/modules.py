@@ -25,6 +25,11 @@ the root's class name, the way torch's ``ModTracker`` / ``MemTracker`` (and so
   ``ToyLlama.layers.0``.
 - A module of no registered model is named from the outermost module seen
   running around it (that module becomes an implicit root), as before.
+- A scope opened while module calls are already running on the thread (the
+  engine entered by ``ctx.attach(model)``'s forward pre-hook, or ``with ctx:``
+  inside a forward) starts its stack with those calls, read from the thread's
+  frames (``_running_calls``): the root counts as running, so its buffers are
+  kept and its modules named as a scope opened around the call names them.
 - Wrapper components are dropped, so names do not change when a model is
   wrapped: ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module`` (FSDP1 and
   ``checkpoint_wrapper``), ``_orig_mod`` (``torch.compile``), and the ``module``
@@ -63,10 +68,12 @@ Python frame per module call (~0.25 us on CPython 3.11).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 import torch
 from torch import nn
@@ -240,6 +247,30 @@ def module_name(module: nn.Module, outermost: nn.Module | None = None) -> str:
     return name
 
 
+_CALL_CODES = frozenset(c.__code__ for c in (getattr(nn.Module, "_wrapped_call_impl", None), nn.Module._call_impl)
+                        if c is not None)
+"""Code of the frames that run one module call (``__call__``, then ``_call_impl``; a root compiled as a
+whole runs its ``_call_impl`` through Dynamo, so ``__call__``'s frame is the one still there)."""
+
+
+def _running_calls(frame: FrameType | None = None) -> list[tuple[FrameType, nn.Module]]:
+    """The module calls running on this thread at ``frame`` (default: the caller's), innermost first:
+    each call's frame (alive until the call returns) and its module. One frame per call: a module's
+    ``__call__`` and ``_call_impl`` frames count once."""
+    f = sys._getframe(1) if frame is None else frame
+    calls: list[tuple[FrameType, nn.Module]] = []
+    while f is not None:
+        if f.f_code in _CALL_CODES:
+            module = f.f_locals.get("self")
+            if isinstance(module, nn.Module):
+                if calls and calls[-1][1] is module and calls[-1][0].f_back is f:
+                    calls[-1] = (f, module)  # the same call's __call__ frame, right above its _call_impl
+                else:
+                    calls.append((f, module))
+        f = f.f_back
+    return calls
+
+
 def _tracked_call(self: nn.Module, *args, **kwargs):
     """``nn.Module.__call__`` while any ``track_modules`` scope is open: push, call, pop.
 
@@ -364,7 +395,8 @@ def track_modules(owner: object | None = None) -> Iterator[None]:
             weakref.finalize(owner, _owner_gone)
         _install()
     if _tls.depth == 0:
-        _tls.stack = []
+        # Calls already running (NOTE [ Module names ]): outermost first.
+        _tls.stack = [m for _, m in reversed(_running_calls())]
     _tls.depth += 1
     try:
         yield

@@ -9,7 +9,10 @@ from __future__ import annotations
 import torch
 
 # Shared with the engine: one wrapper for autograd's end-of-backward callback.
-from offload._torch_private import queue_end_of_backward  # noqa: F401
+from offload._torch_private import queue_end_of_backward
+
+__all__ = ["queue_end_of_backward", "cuda_record_memory_history", "cuda_dump_snapshot",
+           "memtracker_skip_frozen_params", "sac_estimator_use_timer", "sac_estimator_timer", "CpuOpTimer"]
 
 
 def cuda_record_memory_history(max_entries: int | None) -> None:

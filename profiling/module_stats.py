@@ -40,6 +40,7 @@ offload saving there. Use the engine's ledger for that.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -412,7 +413,7 @@ def collect_sac_stats(
                       "On CPU use mode='cpu-benchmark' (the default there): it times operators with a CPU clock.")
     try:
         import numpy as np
-        import pwlf  # noqa: F401  (torch's trade-off fit imports it lazily; fail here, clearly)
+        importlib.import_module("pwlf")  # torch's trade-off fit imports it lazily; fail here, clearly
     except ImportError as e:
         raise ProfilingError(f"collect_sac_stats needs numpy and pwlf for torch's trade-off fit ({e}); "
                              "pip install pwlf (or offload[ilp])") from e

@@ -1,6 +1,7 @@
 """The package's import graph is acyclic (issue 22: engine.py, regions.py, attach.py,
-_native and compat._peer_attributes used to import each other in a circle), and the pieces the engine
-composes never import the engine back at run time (imports under TYPE_CHECKING are type hints only)."""
+_native and compat._peer_attributes used to import each other in a circle; issue 44: bench.partial_offload
+and bench.predicted_vs_measured), and the pieces the engine composes never import the engine back at run
+time (imports under TYPE_CHECKING are type hints only). The repo's bench/ tools are scanned too."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "offload"
-FOLDERS = {PKG: "offload", ROOT / "profiling": "offload.profiling"}
-"""Each scanned folder and the package it installs as (the repo's profiling/ folder is offload.profiling)."""
+FOLDERS = {PKG: "offload", ROOT / "profiling": "offload.profiling", ROOT / "bench": "bench"}
+"""Each scanned folder and the package it installs as (the repo's profiling/ folder is offload.profiling;
+bench/ is a repo tool run from the checkout)."""
+TOP = {name.split(".")[0] for name in FOLDERS.values()}
+"""Top-level packages whose imports are edges of the graph."""
 
 
 def _module_name(path: Path) -> str:
@@ -43,11 +47,11 @@ def _runtime_imports(path: Path) -> set[str]:
                 continue
             if isinstance(node, ast.ImportFrom):
                 target = _resolve(mod, is_pkg, node.level, node.module) if node.level else (node.module or "")
-                if target.split(".")[0] == "offload":
+                if target.split(".")[0] in TOP:
                     out.add(target)
                     out.update(f"{target}.{a.name}" for a in node.names)  # `from . import x` imports x
             elif isinstance(node, ast.Import):
-                out.update(a.name for a in node.names if a.name.split(".")[0] == "offload")
+                out.update(a.name for a in node.names if a.name.split(".")[0] in TOP)
             for field in ("body", "orelse", "finalbody", "handlers"):
                 if isinstance(node, (ast.If, ast.Try, ast.With)) and hasattr(node, field):
                     visit(getattr(node, field))
@@ -89,6 +93,7 @@ def test_the_package_import_graph_has_no_cycle():
     graph = _graph()
     assert "offload.engine" in graph and graph["offload.engine"], "the scan found no imports: it is broken"
     assert graph["offload.profiling.packed"], "the scan missed offload.profiling (the profiling/ folder)"
+    assert graph["bench.partial_offload"], "the scan missed the bench/ folder"
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 

@@ -49,12 +49,17 @@ Time:
   model still hides each reload only behind the next block's backward (see
   above), which the engine's earlier reloads beat. Synchronous engines get
   ``prefetch_bytes=0``: loading ahead cannot overlap anything there.
+* The same work timed at several positions (candidates of one class and parameter shapes whose calls
+  move the same bytes under every decision: a transformer's layers) takes one time, the median over
+  them (``pool_times``): their measured differences are noise, and the solver would otherwise pick
+  which layers to recompute or offload by it, a plan differing from run to run on a loaded machine.
 * Step time = measured non-block time (embedding, head, loss, optimizer
   hooks, from the keep profile) + sum over blocks of compute + exposed copy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import statistics
@@ -67,7 +72,7 @@ import torch
 from .profile import DecisionProfile, StepProfile
 
 __all__ = ["Hardware", "Option", "BlockCost", "CostModel", "measure_hardware", "build_cost_model", "noise_band",
-           "NOISE_FLOOR"]
+           "NOISE_FLOOR", "same_work", "pool_times"]
 
 log = logging.getLogger("offload.planner")
 
@@ -165,6 +170,9 @@ class Option:
     post_event: int = 0
     """First position only: everything after the first block's backward (and, when the first block's
     input needs no grad, its backward too)."""
+    fwd_s: float = 0.0
+    """Forward seconds as the model charges them: the timed steps' median, one for all positions that
+    do the same work (``pool_times``)."""
     fwd_s_all: list[float] = field(default_factory=list)
     bwd_s_all: list[float] = field(default_factory=list)
 
@@ -299,8 +307,10 @@ def _charges(prof: DecisionProfile, elsewhere: list[bool]) -> list[tuple[int, in
 
 
 def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str, Any] | None = None) -> CostModel:
-    """Turn per-decision profiles into per-position options (see the module docstring)."""
+    """Turn per-decision profiles into per-position options (see the module docstring); positions that
+    do the same work share their timings (``pool_times``)."""
     _check_same_calls(profile)
+    profile = pool_times(profile, same_work(profile))
     keep = profile.by_decision["keep"]
     blocks = _block_costs(profile)
     n = len(blocks)
@@ -328,6 +338,40 @@ def noise_band(profile: StepProfile) -> float:
     spreads = [max(p.step_s_all) - min(p.step_s_all) for p in profile.by_decision.values() if p.step_s_all]
     step = profile.by_decision["keep"].step_s or (profile.unplanned_step_s or 0.0)
     return max([NOISE_FLOOR * step, *spreads])
+
+
+def same_work(profile: StepProfile) -> list[list[int]]:
+    """Call positions that do the same work, in groups of two or more: candidates of one
+    ``work_key`` (``StepProfile.work``) whose calls saved, copied, took and returned the same bytes
+    under every decision. Empty without work keys (a predicted profile's times are not measured)."""
+    if not profile.work:
+        return []
+    keep = profile.by_decision["keep"]
+    groups: dict[Any, list[int]] = {}
+    for k, i in enumerate(keep.calls):
+        seen = tuple((d, s.in_bytes, s.out_bytes, s.saved_bytes, s.copy_bytes, s.copies, s.retains_input,
+                      s.no_backward) for d, p in profile.by_decision.items() for s in (p.blocks[k],))
+        groups.setdefault((profile.work[i], seen), []).append(k)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def pool_times(profile: StepProfile, groups: list[list[int]]) -> StepProfile:
+    """``profile`` with each group's positions (``same_work``) given the group's median forward and
+    backward seconds, per decision. The same work measured at several positions differs by noise
+    only; left apart, the solver would pick positions by that noise (which layers to recompute), and
+    a plan would change from run to run. Every timed sample stays in ``fwd_s_all`` / ``bwd_s_all``."""
+    if not groups:
+        return profile
+    by_decision = {}
+    for d, p in profile.by_decision.items():
+        blocks = list(p.blocks)
+        for g in groups:
+            fwd = statistics.median(p.blocks[k].fwd_s for k in g)
+            bwd = statistics.median(p.blocks[k].bwd_s for k in g)
+            for k in g:
+                blocks[k] = dataclasses.replace(blocks[k], fwd_s=fwd, bwd_s=bwd)
+        by_decision[d] = dataclasses.replace(p, blocks=blocks)
+    return dataclasses.replace(profile, by_decision=by_decision)
 
 
 def _check_same_calls(profile: StepProfile) -> None:
@@ -400,7 +444,7 @@ def _options(d: str, prof: DecisionProfile, keep: DecisionProfile, compute: dict
                      recompute_s=comp - keep_c, copy_bytes=s.copy_bytes, copy_s=d2h + h2d, exposed_s=exposed,
                      host_bytes=s.copy_bytes + s.shared_bytes,
                      fwd_event=s.fwd_peak - prof.base - prefix, bwd_event=s.bwd_peak - prof.base - prefix,
-                     fwd_s_all=list(s.fwd_s_all), bwd_s_all=list(s.bwd_s_all))
+                     fwd_s=s.fwd_s, fwd_s_all=list(s.fwd_s_all), bwd_s_all=list(s.bwd_s_all))
         if k == live[-1]:
             opt.head_event = prof.head_peak - prof.base - prefix
         if k == 0:

@@ -38,7 +38,7 @@ from .host import TIER_SETTINGS, tier_bytes
 from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install
 from .meter import StepMeasurement, measure_step
 from .settings import engine_settings, synchronous
-from .profile import StepProfile, profile_step, run_step, zero_grads_
+from .profile import StepProfile, profile_step, run_step, work_key, zero_grads_
 
 __all__ = ["Plan", "plan", "find_blocks", "plan_steps"]
 
@@ -391,7 +391,8 @@ def _cost_model(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[t
     finally:
         inst.remove()
     prof = StepProfile(names=names, device=str(dev), by_decision=by_dec, unplanned_peak=unplanned.peak_bytes,
-                       unplanned_step_s=unplanned.step_seconds, synchronous_copies=sync_copies)
+                       unplanned_step_s=unplanned.step_seconds, synchronous_copies=sync_copies,
+                       work=[work_key(m) for _, m in cand])
     cost = build_cost_model(prof, measure_hardware(dev, sync_copies, bandwidth_gb_s), ekw)
     cost.no_recompute = no_recompute
     for n, why in no_recompute.items():

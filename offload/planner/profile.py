@@ -43,7 +43,7 @@ from ..policy import DUPLICATE_STORAGE, storage_ptr
 from .install import DECISIONS, Installed
 from .meter import MemoryMeter, host_clock
 
-__all__ = ["BlockStats", "DecisionProfile", "StepProfile", "Probe", "Tracked", "tracked", "profile_step"]
+__all__ = ["BlockStats", "DecisionProfile", "StepProfile", "Probe", "Tracked", "tracked", "profile_step", "work_key"]
 
 
 class _Marker(torch.autograd.Function):
@@ -166,6 +166,17 @@ class StepProfile:
     grad_bytes: int = 0
     synchronous_copies: bool = True
     """Copies block compute (CPU, or an engine without streams)."""
+    work: list[Any] = field(default_factory=list)
+    """Per candidate, its ``work_key``: candidates with equal keys do the same work (the cost model
+    pools their timings: ``cost.pool_times``). Empty: every candidate is timed on its own."""
+
+
+def work_key(module: nn.Module) -> tuple[Any, ...]:
+    """What decides a module's work, short of its input: its class and its parameters' and buffers'
+    names, shapes, dtypes and whether they need a gradient (the layers of a transformer are equal)."""
+    return (type(module).__module__, type(module).__qualname__,
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()))
 
 
 class _Clock:

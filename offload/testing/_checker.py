@@ -19,6 +19,7 @@ views of one storage conflict), and adds what it lacks:
 
 from __future__ import annotations
 
+import bisect
 import inspect
 import threading
 import traceback
@@ -39,6 +40,7 @@ AccessType = _sanitizer.AccessType
 ArgumentHandler = _sanitizer.ArgumentHandler
 EventHandler = _sanitizer.EventHandler
 SynchronizationError = _sanitizer.SynchronizationError
+TensorInfo = _sanitizer.TensorInfo
 UnsynchronizedAccessError = _sanitizer.UnsynchronizedAccessError
 
 __all__ = ["Hazard", "HazardError", "Checker", "FreeBeforeAccessError"]
@@ -174,15 +176,18 @@ class HazardError(AssertionError):
 class _Args(ArgumentHandler):
     """The sanitizer's argument parser for CPU tensors, keyed by storage (it skips non-CUDA tensors).
 
-    Host buffers (storages in ``host``) are keyed by the accessed view's first byte instead: the
-    engine's pool carves disjoint buffers out of one chunk, and copies into different buffers of
-    one chunk on the two side streams touch no common byte."""
+    Host buffers (storages in ``host``) are not keyed here: the engine's pool carves disjoint buffers
+    out of one chunk, and copies into different buffers of one chunk on the two side streams touch no
+    common byte, so each accessed view's byte range is kept (``host_views``) and the checker compares
+    ranges (``Checker._segments``): views that overlap conflict wherever they start."""
 
     def __init__(self, host: set[int] | frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.host = host
         self.storages: dict[int, Any] = {}
         self.inputs: set[int] = set()
+        self.host_views: list[tuple[int, int, int, bool, bool, str | None, bool]] = []
+        """(storage pointer, first byte, end byte, is_write, metadata_only, name, is_output) per host view."""
         self._parsing_outputs = False
 
     def _handle_argument(self, value: Any, is_write: bool, metadata_only: bool, name: str | None = None,
@@ -198,20 +203,28 @@ class _Args(ArgumentHandler):
             return
         if not ptr:
             return  # an empty storage: nothing to race on
-        if ptr in self.host:
-            ptr = value.data_ptr()
         self.storages.setdefault(ptr, st)
         if not is_output:
             self.inputs.add(ptr)
+        if ptr in self.host:
+            start = value.data_ptr()
+            span = 1 + sum((n - 1) * abs(s) for n, s in zip(value.shape, value.stride())) if value.numel() else 0
+            self.host_views.append((ptr, start, start + span * value.element_size(), is_write, metadata_only,
+                                    name, is_output))
+            return
+        self.add(ptr, is_write, metadata_only, name, is_output)
+
+    def add(self, key: int, is_write: bool, metadata_only: bool, name: str | None, is_output: bool) -> None:
+        """One access to what the sanitizer knows as ``key`` (a storage, or a byte range of a host buffer)."""
         if is_write:
-            self.dataptrs_written.add(ptr)
+            self.dataptrs_written.add(key)
         elif not metadata_only:
-            self.dataptrs_read.add(ptr)
-        aliases = self.tensor_aliases.setdefault(ptr, [])
+            self.dataptrs_read.add(key)
+        aliases = self.tensor_aliases.setdefault(key, [])
         if name is not None:
             aliases.append(name)
         if is_output:
-            self.outputs.add(ptr)
+            self.outputs.add(key)
 
 
 @dataclass(eq=False)
@@ -237,7 +250,8 @@ class Checker:
         self.count = 0
         self.ops = 0
         self._live: dict[int, _Live] = {}
-        self._host: set[int] = set()  # storages marked host memory (host_memory): checked per buffer
+        self._host: set[int] = set()  # storages marked host memory (host_memory): checked per byte range
+        self._segs: dict[int, list[int]] = {}  # host storage -> the first bytes of its ranges (``_segments``)
         self._lock = threading.RLock()
 
     # -- streams and events (the sanitizer's trace callbacks) ----------------------
@@ -290,13 +304,25 @@ class Checker:
             self.ops += 1
             for ptr, st in h.storages.items():
                 self._track(ptr, st, sid, fresh=ptr not in h.inputs)
+            storage_of: dict[int, int] = {}  # a host range's key -> its storage
+            for ptr, start, end, is_write, meta, name, is_output in h.host_views:
+                for key in self._segments(ptr, h.storages[ptr].nbytes(), start, end):
+                    h.add(key, is_write, meta, name, is_output)
+                    storage_of[key] = ptr
             if metadata_only:
                 return  # set_, resize_ of an empty tensor, in-place views: no bytes touched
             errors = self.handler._handle_kernel_launch(
                 sid, h.dataptrs_read - h.dataptrs_written, h.dataptrs_written, h.outputs, schema, h.tensor_aliases
             )
+            seen = set()
             for e in errors:
-                self._report(Hazard("unordered access", e.data_ptr,
+                # One hazard per storage and earlier access: a view over several ranges conflicts once.
+                ptr = storage_of.get(e.data_ptr, e.data_ptr)
+                if (ptr, e.previous_access.seq_num) in seen:
+                    continue
+                seen.add((ptr, e.previous_access.seq_num))
+                e.data_ptr = ptr
+                self._report(Hazard("unordered access", ptr,
                                     (self._name(e.current_access.stream), self._name(e.previous_access.stream)),
                                     (str(e.current_access.operator.name), str(e.previous_access.operator.name)), e))
 
@@ -348,9 +374,29 @@ class Checker:
         # the default stream, as far as anyone can tell.
         self._live[ptr] = _Live(ref, sid if fresh else 0, host=st.data_ptr() in self._host)
 
+    def _segments(self, ptr: int, nbytes: int, start: int, end: int) -> list[int]:
+        """The keys of host storage ``ptr``'s bytes ``[start, end)`` (lock held). The storage is cut into
+        ranges at every accessed view's first and end byte, each known to the sanitizer by its first byte
+        (the storage's own pointer for the first); a range cut in two gives both halves its accesses so
+        far. An access touches every range it covers, so two views that share a byte share a range."""
+        segs = self._segs.setdefault(ptr, [ptr])
+        if start >= end:
+            return []
+        accesses = self.handler.tensors_accessed.accesses
+        for x in (start, end):
+            i = bisect.bisect_right(segs, x)
+            if x < ptr + nbytes and segs[i - 1] != x:
+                ta = accesses.get(segs[i - 1])
+                if ta is not None:
+                    accesses[x] = TensorInfo(ta.allocation_stack_trace, list(ta.reads), ta.write)
+                segs.insert(i, x)
+        return segs[bisect.bisect_left(segs, start):bisect.bisect_left(segs, end)]
+
     def _forget(self, ptr: int) -> None:
         self._live.pop(ptr, None)
         self._host.discard(ptr)
+        for key in self._segs.pop(ptr, [ptr])[1:]:  # a host buffer's other ranges
+            self.handler.tensors_accessed.accesses.pop(key, None)
         if ptr in self.handler.tensors_accessed.accesses:
             self.handler._handle_memory_deallocation(ptr)
 

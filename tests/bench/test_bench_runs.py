@@ -147,6 +147,70 @@ def test_bench_on_a_core_install_names_its_extra(module):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+_BLOCK_EXTRA = "import sys\nfor m in ('numpy', 'scipy', 'matplotlib'): sys.modules[m] = None\n"
+"""A core install, as far as the bench's imports can tell."""
+
+_EACH_MAIN = _BLOCK_EXTRA + """
+import contextlib, io, json, runpy
+out = {}
+for mod in MODULES:
+    sys.argv = [mod, "--help"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            runpy.run_module(mod, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException as e:
+            sys.excepthook(type(e), e, e.__traceback__)  # what Python does with an uncaught exception
+            code = 1
+    out[mod] = [code, err.getvalue()]
+print(json.dumps(out))
+"""
+
+
+def test_every_bench_main_on_a_core_install_names_its_extra():
+    """Every bench module with a __main__ (`python -m bench.probe`, ...) run without the bench extra either
+    works (its --help) or exits 1 with one line naming the extra and its install command, never a
+    traceback; the extra's modules are the ones pyproject.toml lists."""
+    import json
+
+    import bench
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert sorted(bench.EXTRA_MODULES) == sorted(extras["bench"])
+    mains = ["bench"] + sorted(f"bench.{p.stem}" for p in (ROOT / "bench").glob("*.py")
+                               if p.stem != "__main__" and 'if __name__ == "__main__":' in p.read_text())
+    assert "bench.probe" in mains and len(mains) > 5, mains
+    proc = subprocess.run([sys.executable, "-c", f"MODULES = {mains!r}\n" + _EACH_MAIN], cwd=ROOT, env=_env(ROOT),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    named = 0
+    for mod, (code, err) in json.loads(proc.stdout.splitlines()[-1]).items():
+        assert code in (0, 1) and "Traceback" not in err, (mod, code, err[-2000:])
+        if code == 1:
+            line = [ln for ln in err.splitlines() if "the bench needs" in ln]
+            assert len(line) == 1 and 'pip install -e ".[bench]"' in line[0], (mod, err)
+            named += 1
+    assert named >= 1, "no bench module needs the extra at start: the test checks nothing"
+
+
+def test_a_bench_command_names_the_extra_wherever_it_is_first_imported(tmp_path):
+    """`python -m bench.probe` on a core install exits 1 with one line (its command, the extra, how to install
+    it), no traceback; a module of the extra first imported late in a run (inside main) is reported the same."""
+    (tmp_path / "sitecustomize.py").write_text(_BLOCK_EXTRA)  # numpy & co. blocked before `-m` runs
+    env = dict(_env(ROOT), PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    for cmd, prog, module in ((["-m", "bench.probe"], "python -m bench.probe", "numpy"),
+                              (["-c", "import bench\ndef main():\n    import scipy\nmain()"], "bench", "scipy")):
+        proc = subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        lines = [ln for ln in proc.stderr.splitlines() if "the bench needs" in ln]
+        assert lines == [f'{prog}: the bench needs {module}, which is not installed: install the `bench` extra, '
+                         'pip install -e ".[bench]" (from the checkout; `.[test]` includes it)'], proc.stderr
+
+
 def test_pyproject_declares_torchao_optional_and_tqdm():
     """torchao lives in the qlora extra (and the test extra, so CI tests NF4); tqdm is a dependency."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

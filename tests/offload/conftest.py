@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cpu_threads import one_cpu_thread  # noqa: F401 (autouse: one intra-op thread)
+from cpu_threads import one_cpu_thread  # autouse: one intra-op thread
+
+__all__ = ["one_cpu_thread"]  # a fixture pytest finds here by name
 
 
 @pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu),

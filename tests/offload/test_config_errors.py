@@ -118,3 +118,19 @@ def test_a_device_given_positionally_suggests_device_by_name(args):
     with pytest.raises(TypeError) as ei:
         OffloadActivations("yes")
     assert "device=" not in str(ei.value) and "Pass a bool" in str(ei.value)
+
+
+@pytest.mark.parametrize("bad", [{"dedupe": "yes"}, {"on_host_budget": "drop"}, {"max_fwd_stash_size": 0},
+                                 {"host_budget_bytes": "12XB"}, {"virtual_memory_safe_pct": 150.0}])
+def test_errors_name_what_the_user_called(bad):
+    """A bad setting passed to OffloadActivations(...) is reported as OffloadActivations's, the same setting in
+    OffloadConfig(...) as OffloadConfig's (the engine builds a config from its arguments: its errors said
+    "OffloadConfig:" for a call that never named one)."""
+    (name, value), = bad.items()
+    with pytest.raises((TypeError, ValueError)) as engine_err:
+        OffloadActivations(device="cpu", **bad)
+    with pytest.raises((TypeError, ValueError)) as config_err:
+        OffloadConfig(**bad)
+    assert str(engine_err.value).startswith(f"OffloadActivations: {name}={value!r} is invalid"), engine_err.value
+    assert str(config_err.value).startswith(f"OffloadConfig: {name}={value!r} is invalid"), config_err.value
+    assert str(engine_err.value).partition(": ")[2] == str(config_err.value).partition(": ")[2]

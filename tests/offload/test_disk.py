@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import shutil
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -97,7 +99,8 @@ def test_damaged_file_is_a_named_error(tmp_path, damage):
         os.replace(b.path, a.path)
     else:
         os.unlink(a.path)
-    with pytest.raises(DiskTierError, match="does not hold what was written"):
+    with pytest.raises(DiskTierError, match="is gone: it was deleted" if damage == "missing"
+                       else "does not hold what was written"):
         store.load(a)
     store.prefetch(a) if damage != "missing" and damage != "swap" else None
     store.close()
@@ -363,3 +366,51 @@ def test_reserve_after_close_opens_a_new_run(tmp_path, caplog):
     assert torch.equal(store.load(new), _bytes(60_000, 9))
     store.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_deleted_disk_dir_is_made_again(tmp_path, caplog):
+    """disk_dir deleted between steps (a tmp cleaner): the next reserve makes the run directory again
+    at the same path (counted, logged, one warning saying what happened, not blaming free space); the
+    files that went with it raise a named error, new ones round-trip; close removes what it made."""
+    parent = tmp_path / "disk"
+    store = DiskStore(parent)
+    old = _put(store, _bytes(5000, 1))
+    store.drain()
+    run_dir = store.run_dir
+    shutil.rmtree(parent)
+    with caplog.at_level("INFO", logger="offload.disk"), pytest.warns(UserWarning) as w:
+        new = [_put(store, _bytes(3000, i)) for i in range(3)]
+    msgs = [str(x.message) for x in w]
+    assert len(msgs) == 1 and "was deleted" in msgs[0] and "free space" not in msgs[0], msgs
+    assert store.run_dir == run_dir and os.path.isdir(run_dir)
+    assert store.stats()["recreated"] == 1 and store.stats()["refused"] == 0
+    assert any("made it again" in r.getMessage() for r in caplog.records)
+    assert os.path.exists(os.path.join(run_dir, LOCK_NAME))
+    with pytest.raises(DiskTierError, match="is gone: its run directory was deleted"):
+        store.load(old)
+    store.drain()
+    for i, rec in enumerate(new):
+        assert torch.equal(store.load(rec), _bytes(3000, i))
+    shutil.rmtree(run_dir)  # once more: counted, no second warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _put(store, _bytes(100, 7))
+    assert store.stats()["recreated"] == 2
+    store.close()
+    assert os.listdir(tmp_path) == [], "close removes the run directory and the disk_dir it made again"
+
+
+def test_copies_not_yet_written_survive_a_deleted_run_dir(tmp_path):
+    """A copy reserved before the run directory vanished and written after keeps its bytes in host
+    memory: load returns them (nothing lost)."""
+    store = DiskStore(tmp_path)
+    rec = store.reserve(4000)
+    rec.tensor.copy_(_bytes(4000, 3))
+    shutil.rmtree(store.run_dir)
+    with pytest.warns(UserWarning, match="was deleted"):
+        store.submit(rec)
+        store.drain()
+    assert rec.state == "in_memory" and store.stats()["memory_bytes"] == 4000
+    assert torch.equal(store.load(rec), _bytes(4000, 3))
+    assert store.stats()["recreated"] == 1 and os.path.isdir(store.run_dir)
+    store.close()

@@ -294,3 +294,51 @@ def test_a_stream_runs_its_ops_in_order_when_two_host_threads_wait_on_it():
         second.join(30)
     assert blocked, f"the second thread's synchronize returned while the op before its event was running: {seen}"
     assert seen["first"] == seen["second"] == ([1.0] * 4, [1.0] * 4), seen
+
+
+@pytest.mark.parametrize("second", ["read", "write"])
+def test_overlapping_host_views_conflict_wherever_they_start(second):
+    """Host memory is checked per byte range: a view written on one stream and an overlapping view that
+    starts at another byte, read (or written) on a second stream with no wait, is a hazard; views of
+    disjoint bytes of the same buffer (the pool's buffers carved from one chunk) are not."""
+    for overlap in (True, False):
+        with EmulatedAccelerator() as acc:
+            d2h, h2d = acc.Stream(), acc.Stream()
+            host = torch.zeros(256)
+            acc._host_memory(host)  # what the engine's backend says of its host buffers
+            src = torch.randn(128)
+            d2h.wait_stream(acc.current_stream())
+            h2d.wait_stream(acc.current_stream())
+            with acc.stream(d2h):
+                host[:128].copy_(src)  # bytes [0, 512)
+            other = host[64:192] if overlap else host[128:256]  # starts at byte 256 (or 512)
+            with acc.stream(h2d):
+                if second == "read":
+                    other.mul(2.0)
+                else:
+                    other.fill_(1.0)
+            acc.synchronize()
+        if overlap:
+            assert _kinds(acc) == ["unordered access"], [str(h) for h in acc.hazards]
+            assert acc.hazards[0].streams == ("stream2", "stream1")
+        else:
+            acc.assert_no_hazards()
+
+
+def test_a_view_over_several_host_ranges_is_one_hazard():
+    """A host view that spans ranges cut by earlier views conflicts once per earlier access, named by
+    the buffer's storage."""
+    with EmulatedAccelerator() as acc:
+        d2h, h2d = acc.Stream(), acc.Stream()
+        host = torch.zeros(256)
+        acc._host_memory(host)
+        d2h.wait_stream(acc.current_stream())
+        h2d.wait_stream(acc.current_stream())
+        with acc.stream(d2h):
+            host[:128].copy_(torch.randn(128))
+            host[32:64].mul(1.0)  # same stream: ordered, but cuts the buffer into more ranges
+        with acc.stream(h2d):
+            host[:128].mul(2.0)
+        acc.synchronize()
+    assert _kinds(acc) == ["unordered access"], [str(h) for h in acc.hazards]
+    assert acc.hazards[0].data_ptr == host.untyped_storage().data_ptr()

@@ -496,7 +496,7 @@ def test_pack_hook_pushed_is_the_bound_method_unless_replaced():
     del top
     seen = []
     original = ctx.pack_hook
-    ctx.pack_hook = lambda t: seen.append(t.shape) or original(t)
+    ctx.pack_hook = lambda t, original=original: seen.append(t.shape) or original(t)
     x = torch.randn(64, requires_grad=True)
     with ctx:
         y = x.exp()

@@ -237,7 +237,13 @@ def test_every_size_form_means_the_same_bytes_on_every_surface(monkeypatch, surf
                     call(name, value)
                 msg = str(ei.value)
                 assert name in msg and f"{value!r} is invalid" in msg and why in msg and SIZE_FORMS in msg, (surface, msg)
-                assert msg.startswith(("OffloadConfig:", "offload.plan", "OffloadCallback:", "HostPool:")), msg
+                assert msg.startswith(("OffloadConfig:", "offload.plan", "OffloadCallback:", "HostPool:",
+                                       "OffloadActivations:")), msg
+                # The error names what the user called: an engine built from arguments, or a config.
+                if surface.endswith(("OffloadActivations", "get_act_offloading_ctx_manager", "ctx_for_mode")):
+                    assert msg.startswith("OffloadActivations:"), (surface, msg)
+                elif surface.startswith("offload.OffloadConfig"):
+                    assert msg.startswith("OffloadConfig:"), (surface, msg)
                 if name in BUDGETS:
                     assert SHARE_FORMS in msg, msg
 

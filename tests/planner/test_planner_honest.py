@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 
 import pytest
 import torch
@@ -34,12 +33,13 @@ def planned():
 
 def test_recompute_costs_at_least_the_blocks_forward(planned) -> None:
     _, _, p0 = planned
+    samples = [t for b in p0.cost.blocks for t in b.options["keep"].fwd_s_all]
     for b in p0.cost.blocks:
-        fwd = b.options["keep"].fwd_s_all
-        assert fwd, b.name
+        fwd = b.options["keep"].fwd_s  # pooled over the toy's equal layers
+        assert b.options["keep"].fwd_s_all and min(samples) <= fwd <= max(samples), b.name
         for d in ("recompute", "recompute_offload"):
             o = b.options[d]
-            assert o.recompute_s >= statistics.median(fwd) - 1e-12, (b.name, d, o.recompute_s, fwd)
+            assert o.recompute_s >= fwd - 1e-12, (b.name, d, o.recompute_s, fwd)
             assert o.seconds >= b.options["keep"].seconds
 
 

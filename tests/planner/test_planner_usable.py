@@ -223,3 +223,52 @@ def test_frozen_lower_blocks_planned_as_keep_within_budget_with_equal_grads(make
     got, want = _grads(model), _grads(twin)
     assert any(g is None for g in got) and any(g is not None for g in got)
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _noisy_clock(seed: int, noise: float, tick: float = 1e-4):
+    """``host_clock`` for a run that reads no real time: each reading is ``tick`` seconds after the one
+    before, times a factor drawn in [1 - noise, 1 + noise] (seeded)."""
+    rng = random.Random(seed)
+    now = [0.0]
+
+    def read() -> float:
+        now[0] += tick * (1 + rng.uniform(-noise, noise))
+        return now[0]
+
+    return lambda: read
+
+
+def _gpt2():
+    return hf_causal_lm("gpt2", layers=4)
+
+
+@pytest.mark.parametrize("make", [make_model_and_step, _gpt2], ids=["toy_llama", "hf_gpt2"])
+def test_same_plan_under_timing_noise_larger_than_the_band(make, monkeypatch) -> None:
+    """Runs whose every clock reading is off by up to 20% (their step times differ by more than any
+    run's noise band) choose the same plan for every budget: the same work timed at several positions
+    (identical layers) shares one time, so noise never picks which layers to recompute or offload.
+    The plans train bitwise like the unplanned twin."""
+    import offload.planner.meter as meter
+    import offload.planner.profile as profile
+
+    torch.set_num_threads(1)
+    runs, steps, bands = set(), [], []
+    for seed in range(4):
+        monkeypatch.setattr(profile, "host_clock", _noisy_clock(seed, 0.2))
+        monkeypatch.setattr(meter, "host_clock", _noisy_clock(seed + 100, 0.2))
+        model, step = make()
+        p0 = offload.plan(model, step, budget_bytes=1 << 40, timed=1, bandwidth_gb_s=3.0)
+        steps.append(p0.cost.seconds({n: "keep" for n in p0.cost.names}))
+        bands.append(p0.cost.noise_s)
+        plans = [plan_from_cost(p0.cost, _mid(p0, frac), model=model, device="cpu",
+                                unplanned_peak=p0.unplanned_peak_bytes, unplanned_s=p0.unplanned_step_seconds)
+                 for frac in (0.2, 0.4, 0.6, 0.8)]
+        runs.add(tuple(tuple(p.decisions.values()) for p in plans))
+    assert max(steps) - min(steps) > max(bands), (steps, bands)
+    assert len(runs) == 1, runs
+    twin, twin_step = make()
+    run_step(twin_step)
+    for p in plans:
+        assert set(p.decisions.values()) != {"keep"}, p.report()
+        _run_planned(p, model, step)
+        assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(twin)))

@@ -2,4 +2,6 @@
 
 from __future__ import annotations
 
-from cpu_threads import one_cpu_thread  # noqa: F401 (autouse: one intra-op thread)
+from cpu_threads import one_cpu_thread  # autouse: one intra-op thread
+
+__all__ = ["one_cpu_thread"]  # a fixture pytest finds here by name

@@ -10,6 +10,7 @@ import errno
 import gc
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -56,6 +57,17 @@ def _no_files_after_gc(ctx, what: str) -> None:
     gc.collect()
     assert _tensor_files(ctx) == [], f"{what}: files left: {_tensor_files(ctx)[:5]}"
     assert ctx.tiers.stats()["disk"]["file_bytes"] == 0, what
+
+
+def _next_step_bitwise(model, ref, ctx, what: str) -> None:
+    """From zeroed grads, one step through ``ctx`` trains bitwise like the twin ``ref`` and leaves no file;
+    then the engine is closed."""
+    model.zero_grad(set_to_none=True)
+    train_step(model, BATCH, ctx)
+    train_step(ref, BATCH)
+    assert_grads_equal(ref, model, what)
+    _no_files_after_gc(ctx, f"{what}: the next step")
+    ctx.close()
 
 
 def assert_tiers_reconcile(ctx) -> None:
@@ -162,12 +174,7 @@ def test_exception_mid_forward_leaves_no_file(tmp_path, exc):
     h.remove()
     assert ctx.ledger.summary()["tiers"]["disk"]["count"] > 0, "the first layer went to disk"
     _no_files_after_gc(ctx, "after the exception")
-    model.zero_grad(set_to_none=True)
-    train_step(model, BATCH, ctx)
-    train_step(ref, BATCH)
-    assert_grads_equal(ref, model, "after the exception")
-    _no_files_after_gc(ctx, "after the next step")
-    ctx.close()
+    _next_step_bitwise(model, ref, ctx, "after the exception")
 
 
 def test_graph_freed_without_backward_leaves_no_file(tmp_path):
@@ -271,6 +278,67 @@ def test_disk_full_falls_through_with_one_warning(tmp_path, monkeypatch):
     assert_tiers_reconcile(ctx)
     _no_files_after_gc(ctx, "disk full")
     ctx.close()
+
+
+def _mlp_lm(seed: int = 0) -> torch.nn.Module:
+    """A second, non-Llama model with train_step's interface (tokens -> logits)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(CFG.vocab_size, 48), torch.nn.Linear(48, 96), torch.nn.GELU(),
+                               torch.nn.Linear(96, CFG.vocab_size))
+
+
+_MODELS = {"toy_llama": make_model, "mlp_lm": _mlp_lm}
+
+
+@pytest.mark.parametrize("kind", list(_MODELS))
+def test_deleted_disk_dir_between_steps_is_made_again(tmp_path, kind):
+    """disk_dir deleted between steps (a tmp cleaner): the next step's copies still go to disk (the run
+    directory made again, counted, one warning that says so and does not blame free space); grads
+    bitwise the twin's for every step."""
+    disk_dir = tmp_path / "disk"
+    model = _MODELS[kind]()
+    ref = twin(model)
+    ctx = engine(host_budget_bytes=0, disk_dir=str(disk_dir))
+    batches = [make_batch(CFG, 2, 16 + 8 * i, seed=i) for i in range(3)]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for i, batch in enumerate(batches):
+            if i:
+                shutil.rmtree(disk_dir if i == 1 else _run_dir(ctx))  # disk_dir, then the run directory
+            train_step(model, batch, ctx)
+            train_step(ref, batch)
+            assert_grads_equal(ref, model, f"step {i}")
+            step = ctx.ledger.step_totals[-1]
+            assert step.tiers["disk"]["count"] > 0 and step.kept_by_reason.get("host_budget", 0) == 0, i
+    msgs = [str(x.message) for x in w if "disk tier" in str(x.message)]
+    assert len(msgs) == 1 and "was deleted" in msgs[0] and "free space" not in msgs[0], msgs
+    assert ctx.tiers.stats()["disk"]["recreated"] == 2
+    assert_tiers_reconcile(ctx)
+    _no_files_after_gc(ctx, "after the deleted directories")
+    ctx.close()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", list(_MODELS))
+def test_files_deleted_before_backward_raise_a_named_error(tmp_path, kind):
+    """The run directory deleted between forward and backward (files written, then gone): backward
+    raises DiskTierError naming what happened, never a wrong gradient; the step retried at once (no
+    garbage collection between) trains bitwise."""
+    model = _MODELS[kind]()
+    ref = twin(model)
+    ctx = _disk_engine(tmp_path)
+    tokens, targets = BATCH
+    with ctx:
+        logits = model(tokens)
+    ctx.tiers.disk.drain()
+    shutil.rmtree(_run_dir(ctx))
+    with ctx, pytest.warns(UserWarning, match="was deleted while the engine was using it"):
+        logits = logits + model(tokens)  # copies after the deletion: the directory is made again
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    with pytest.raises(DiskTierError, match="is gone: its run directory was deleted"):
+        loss.backward()
+    del loss, logits
+    _next_step_bitwise(model, ref, ctx, "after the failed backward")
 
 
 def _mount_tmpfs(path: str, size: str) -> bool:

@@ -239,22 +239,92 @@ def test_exit_without_enter_is_a_named_error():
     assert_grads_equal(ref, model, "after the refused exits")
 
 
-def test_misnested_exit_removes_no_other_hooks():
-    """Leaving the engine while a saved-tensor hooks context entered inside it is still open raises
-    and pops nothing (before, it popped the inner context's hooks and left its own active); leaving
-    in order then works."""
+class _Counting(torch.autograd.graph.saved_tensors_hooks):
+    """A plain saved-tensor hooks context that counts what it packs (the other context of a misnesting)."""
+
+    def __init__(self) -> None:
+        self.packed = 0
+
+        def pack(t):
+            self.packed += 1
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
+def _model_pair(kind: str):
+    """Two models (the toy Llama and a plain MLP LM) with train_step's interface."""
+    if kind == "toy_llama":
+        return make_model()
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(CFG.vocab_size, 48), torch.nn.Linear(48, 96), torch.nn.GELU(),
+                               torch.nn.Linear(96, CFG.vocab_size))
+
+
+def _misnest(ctx, inner) -> None:
+    """Enter ``ctx`` then ``inner``, save a tensor, leave ``ctx`` first (it raises), then leave ``inner``."""
+    from offload import OffloadError, active_engine
+
+    x = torch.randn(64, 64, requires_grad=True)
+    ctx.__enter__()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*entered inside another engine")  # said once; expected here
+        inner.__enter__()
+    y = x.sin()
+    with pytest.raises(OffloadError, match=r"left while a saved-tensor hooks context entered inside it "
+                       r"\(.*(_Counting|OffloadActivations)\)"):
+        ctx.__exit__(None, None, None)
+    assert active_engine() is not ctx, "the misnested exit left the engine"
+    before = getattr(inner, "packed", None)
+    z = y.cos()  # still inside the inner context: its hooks stay innermost and in effect
+    if before is not None:
+        assert inner.packed == before + 1, "the inner context's hooks were removed"
+    inner.__exit__(None, None, None)
+    assert _top_hooks() is None, "the engine's hooks were left on the stack"
+    (z.sum()).backward()
+    assert torch.equal(x.grad, -torch.sin(x.detach().sin()) * torch.cos(x.detach()))
+
+
+def test_misnested_exit_leaves_the_engine_and_keeps_the_inner_hooks():
+    """Leaving the engine while a context entered inside it is open raises naming it, leaves the engine
+    (a second exit is an unmatched one) and keeps the inner context's hooks innermost until it exits."""
     from offload import OffloadError
 
     ctx = engine()
-    inner = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    ctx.__enter__()
-    inner.__enter__()
-    with pytest.raises(OffloadError, match="nothing is popped"):
+    _misnest(ctx, _Counting())
+    with pytest.raises(OffloadError, match="__exit__ without a matching __enter__"):
         ctx.__exit__(None, None, None)
-    assert _top_hooks()[0] is not None and not ctx._owns_pack_hook(_top_hooks()[0])
-    inner.__exit__(None, None, None)
-    ctx.__exit__(None, None, None)
-    assert _top_hooks() is None
+
+
+@pytest.mark.parametrize("kind", ["toy_llama", "mlp_lm"])
+@pytest.mark.parametrize("inner_kind", ["hooks", "engine"])
+def test_engines_behave_after_a_misnested_exit(kind, inner_kind):
+    """After a misnested exit (inside it: plain hooks, or a second engine), the engine and another engine
+    train bitwise, record exactly their own steps, and leave nothing entered or tracked on the thread."""
+    from offload import active_engine
+    from offload.modules import _tls
+
+    ctx = engine()
+    inner = _Counting() if inner_kind == "hooks" else engine()
+    _misnest(ctx, inner)
+    other = engine()
+    for eng in (ctx, other):
+        model = _model_pair(kind)
+        ref = twin(model)
+        before = eng.ledger.summary()["packed_count"]
+        for _ in range(2):
+            train_step(model, BATCH, eng)
+            train_step(ref, BATCH)
+            assert active_engine() is None and _top_hooks() is None and _tls.stack is None
+        assert_grads_equal(ref, model, f"{kind} after a misnested exit")
+        fresh = engine()
+        train_step(twin(model), BATCH, fresh)
+        s = eng.ledger.summary()
+        assert s["packed_count"] - before == 2 * fresh.ledger.summary()["packed_count"] > 0
+        assert s["offloaded_count"] > 0
+        outside = torch.randn(4, 4, requires_grad=True).sin()  # no engine entered: nothing recorded
+        assert eng.ledger.summary()["packed_count"] == s["packed_count"]
+        del outside
 
 
 @pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
