@@ -142,6 +142,7 @@ def _surfaces(monkeypatch) -> dict[str, tuple[tuple[str, ...], Callable[[str, An
                          lambda n, v: _plan_surface(monkeypatch, n)(n, v)),
         "offload.plan(engine_kwargs)": (SIZE_FIELDS, _plan_surface(monkeypatch, "engine_kwargs")),
         "offload.HostPool": (("capacity_bytes",), lambda n, v: offload.HostPool(pin=False, **{n: v}).capacity_bytes),
+        "offload.long_context": (SIZE_FIELDS, engine(lambda n, v: _long_context_engine(**cpu, **{n: v}))),
     }
     out["offload.planner.plan"] = out["offload.plan"]
     run = _captured(monkeypatch, planning, "_solve", lambda cost, budget, *a, **kw: budget)
@@ -159,6 +160,15 @@ def _surfaces(monkeypatch) -> dict[str, tuple[tuple[str, ...], Callable[[str, An
         out[f"{module}.OffloadCallback"] = (SIZE_FIELDS, lambda n, v, cls=cls: getattr(cls(**cpu, **{n: v}).config, n))
         out[f"{module}.OffloadCallback(budget)"] = (("budget_bytes",), _callback_budget(monkeypatch, module))
     return out
+
+
+def _long_context_engine(**settings: Any) -> OffloadActivations:
+    """The engine ``offload.long_context`` builds from its settings (the handle removed at once)."""
+    model = _model()
+    handle = offload.long_context(model, tiled_mlp=False, tiled_loss=False, exclude_head=False,
+                                  blocks=[("0", model[0])], **settings)
+    handle.remove()
+    return handle.engine
 
 
 def _public_size_parameters() -> set[tuple[str, str]]:
