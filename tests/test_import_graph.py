@@ -110,3 +110,25 @@ def test_the_scan_sees_a_planted_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert _cycle(graph) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Modules of offload.predict that ``path`` (in it) imports anywhere, functions and TYPE_CHECKING blocks
+    included."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            out.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+    return {m for m in out if (path.parent / f"{m}.py").exists()}
+
+
+def test_predict_modules_import_downward_only_type_hints_included():
+    """offload.predict's modules import downward only, type hints included: the simulation (``_sim``) owns the
+    types the stall labeller and the Chrome trace writer read, and the timeline calls down to all three (issue
+    44: the timeline called the writer and the labeller, which imported the timeline's types back)."""
+    folder = PKG / "predict"
+    graph = {p.stem: _all_imports(p) for p in folder.glob("*.py") if p.stem != "__init__"}
+    assert graph["_timeline"] >= {"_sim", "_stalls", "_chrome"}  # the timeline calls down to them
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    assert _cycle({"_timeline": {"_stalls"}, "_stalls": {"_timeline"}})  # (the check sees a type-hint circle)
