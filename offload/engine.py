@@ -94,7 +94,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _torch_private, policy
+from . import _native, _torch_private, policy
 from ._foreign_hooks import (check_exit, hooks_removed_error, unwatch_inner_hooks, warn_if_inside_foreign_hooks,
                              watch_inner_hooks)
 from ._backward import _Backward, _Pass
@@ -150,20 +150,6 @@ class _ThreadState:
 
 
 # -- construction helpers ------------------------------------------------------
-
-
-def _load_native() -> Any:
-    """offload._native's built extension, or an error that says why it is not there and what to do."""
-    from . import _native
-
-    try:
-        return _native.load()
-    except _native.NativeUnavailable as e:
-        raise OffloadError(
-            f"OffloadActivations: native_hooks=True, but the C++ pack hook cannot be built here ({e}). "
-            "Install a C++ compiler and ninja (pip install ninja), or pass native_hooks=False: the "
-            "Python hook makes the same decisions, at more CPU time per saved tensor."
-        ) from e
 
 
 def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
@@ -229,8 +215,10 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             each block up to a power of two) or "exact" (CUDA: exact-size buffers
             registered with cudaHostRegister; not yet validated on a GPU).
         native_hooks: run the pack hook's keep path in C++ (``offload._native``):
-            the same decisions and records for less CPU per kept tensor. Built on
-            first use (needs a C++ compiler and ninja); raises when it cannot be.
+            the same decisions and records for less CPU per kept tensor. "auto" (the
+            default): where it is built, or once it has built in the background (a
+            C++ compiler and ninja; the Python hook runs meanwhile); True: built now
+            (~20 s once), raises when it cannot be; False: the Python hook.
         verify: checksum each offloaded span on the device at pack and check the
             reloaded bytes before backward reads them; ``OffloadVerifyError`` names
             the module, shape, step and side on a mismatch (NOTE [ Verified offload ]
@@ -263,7 +251,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         max_records: int = 10_000,
         timing: bool = True,
         pin_allocator: str = "caching",
-        native_hooks: bool = False,
+        native_hooks: bool | str = "auto",
         verify: bool = False,
         config: OffloadConfig | None = None,
     ) -> None:
@@ -365,7 +353,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         self._owner_memo: dict[tuple[int, int, int], tuple[frozenset[int], frozenset[int]]] = {}
         self._running_owner = _owner_lookup(self._owner_memo)  # policy._classify's owner(ptr)
         self._process = psutil.Process()
-        self._native = _load_native() if config.native_hooks else None
+        self._native = _native.for_setting(config.native_hooks)  # None: the Python hook (for now, if "auto")
 
     def _make_tiers(self, config: OffloadConfig, dev_type: str | None) -> HostTiers:
         """The host tiers of NOTE [ Host tiers ] from the settings (the disk tier's run directory is
@@ -451,6 +439,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 # The bound method itself: no wrapper frame per saved tensor. Only the
                 # thread's hook stack holds it, and only until __exit__ (no cycle: Rule 10).
                 # native_hooks: a builtin bound the same way, whose keep path is C++.
+                if self._native is None and self.config.native_hooks == "auto":  # built in the background since?
+                    self._native = _native.loaded()
                 hook = self._pack if self._native is None or not self.enabled else self._native.hook_for(self, st)
             torch._C._autograd._push_saved_tensors_default_hooks(hook, self.unpack_hook)
             st.watches.append(watch_inner_hooks(self, hook))
