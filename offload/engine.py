@@ -353,7 +353,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         self._owner_memo: dict[tuple[int, int, int], tuple[frozenset[int], frozenset[int]]] = {}
         self._running_owner = _owner_lookup(self._owner_memo)  # policy._classify's owner(ptr)
         self._process = psutil.Process()
-        self._native = _native.for_setting(config.native_hooks)  # None: the Python hook (for now, if "auto")
+        self._native = _native.for_engine(self)  # None: the Python hook (for now, if "auto")
 
     def _make_tiers(self, config: OffloadConfig, dev_type: str | None) -> HostTiers:
         """The host tiers of NOTE [ Host tiers ] from the settings (the disk tier's run directory is
@@ -440,7 +440,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 # thread's hook stack holds it, and only until __exit__ (no cycle: Rule 10).
                 # native_hooks: a builtin bound the same way, whose keep path is C++.
                 if self._native is None and self.config.native_hooks == "auto":  # built in the background since?
-                    self._native = _native.loaded()
+                    self._native = _native.for_engine(self, ready_only=True)
                 hook = self._pack if self._native is None or not self.enabled else self._native.hook_for(self, st)
             torch._C._autograd._push_saved_tensors_default_hooks(hook, self.unpack_hook)
             st.watches.append(watch_inner_hooks(self, hook))

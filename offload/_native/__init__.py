@@ -68,10 +68,10 @@ class NativeUnavailable(RuntimeError):
     """The C++ pack hook could not be built or loaded here (the message says why)."""
 
 
-def load(*, background: bool = False) -> ModuleType:
-    """The built extension, configured; builds it on the first call. A caller that is not ``background``
-    waits for the build (~20 s once), or for another process's build of it: a warning says so first.
-    Raises ``NativeUnavailable``."""
+def load(*, announce: bool = True) -> ModuleType:
+    """The built extension, configured; builds it on the first call. The caller waits for the build (~20 s
+    once), or for another process's build of it: with ``announce`` a warning says so first (else a log line:
+    the background build, or a caller that said so itself). Raises ``NativeUnavailable``."""
     global _module, _failure
     with _lock:
         if _module is not None:
@@ -79,7 +79,7 @@ def load(*, background: bool = False) -> ModuleType:
         if _failure is not None:
             raise NativeUnavailable(_failure)
         try:
-            _module = _build(background)
+            _module = _build(announce)
         except Exception as e:  # a missing compiler or ninja, a header mismatch, ...
             _failure = _reason(e)
             _log.info("offload: the native pack hook is unavailable: %s", _failure)
@@ -87,9 +87,14 @@ def load(*, background: bool = False) -> ModuleType:
         return _module
 
 
-def for_setting(native_hooks: bool | str) -> ModuleType | None:
-    """The extension an engine built with ``native_hooks`` uses from the start (None: the Python hook; with
-    "auto", until a background build is ready). True: built now, or ``OffloadError`` saying why not."""
+def for_engine(engine: Any, *, ready_only: bool = False) -> ModuleType | None:
+    """The extension whose hook ``engine``'s ``__enter__`` pushes; None: the engine's Python ``_pack``.
+
+    By ``engine.config.native_hooks``: True, the extension (built now), or ``OffloadError`` saying why
+    not; "auto", ``auto()`` (with ``ready_only``: only if it is loaded already, no build started); False,
+    None. An engine whose class overrides ``_pack`` gets its own ``_pack`` under "auto" (the C++ hook would
+    keep tensors without calling it)."""
+    native_hooks = engine.config.native_hooks
     if native_hooks is True:
         try:
             return load()
@@ -102,7 +107,15 @@ def for_setting(native_hooks: bool | str) -> ModuleType | None:
                 "hook: the same decisions, at more CPU time per saved tensor) or leave the default, 'auto' "
                 "(the C++ hook wherever it builds, the Python hook elsewhere)."
             ) from e
-    return auto() if native_hooks == "auto" else None
+    if native_hooks != "auto" or _overrides_pack(type(engine)):
+        return None
+    return _module if ready_only else auto()
+
+
+def _overrides_pack(cls: type) -> bool:
+    from .._packing import _Packing
+
+    return getattr(cls, "_pack", None) is not _Packing._pack
 
 
 def loaded() -> ModuleType | None:
@@ -144,7 +157,7 @@ def _start() -> threading.Thread:
 def _load_quietly() -> None:
     t0 = time.monotonic()
     try:
-        load(background=True)
+        load(announce=False)
     except NativeUnavailable as e:
         _log.info("offload: the native pack hook cannot be built here (%s); the Python hook runs (same "
                   "decisions, more CPU time per saved tensor). Install a C++ compiler and ninja (pip install "
@@ -212,11 +225,11 @@ def is_built() -> bool:
         return False
 
 
-def _build(background: bool) -> ModuleType:
+def _build(announce: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
     name, where = _build_name(), build_dir()
-    say = _log.info if background else _warn
+    say = _warn if announce else _log.info
     if not is_built():
         say(f"offload: building the native pack hook {name} from {_SOURCE} (~20 s, once per torch version and "
             "source; native_hooks='auto', the default, builds it in the background instead of waiting)")

@@ -204,7 +204,7 @@ def test_native_hooks_setting_is_checked_and_unavailability_is_explained(monkeyp
     assert OffloadConfig.from_dict({"native_hooks": True}).native_hooks is True
     assert OffloadConfig.__dataclass_fields__["native_hooks"].default in ("auto", True, False)  # (the test options)
 
-    def unavailable(background=False):
+    def unavailable(announce=True):
         raise _native.NativeUnavailable("RuntimeError: Ninja is required to load C++ extensions")
 
     _fresh_native_state(monkeypatch)
@@ -244,8 +244,8 @@ def test_native_auto_builds_in_the_background_and_the_next_enter_switches(monkey
     _fresh_native_state(monkeypatch)
     release = threading.Event()
 
-    def slow_load(background=False):
-        assert background and release.wait(30)
+    def slow_load(announce=True):
+        assert not announce and release.wait(30)
         _native._module = built
         return built
 
@@ -461,3 +461,21 @@ def test_native_hooks_default_follows_the_test_option(hooks):
     native = option == "native" or (option == "auto" and _native.loaded() is not None)
     with ctx:
         assert (getattr(_top_pack_hook(), "__func__", None) is not OffloadActivations._pack) is native
+
+
+def test_native_auto_leaves_a_subclass_its_own_pack():
+    """An engine whose class overrides _pack runs it under the default ("auto"): the C++ hook would keep
+    tensors without calling it."""
+    calls = []
+
+    class Counting(OffloadActivations):
+        def _pack(self, t):
+            calls.append(1)
+            return super()._pack(t)
+
+    ctx = Counting(device="cpu", native_hooks="auto", min_offload_size=1 << 30)
+    a = torch.randn(8, requires_grad=True)
+    with ctx:
+        y = a.exp().sum()
+    y.backward()
+    assert ctx._native is None and len(calls) == 1 and ctx.ledger.records[-1].reason == "too_small"
