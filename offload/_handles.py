@@ -169,6 +169,8 @@ def _unpack_handle(handle: Any) -> torch.Tensor:
             return _unpack_any(handle)
     if type(handle) is tuple:  # _unpack_kept, inlined: once per kept tensor
         t, version, step = handle
+        # (The copy schedule's early reloads, while this backward pass has offloaded handles outstanding,
+        # slot in beside _begin_backward_pass: one test when none are.)
         step.engine._begin_backward_pass()
         if t._version != version:
             raise _inplace_error(t.shape, t.dtype, t._version, version)

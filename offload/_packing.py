@@ -161,6 +161,9 @@ class _Packing:
             lo_b, key = offset * itemsize, (dev, ptr)
             hi_b = lo_b + nbytes if contiguous else byte_span(t)[1]
         if reason:
+            # (The copy schedule's poll of in-flight D2H copies, so that finished ones free their sources at
+            # the next pack kept or not, slots in here: one test when nothing is in flight. pack.cpp's kept
+            # path makes the same check, at the same point.)
             # Kept: (the tensor, detached if it has history: Rule 10; its version: Rule 6); NOTE [ Ledger logs ]
             handle: Any = (t if leaf else t.detach(), t._version, step)
             rec: Any = (next(self._seq), ledger.current_step, nbytes, tuple(shape), dtype, dev, module,

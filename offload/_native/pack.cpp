@@ -389,6 +389,8 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
   if (!reason) return python_pack(engine, obj);  // an offload candidate: nothing done yet
 
   // -- kept: record it (no Python fallback past this line) --------------------
+  // (The copy schedule's poll of in-flight D2H copies goes here, as in _pack's kept branch: one test
+  // when nothing is in flight.)
   PyObject* ledger = PyTuple_GET_ITEM(state, H_LEDGER);
   Ref step;
   {
