@@ -479,3 +479,23 @@ def test_native_auto_leaves_a_subclass_its_own_pack():
         y = a.exp().sum()
     y.backward()
     assert ctx._native is None and len(calls) == 1 and ctx.ledger.records[-1].reason == "too_small"
+
+
+def test_native_hook_follows_a_ledger_reset_and_new_steps_inside_one_with():
+    """The C++ hook caches the ledger's logs and the step it marked used: after ledger.reset() (new logs)
+    and across steps closed while the engine stays entered, its records and totals are the Python hook's."""
+    a = torch.randn(64, requires_grad=True)
+    got = []
+    for native in (True, False):
+        ctx = OffloadActivations(device="cpu", native_hooks=native, min_offload_size=1 << 30)
+        with ctx:
+            for i in range(3):
+                y = (a.exp() * a).sin().sum()
+                if i == 1:
+                    ctx.ledger.reset()
+                y.backward()
+                y = a.tanh().sum()  # packed after the backward closed the step
+                y.backward()
+        recs = [(r.step, r.decision, r.reason, r.nbytes, r.shape, r.dtype) for r in ctx.ledger.records]
+        got.append((recs, _timing_free(ctx.ledger.summary()), [s.kept_count for s in ctx.ledger.step_totals]))
+    assert got[0] == got[1] and got[0][0]
