@@ -740,6 +740,24 @@ PENDING_REASON = ("not run yet: the results file is rewritten after every strate
                   "finished when it was written (the run was still going, or was killed)")
 
 
+def _ready_pack_hook(progress: bool) -> str:
+    """Load (or build, ~20 s once) the engine's C++ pack hook before the first strategy, so the default
+    (``native_hooks="auto"``) runs one hook in every strategy and no background build shares the timed
+    steps' CPU; what the engines run: "c++", or "python (why)"."""
+    try:
+        from offload import _native
+    except Exception:  # an engine without it (a --baseline tree): its own default
+        return "python (no offload._native)"
+    if _native.loaded() is None and _native.is_built() is False:
+        note("building offload's C++ pack hook before the first strategy (~20 s, once per torch version)",
+             enabled=progress)
+    try:
+        _native.load(announce=False)
+    except _native.NativeUnavailable as e:
+        return f"python ({e})"
+    return "c++"
+
+
 def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None,
               on_update: Callable[[BenchResult], None] | None = None) -> BenchResult:
     """Run every strategy of ``cfg`` on its workload and return the measurements.
@@ -765,6 +783,7 @@ def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None,
         meta["fit_layers"] = {"requested": workload.n_layers, "fits": n, "budget_frac": cfg.fit_budget_frac}
         workload = workload.replace(n_layers=n)
 
+    meta["pack_hook"] = _ready_pack_hook(cfg.progress)
     per_strategy = cfg.warmup + cfg.steps + (1 if device.type == "cpu" else 0)
     # Strategies that need CUDA are skipped before the bar starts: its total is right from the
     # first tick, and their notes do not interrupt it.

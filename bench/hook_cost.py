@@ -25,13 +25,23 @@ of packs (forward) or unpacks (backward):
                   is installed (it is in the ``test`` extra)
   save_on_cpu     ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: on a CPU
                   tensor it allocates an (unpinnable) host tensor and copies
-  ours_keep       ``OffloadActivations(device="cpu", min_offload_size=2**40)``:
-                  every tensor classified, recorded and kept
+  ours_keep       ``OffloadActivations(device="cpu", min_offload_size=2**40,
+                  native_hooks=False)``: every tensor classified, recorded and
+                  kept by the Python hook
   ours_keep_native  ``ours_keep`` with ``native_hooks=True``: the keep path in
                   C++ (offload/_native/pack.cpp), same decisions and records;
-                  measured where the extension builds (a C++ compiler, ninja)
-  ours_offload    ``OffloadActivations(device="cpu", min_offload_size=0)``: every
-                  activation copied into the host pool and back
+                  measured where the extension builds (a C++ compiler, ninja;
+                  the default, ``native_hooks="auto"``, runs it wherever it builds)
+  ours_keep_excluded  the whole chain excluded (``engine.exclude(model)``, what a
+                  plan's ``keep`` or a head exclusion does to a block), with
+                  ``min_offload_size=0`` and the Python hook: every save kept as
+                  ``excluded_region``
+  ours_keep_excluded_native  ``ours_keep_excluded`` with ``native_hooks=True``
+  ours_offload    ``OffloadActivations(device="cpu", min_offload_size=0,
+                  native_hooks=False)``: every activation copied into the host
+                  pool and back, through the Python hook
+  ours_offload_native  ``ours_offload`` with ``native_hooks=True`` (offload
+                  candidates are handed from the C++ hook to the Python one)
   modules_only    just the engine's module tracking (``track_modules``: a
                   wrapped ``nn.Module.__call__``), no saved-tensor hooks: cost
                   per module call, not per pack
@@ -120,8 +130,11 @@ def default_out() -> Path:
 
 
 VARIANTS = ("none", "identity", "torchtune_keep", "torchtune_real", "trl_keep", "save_on_cpu", "ours_keep",
-            "ours_keep_native", "ours_offload", "modules_only", "module_dispatch", "safe_keep_floor", "engine_floor")
-OPTIONAL = ("torchtune_real", "trl_keep", "ours_keep_native")
+            "ours_keep_native", "ours_keep_excluded", "ours_keep_excluded_native", "ours_offload",
+            "ours_offload_native", "modules_only", "module_dispatch", "safe_keep_floor", "engine_floor")
+NATIVE = ("ours_keep_native", "ours_keep_excluded_native", "ours_offload_native")
+"""The variants with ``native_hooks=True``."""
+OPTIONAL = ("torchtune_real", "trl_keep", *NATIVE)
 """Variants measured only where they can run: peers whose package is installed, the native hook where it
 builds (the JSON says why one is missing)."""
 RATIOS = {
@@ -130,6 +143,9 @@ RATIOS = {
     "ours_keep/torchtune_real": ("ours_keep", "torchtune_real"),
     "ours_keep_native/torchtune_real": ("ours_keep_native", "torchtune_real"),
     "ours_keep_native/torchtune_keep": ("ours_keep_native", "torchtune_keep"),
+    "ours_keep_excluded/ours_keep": ("ours_keep_excluded", "ours_keep"),
+    "ours_keep_excluded_native/ours_keep_native": ("ours_keep_excluded_native", "ours_keep_native"),
+    "ours_offload_native/save_on_cpu": ("ours_offload_native", "save_on_cpu"),
     "ours_keep/trl_keep": ("ours_keep", "trl_keep"),
     "ours_keep/identity": ("ours_keep", "identity"),
     "safe_keep_floor/torchtune_keep": ("safe_keep_floor", "torchtune_keep"),
@@ -138,7 +154,8 @@ RATIOS = {
 """Ratio name -> (numerator, denominator) of per-pack costs; the goal is <= 2 for the first two."""
 _PER_MODULE_CALL = ("modules_only", "module_dispatch")
 """Variants without saved-tensor hooks: their cost is per module call, not per pack."""
-_TRACKING = ("ours_keep", "ours_keep_native", "ours_offload", "modules_only", "engine_floor")
+_TRACKING = ("ours_keep", "ours_keep_native", "ours_keep_excluded", "ours_keep_excluded_native", "ours_offload",
+             "ours_offload_native", "modules_only", "engine_floor")
 """Variants that run with ``nn.Module.__call__`` wrapped (offload.modules); the others run without it."""
 
 
@@ -276,17 +293,36 @@ def _trl_keep_hooks() -> torch.autograd.graph.saved_tensors_hooks:
         return TrlOffload(use_pin_memory=False, use_streams=False, min_offload_size=1 << 40)
 
 
-def _native_keep() -> OffloadActivations:
-    """``ours_keep`` with the keep path in C++ (raises OffloadError, saying why, where it cannot be built)."""
-    return OffloadActivations(device="cpu", min_offload_size=1 << 40, native_hooks=True)
+def _ours(model: nn.Module | None) -> dict[str, Callable[[], OffloadActivations]]:
+    """Our variants' engines (``_native`` ones raise OffloadError, saying why, where it cannot be built);
+    the excluded ones exclude ``model`` (skipped without it)."""
+
+    def excluded(native: bool) -> OffloadActivations:
+        if model is None:
+            raise ImportError("needs the model")
+        engine = OffloadActivations(device="cpu", min_offload_size=0, native_hooks=native)
+        engine.exclude(model)
+        return engine
+
+    return {
+        "ours_keep": lambda: OffloadActivations(device="cpu", min_offload_size=1 << 40, native_hooks=False),
+        "ours_keep_native": lambda: OffloadActivations(device="cpu", min_offload_size=1 << 40, native_hooks=True),
+        "ours_keep_excluded": lambda: excluded(False),
+        "ours_keep_excluded_native": lambda: excluded(True),
+        "ours_offload": lambda: OffloadActivations(device="cpu", min_offload_size=0, native_hooks=False),
+        "ours_offload_native": lambda: OffloadActivations(device="cpu", min_offload_size=0, native_hooks=True),
+    }
 
 
-def _optional_contexts() -> tuple[dict[str, Callable[[], contextlib.AbstractContextManager]], dict[str, str]]:
-    """The installed optional peers' context factories, and why each missing one is missing."""
+def _optional_contexts(model: nn.Module | None = None
+                       ) -> tuple[dict[str, Callable[[], contextlib.AbstractContextManager]], dict[str, str]]:
+    """The installed optional peers' (and where it builds, our C++ hook's) context factories, and why
+    each missing one is missing."""
     ctxs: dict[str, Callable[[], contextlib.AbstractContextManager]] = {}
     missing: dict[str, str] = {}
+    ours = _ours(model)
     for name, make in (("torchtune_real", _torchtune_real_hooks), ("trl_keep", _trl_keep_hooks),
-                       ("ours_keep_native", _native_keep)):
+                       *((n, ours[n]) for n in NATIVE)):
         try:
             hooks = make()
         except (ImportError, OffloadError) as e:  # OffloadError: native_hooks=True cannot build here
@@ -343,27 +379,29 @@ class _FloorEngine(OffloadActivations):
         return (t if t.is_leaf else t.detach(), t._version, self._open_step())  # Rules 10 and 6
 
 
-def _contexts() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
-    """Variant name -> factory of the context one forward runs in (one object reused across steps)."""
+def _contexts(model: nn.Module) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """Variant name -> factory of the context one forward of ``model`` runs in (one object reused across
+    steps)."""
     identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     tt = _torchtune_keep_hooks()
     soc = torch.autograd.graph.save_on_cpu(pin_memory=True)
-    keep = OffloadActivations(device="cpu", min_offload_size=1 << 40)
-    off = OffloadActivations(device="cpu", min_offload_size=0)
+    ours = _ours(model)
+    keep, keep_excluded, off = ours["ours_keep"](), ours["ours_keep_excluded"](), ours["ours_offload"]()
     floor = _safe_keep_floor_hooks()
-    engine_floor = _FloorEngine(device="cpu")
+    engine_floor = _FloorEngine(device="cpu")  # (its own _pack: "auto" never pushes the C++ hook over it)
     return {
         "none": contextlib.nullcontext,
         "identity": lambda: identity,
         "torchtune_keep": lambda: tt,
         "save_on_cpu": lambda: soc,
         "ours_keep": lambda: keep,
+        "ours_keep_excluded": lambda: keep_excluded,
         "ours_offload": lambda: off,
         "modules_only": lambda: track_modules(owner=_OWNER),
         "module_dispatch": _module_dispatch,
         "safe_keep_floor": lambda: floor,
         "engine_floor": lambda: engine_floor,
-        **_optional_contexts()[0],
+        **_optional_contexts(model)[0],
     }
 
 
@@ -418,7 +456,7 @@ def measure_cpu_time(layers: int, width: int, rounds: int, warmup: int,
                      variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     """Per-pack / per-unpack (per module call for modules_only) CPU time in ns, paired against none."""
     model, x, saves = _setup(layers, width)
-    ctxs = _contexts()
+    ctxs = _contexts(model)
     names = [v for v in variants if v in ctxs]
     samples: dict[str, dict[str, list[float]]] = {v: {"fwd": [], "bwd": []} for v in names}
     for rnd in range(warmup + rounds):
@@ -521,7 +559,7 @@ def _callgrind_child(lib: Path, layers: int, width: int, steps: int, variants: t
     cg = ctypes.CDLL(str(lib))
     cg.cg_dump.argtypes = [ctypes.c_char_p]
     model, x, _ = _setup(layers, width)
-    ctxs = _contexts()
+    ctxs = _contexts(model)
     for name in variants:
         if name not in ctxs:  # an optional peer that is not installed
             continue
@@ -649,13 +687,14 @@ class _FakeDeviceModule:
         yield
 
 
-_GC_VARIANTS = ("none", "torchtune_real", "trl_keep", "ours_keep", "ours_keep_native")
+_GC_VARIANTS = ("none", "torchtune_real", "trl_keep", "ours_keep", "ours_keep_native", "ours_offload",
+                "ours_offload_native")
 
 
 def measure_gc(layers: int, width: int, steps: int, variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     """Collections by generation, and their time per pack, over ``steps`` uncollected steps per variant."""
     model, x, saves = _setup(layers, width)
-    ctxs = _contexts()
+    ctxs = _contexts(model)
     names = [v for v in _GC_VARIANTS if v in variants and v in ctxs]
     current: list[str | None] = [None]
     started = [0.0]
@@ -702,7 +741,7 @@ def measure_stream_emulated(layers: int, width: int, rounds: int, in_flight: tup
     model, x, saves = _setup(layers, width)
     res: dict[str, Any] = {"saves_per_step": saves, "per_pack_ns_by_in_flight": {}}
     for k in in_flight:
-        ctx = OffloadActivations(device="cpu", min_offload_size=0)
+        ctx = OffloadActivations(device="cpu", min_offload_size=0, native_hooks=False)
         backend = StreamBackend(torch.device("cpu"))
         backend._mod = _FakeDeviceModule(k)
         ctx._backend = backend
@@ -768,7 +807,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_before": load},
         "variants": {v: d.strip() for v, d in _variant_docs().items() if v in variants},
-        "missing_variants": {v: why for v, why in _optional_contexts()[1].items() if v in variants},
+        "missing_variants": {v: why for v, why in _optional_contexts(_setup(1, 1)[0])[1].items() if v in variants},
     }
     result["cpu_time"] = measure_cpu_time(args.layers, args.width, args.rounds, args.warmup, variants)
     if args.gc_steps > 0:

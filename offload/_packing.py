@@ -42,6 +42,7 @@ _Tensor = torch.Tensor
 _Parameter = nn.Parameter
 # The reasons, as module globals: the pack hook compares them by identity.
 _PARAMETER, _BUFFER = policy.PARAMETER, policy.BUFFER
+_REASON_BY_TYPE = policy.REASON_BY_TYPE
 _PLAIN_TYPES = frozenset((_Tensor, _Parameter))
 """The types ``_pack`` takes (a subclass goes to ``_pack_other``)."""
 _PLAIN_ITEMSIZE: dict[torch.dtype, int] = {}
@@ -141,12 +142,15 @@ class _Packing:
             ts = self._tls.state
         except AttributeError:
             ts = self._thread()
-        device, base = t.device, t._base
+        device, leaf = t.device, t.is_leaf
         on_device = device == self.device
         nbytes = shape.numel() * itemsize  # t.nbytes, without a tensor getter
         # -- classify (t is plain: its type, storage, layout and dtype are checked above)
-        reason = _classify(t, self.device, self.min_offload_size, ts.excluded_depth > 0, self._static_ptrs,
-                           self._running_owner, nbytes, ptr, ts.after_head, base, on_device)
+        reason = _REASON_BY_TYPE.get(type(t))  # a Parameter: nothing else to ask
+        if reason is None:
+            base = t._base
+            reason = _classify(t, self.device, self.min_offload_size, ts.excluded_depth > 0, self._static_ptrs,
+                               self._running_owner, nbytes, ptr, ts.after_head, base, on_device, leaf)
         # -- act
         dev = self._device_name if on_device else (_DEVICE_NAMES.get(device) or _device_name(device))
         step = self._step_ref() or self._open_step()  # (a _Step is always true)
@@ -161,7 +165,7 @@ class _Packing:
         if reason:
             self._inflight and self._sched.kept()  # finished copies free their sources (NOTE [ Copy schedule ])
             # Kept: (the tensor, detached if it has history: Rule 10; its version: Rule 6); NOTE [ Ledger logs ]
-            handle: Any = (t if t.is_leaf else t.detach(), t._version, step)
+            handle: Any = (t if leaf else t.detach(), t._version, step)
             rec: Any = (next(self._seq), ledger.current_step, nbytes, tuple(shape), dtype, dev, module,
                         KEPT, reason, ptr, len(st))  # len: st.nbytes() without the argument parsing
             ledger.kept_log[reason].append(nbytes)  # every reason has its list (Ledger.reset)

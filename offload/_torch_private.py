@@ -32,6 +32,7 @@ __all__ = [
     "remove_saved_tensors_hooks",
     "sanitizer_core",
     "cuda_allocated_and_peak",
+    "extension_build_dir",
 ]
 
 
@@ -333,3 +334,15 @@ def cuda_allocated_and_peak(index: int) -> tuple[int, int]:
     """
     stats = torch._C._cuda_memoryStats(index)["allocated_bytes"]["all"]
     return int(stats["current"]), int(stats["peak"])
+
+
+def extension_build_dir(name: str) -> str:
+    """The directory ``torch.utils.cpp_extension.load(name=name)`` builds and caches in (made if missing).
+
+    Why private: ``offload._native`` must look at that directory before the build (is the extension
+    already built? a lock left by a killed build?), and only ``_get_build_directory`` knows torch's rule
+    for it (``TORCH_EXTENSIONS_DIR``, else a folder per Python version and accelerator).
+    """
+    from torch.utils import cpp_extension
+
+    return cpp_extension._get_build_directory(name, verbose=False)

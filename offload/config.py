@@ -195,16 +195,20 @@ class OffloadConfig:
     """Time copies (device events on accelerators, clocks on CPU)."""
     pin_allocator: str = "caching"
     """Pinned host memory: "caching" (torch's allocator) or "exact" (cudaHostRegister)."""
-    native_hooks: bool = False
-    """Keep path of the pack hook in C++ (offload._native; built on first use: a compiler, ninja)."""
+    native_hooks: bool | str = "auto"
+    """Pack hook's keep path in C++: "auto" where it builds (in the background), True: now or raise, False: never."""
     verify: bool = False
     """Checksum offloaded bytes at pack and check them when backward reads them (debugging; one sync per reload)."""
 
     def __post_init__(self) -> None:
         for name in SIZE_FIELDS:
             object.__setattr__(self, name, size_setting(name, getattr(self, name)))
-        for name in ("use_pin_memory", "use_streams", "dedupe", "timing", "native_hooks", "verify"):
+        for name in ("use_pin_memory", "use_streams", "dedupe", "timing", "verify"):
             _check_bool(name, getattr(self, name))
+        if not isinstance(self.native_hooks, bool) and self.native_hooks != "auto":
+            _fail("native_hooks", self.native_hooks, "'auto', True or False",
+                  "'auto' (the default) uses the C++ keep path wherever it builds, True requires it, False never "
+                  "uses it.", TypeError)
         _check_int("max_fwd_stash_size", self.max_fwd_stash_size, 1,
                    "it caps how many tensors may have a device-to-host copy in flight; None = no cap",
                    allow_none=True)

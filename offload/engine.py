@@ -94,7 +94,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _torch_private, policy
+from . import _native, _torch_private, policy
 from ._foreign_hooks import (check_exit, leave_hooks, unwatch_inner_hooks, warn_if_inside_foreign_hooks,
                              watch_inner_hooks)
 from ._backward import _Backward, _Pass
@@ -111,7 +111,7 @@ from .compat import _positional_error
 from .compat._peer_attributes import PeerAttributes
 from .config import OffloadConfig, keywords_checked, resolve_device, settled_config
 from .sizes import SizeLike
-from .errors import OffloadError, _internal_assert
+from .errors import _internal_assert
 from .ledger import Ledger
 from .modules import _tls as _module_tls
 from .modules import register_model, track_modules
@@ -151,20 +151,6 @@ class _ThreadState:
 
 
 # -- construction helpers ------------------------------------------------------
-
-
-def _load_native() -> Any:
-    """offload._native's built extension, or an error that says why it is not there and what to do."""
-    from . import _native
-
-    try:
-        return _native.load()
-    except _native.NativeUnavailable as e:
-        raise OffloadError(
-            f"OffloadActivations: native_hooks=True, but the C++ pack hook cannot be built here ({e}). "
-            "Install a C++ compiler and ninja (pip install ninja), or pass native_hooks=False: the "
-            "Python hook makes the same decisions, at more CPU time per saved tensor."
-        ) from e
 
 
 def _weak_pack(engine: "OffloadActivations") -> Callable[[torch.Tensor], Any]:
@@ -223,8 +209,10 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             each block up to a power of two) or "exact" (CUDA: exact-size buffers
             registered with cudaHostRegister; not yet validated on a GPU).
         native_hooks: run the pack hook's keep path in C++ (``offload._native``):
-            the same decisions and records for less CPU per kept tensor. Built on
-            first use (needs a C++ compiler and ninja); raises when it cannot be.
+            the same decisions and records for less CPU per kept tensor. "auto" (the
+            default): where it is built, or once it has built in the background (a
+            C++ compiler and ninja; the Python hook runs meanwhile); True: built now
+            (~20 s once), raises when it cannot be; False: the Python hook.
         verify: checksum each offloaded span on the device at pack and check the
             reloaded bytes before backward reads them; ``OffloadVerifyError`` names
             the module, shape, step and side on a mismatch (NOTE [ Verified offload ]
@@ -258,7 +246,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         max_records: int = 10_000,
         timing: bool = True,
         pin_allocator: str = "caching",
-        native_hooks: bool = False,
+        native_hooks: bool | str = "auto",
         verify: bool = False,
         config: OffloadConfig | None = None,
     ) -> None:
@@ -358,12 +346,12 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         self._owner_memo: dict[tuple[int, int, int], tuple[frozenset[int], frozenset[int]]] = {}
         self._running_owner = _owner_lookup(self._owner_memo)  # policy._classify's owner(ptr)
         self._process = psutil.Process()
-        self._native = _load_native() if config.native_hooks else None
         self._sched = _Schedule(self._backend, self.ledger, self._lock, self.tiers,
                                 max_count=config.max_fwd_stash_size, max_bytes=config.max_inflight_bytes,
                                 budget=config.device_budget_bytes, prefetch_bytes=config.prefetch_bytes)
         """The copy schedule (NOTE [ Copy schedule ] in offload/_schedule.py)."""
         self._inflight = self._sched.inflight  # the hooks' cheap "any copy in flight?" test
+        self._native = _native.for_engine(self)  # None: the Python hook (for now, if "auto")
 
     def _make_tiers(self, config: OffloadConfig, dev_type: str | None) -> HostTiers:
         """The host tiers of NOTE [ Host tiers ] from the settings (the disk tier's run directory is
@@ -446,6 +434,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 # The bound method itself: no wrapper frame per saved tensor. Only the
                 # thread's hook stack holds it, and only until __exit__ (no cycle: Rule 10).
                 # native_hooks: a builtin bound the same way, whose keep path is C++.
+                if self._native is None and self.config.native_hooks == "auto":  # built in the background since?
+                    self._native = _native.for_engine(self, ready_only=True)
                 hook = self._pack if self._native is None or not self.enabled else self._native.hook_for(self, st)
             torch._C._autograd._push_saved_tensors_default_hooks(hook, self.unpack_hook)
             st.watches.append(watch_inner_hooks(self, hook))

@@ -101,6 +101,9 @@ REASONS: tuple[str, ...] = (
 _Tensor = torch.Tensor
 _Parameter = nn.Parameter
 _STRIDED = torch.strided
+REASON_BY_TYPE: dict[type, str] = {_Parameter: PARAMETER}
+"""The reason to keep a saved tensor of exactly this type, whatever else is true of it (``classify``'s
+first rule: a Parameter stays where it is); what the pack hook looks up before anything else."""
 
 
 def _is_param(x: torch.Tensor) -> bool:
@@ -334,18 +337,20 @@ def classify(
 
 def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excluded: bool,
               static_ptrs: "dict[int, str] | set[int]", owner: Callable[[int], str], nbytes: int | None,
-              ptr: Any, after_head: bool, base: Any = _UNREAD, on_device: bool | None = None) -> str:
+              ptr: Any, after_head: bool, base: Any = _UNREAD, on_device: bool | None = None,
+              leaf: Any = _UNREAD) -> str:
     """``classify`` with positional arguments (a keyword call costs the pack hook ~0.2 us) and
     ``owner(ptr)``: PARAMETER / BUFFER when a running module's parameter / buffer lives on ``ptr``.
 
     Facts the caller has read come as arguments, so the pack hook reads each once: ``base``
-    (``t._base``) and ``on_device`` (``t.device == device``). ``on_device`` is given only by a
+    (``t._base``), ``on_device`` (``t.device == device``) and ``leaf`` (``t.is_leaf``). ``on_device`` is given only by a
     caller that has also found ``t`` plain (exactly ``torch.Tensor`` or ``nn.Parameter``, with a
     storage at ``ptr``, strided, not nested, not quantized), as ``_pack`` does before it calls;
     None: all of that is checked here.
     """
     # is_static_tensor and is_unsupported, inlined for the plain-tensor case.
-    leaf = t.is_leaf
+    if leaf is _UNREAD:
+        leaf = t.is_leaf
     if type(t) is _Tensor:
         if leaf and getattr(t, "_is_param", False):
             # nn.Parameter's flag for a tensor it cannot subclass; a tensor with autograd
@@ -361,7 +366,9 @@ def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excl
             # No storage: efficient zero tensors, functional / functorch wrappers.
             if ptr is None or t.layout != _STRIDED or t.is_nested or t.is_quantized:
                 return UNSUPPORTED_TYPE
-    elif type(t) is _Parameter or is_static_tensor(t):
+    elif type(t) in REASON_BY_TYPE:
+        return REASON_BY_TYPE[type(t)]
+    elif is_static_tensor(t):
         return PARAMETER
     elif type(t) is not _FAKE_TENSOR:
         return UNSUPPORTED_TYPE  # a subclass

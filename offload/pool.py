@@ -98,7 +98,7 @@ _ALIGN = 64
 """Every buffer starts on a 64-byte boundary (cache line; any dtype view is aligned)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class HostBuffer:
     """One host buffer handed out by the pool (a view of one of its chunks)."""
 

@@ -16,31 +16,58 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 def pytest_addoption(parser):
     parser.addoption(
         "--native-hooks", action="store_true", default=False,
-        help="run every engine built in the tests with native_hooks=True (the C++ keep path) by default",
+        help="run every engine built in the tests with native_hooks=True (the C++ keep path, built now) by default",
     )
+    parser.addoption(
+        "--python-hooks", action="store_true", default=False,
+        help="run every engine built in the tests with native_hooks=False (the Python hook) by default",
+    )
+
+
+def hooks_option(config) -> str:
+    """The pack hook the tests' engines get by default: "native" (--native-hooks), "python" (--python-hooks)
+    or "auto" (the engine's own default: the C++ hook, built before the first test where it builds)."""
+    native, python = config.getoption("--native-hooks"), config.getoption("--python-hooks")
+    if native and python:
+        raise pytest.UsageError("--native-hooks and --python-hooks exclude each other")
+    return "native" if native else "python" if python else "auto"
+
+
+@pytest.fixture(scope="session")
+def hooks(request) -> str:
+    """The run's ``hooks_option``."""
+    return hooks_option(request.config)
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _native_hooks_default(request):
-    """--native-hooks: the engine's and OffloadConfig's default for native_hooks becomes True, so the
-    whole suite runs through the C++ keep path (tests that pass native_hooks explicitly keep theirs)."""
-    if not request.config.getoption("--native-hooks"):
-        yield
-        return
+    """--native-hooks / --python-hooks: the engine's and OffloadConfig's default for native_hooks becomes True
+    / False, so the whole suite runs through the C++ keep path / the Python hook (tests that pass
+    native_hooks explicitly keep theirs). Without either, the default stays "auto", and the extension is
+    loaded (built if needed, ~20 s once) before the first test, so that every engine of the run uses the same
+    hook rather than whichever a background build had reached (NOTE [ Native build ])."""
     from offload import OffloadActivations, OffloadConfig, _native
 
-    _native.load()  # fail here, once, when it cannot be built
+    option = hooks_option(request.config)
+    if option == "auto":
+        _native.available()  # where it cannot be built, "auto" is the Python hook for the whole run
+        yield
+        return
+    if option == "native":
+        _native.load()  # fail here, once, when it cannot be built
+    value = option == "native"
     patched = [OffloadActivations.__init__, OffloadConfig.__init__]
     field = OffloadConfig.__dataclass_fields__["native_hooks"]  # what dataclasses.fields() reports
+    default = field.default
     for f in patched:
-        f.__kwdefaults__["native_hooks"] = True
-    field.default = True
+        f.__kwdefaults__["native_hooks"] = value
+    field.default = value
     try:
         yield
     finally:
         for f in patched:
-            f.__kwdefaults__["native_hooks"] = False
-        field.default = False
+            f.__kwdefaults__["native_hooks"] = default
+        field.default = default
 
 
 def pytest_collection_modifyitems(config, items):

@@ -31,6 +31,8 @@
 
 #include <c10/core/impl/COW.h>
 
+#include <structmember.h>
+
 #include <typeinfo>
 
 
@@ -86,7 +88,7 @@ PyObject *s_pack, *s_device, *s_device_name, *s_min_offload_size,
     *s_static_ptrs, *s_excluded_depth, *s_after_head, *s_module_stack, *s_ledger, *s_step_ref,
     *s_seq, *s_current_step, *s_kept_log, *s_open_used, *s_seen, *s_entries, *s_add_span,
     *s_unique_log, *s_records_log, *s_is_param_attr, *s_append, *s_observers,
-    *s_observers_attr;
+    *s_observers_attr, *s_inflight, *s_sched, *s_kept_m;
 
 bool intern_all() {
   struct { PyObject** slot; const char* name; } names[] = {
@@ -100,6 +102,7 @@ bool intern_all() {
       {&s_add_span, "add_span"}, {&s_unique_log, "unique_log"}, {&s_records_log, "records_log"},
       {&s_is_param_attr, "_is_param"}, {&s_append, "append"},
       {&s_observers, "observers"}, {&s_observers_attr, "_observers"},
+      {&s_inflight, "_inflight"}, {&s_sched, "_sched"}, {&s_kept_m, "kept"},
   };
   for (auto& n : names) {
     *n.slot = PyUnicode_InternFromString(n.name);
@@ -123,12 +126,6 @@ PyObject* shape_of(const at::Tensor& t) {
     PyTuple_SET_ITEM(s, static_cast<Py_ssize_t>(i), v);
   }
   return s;
-}
-
-// 1 / 0 for a truthy / falsy attribute, -1 with an exception set.
-int attr_true(PyObject* o, PyObject* name) {
-  Ref v(PyObject_GetAttr(o, name));
-  return v ? PyObject_IsTrue(v.get()) : -1;
 }
 
 // getattr(o, name, None), as a new reference or nullptr (-1: an exception is set).
@@ -196,17 +193,87 @@ bool read_facts(const at::Tensor& t, Facts& f) {
 }
 
 // The hook's bound state (hook_for): a tuple of these, in this order.
-enum { H_ENGINE, H_TS, H_THREAD, H_LEDGER, H_SEEN, H_ENTRIES, H_SEQ, H_DEVICE, H_DEV_NAME, H_SIZE };
+enum { H_ENGINE, H_TS, H_THREAD, H_LEDGER, H_SEEN, H_ENTRIES, H_SEQ, H_DEVICE, H_DEV_NAME, H_LOGS,
+       H_ENGINE_DICT, H_LEDGER_DICT, H_SLOTS, H_SIZE };
 
-// Untrack a tuple holding only objects the cycle collector does not follow
-// (what CPython's own collector does to such a tuple on its first pass), so
-// records that live in the ledger's ring are never traversed again.
-void untrack_if_atomic(PyObject* tup) {
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tup); ++i) {
-    PyObject* item = PyTuple_GET_ITEM(tup, i);
-    if (PyObject_IS_GC(item) && PyObject_GC_IsTracked(item)) return;
+// Reading an attribute through PyObject_GetAttr costs ~100-150 instructions (the engine's class
+// hierarchy also has a __getattr__ hook); the hook reads about ten a pack. hook_for therefore
+// captures the engine's and the ledger's instance dicts (an attribute set later lands in the same
+// dict) and the offsets of the thread state's __slots__ (H_SLOTS: a capsule of Slots), which are
+// read directly, with PyObject_GetAttr as the fallback for anything else.
+struct Slots {
+  Py_ssize_t excluded_depth = -1, after_head = -1, module_stack = -1;  // -1: not a slot, use getattr
+};
+
+// A borrowed reference to attribute `name` of `o`: the slot at `offset` when there is one, else an
+// entry of `dict` (when given), else a new reference through getattr, kept alive by `hold`.
+PyObject* attr(PyObject* o, PyObject* name, Py_ssize_t offset, PyObject* dict, Ref& hold) {
+  if (offset >= 0) {
+    PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + offset);
+    if (!v) PyErr_SetObject(PyExc_AttributeError, name);
+    return v;
   }
-  PyObject_GC_UnTrack(tup);
+  if (dict) {
+    PyObject* v = PyDict_GetItemWithError(dict, name);
+    if (v || PyErr_Occurred()) return v;
+  }
+  hold = Ref(PyObject_GetAttr(o, name));
+  return hold.get();
+}
+
+// The offset of `type`'s __slots__ member `name` holding an object, or -1.
+Py_ssize_t slot_offset(PyTypeObject* type, PyObject* name) {
+  PyObject* d = _PyType_Lookup(type, name);  // borrowed
+  if (!d || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return -1;
+  PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+  return (m->type == T_OBJECT_EX || m->type == T_OBJECT) && !(m->flags & READONLY) ? m->offset : -1;
+}
+
+// H_LOGS: a list caching the ledger's logs the hook appends to, [records_log, its append, kept_log,
+// unique_log]. The ledger replaces them all together, only in reset(), and records_log with them:
+// one attribute read of records_log per pack tells whether the cache still holds.
+enum { L_RECORDS, L_RECORDS_APPEND, L_KEPT, L_UNIQUE, L_OPEN_STEP, L_SIZE };
+// L_OPEN_STEP: the ledger step this hook last set _open_used in (the ledger clears it only when it
+// closes a step, which moves current_step, or in reset(), which replaces records_log).
+
+// The ledger's logs for this pack (borrowed, from the cache; refreshed after a reset), or false.
+bool ledger_logs(PyObject* state, PyObject** records_append, PyObject** kept_log, PyObject** unique_log) {
+  PyObject* ledger = PyTuple_GET_ITEM(state, H_LEDGER);
+  PyObject* cache = PyTuple_GET_ITEM(state, H_LOGS);
+  Ref hold;
+  PyObject* records_now = attr(ledger, s_records_log, -1, PyTuple_GET_ITEM(state, H_LEDGER_DICT), hold);
+  if (!records_now) return false;
+  if (PyList_GET_ITEM(cache, L_RECORDS) != records_now) {
+    Py_INCREF(records_now);
+    Ref records(records_now);
+    Ref append_m(PyObject_GetAttr(records.get(), s_append));
+    Ref kept(PyObject_GetAttr(ledger, s_kept_log));
+    Ref unique(PyObject_GetAttr(ledger, s_unique_log));
+    if (!append_m || !kept || !unique) return false;
+    if (!PyDict_CheckExact(kept.get()) || !PyList_CheckExact(unique.get())) {
+      PyErr_SetString(PyExc_TypeError, "offload._native: the ledger's kept_log is not a dict of lists or its "
+                                       "unique_log not a list (what pack.cpp appends to)");
+      return false;
+    }
+    PyList_SetItem(cache, L_RECORDS, records.release());  // steals; drops the stale one
+    PyList_SetItem(cache, L_RECORDS_APPEND, append_m.release());
+    PyList_SetItem(cache, L_KEPT, kept.release());
+    PyList_SetItem(cache, L_UNIQUE, unique.release());
+    Py_INCREF(Py_None);
+    PyList_SetItem(cache, L_OPEN_STEP, Py_None);
+  }
+  *records_append = PyList_GET_ITEM(cache, L_RECORDS_APPEND);
+  *kept_log = PyList_GET_ITEM(cache, L_KEPT);
+  *unique_log = PyList_GET_ITEM(cache, L_UNIQUE);
+  return true;
+}
+
+// Take a new container off the cycle collector's lists: one that can be part of no reference cycle
+// (its items are atoms, or objects that reach nothing that reaches it back), so that collections
+// never traverse it (what CPython's collector itself does to a tuple of atoms on its first pass;
+// records live in the ledger's ring for up to max_records packs).
+void untrack(PyObject* o) {
+  if (PyObject_GC_IsTracked(o)) PyObject_GC_UnTrack(o);
 }
 
 PyObject* pack_impl(PyObject* state, PyObject* obj) {
@@ -232,6 +299,8 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
   if (PyLong_AsUnsignedLong(PyTuple_GET_ITEM(state, H_THREAD)) != PyThread_get_thread_ident())
     return python_pack(engine, obj);
   PyObject* ts = PyTuple_GET_ITEM(state, H_TS);  // borrowed, as are the captured objects below
+  PyObject* engine_dict = PyTuple_GET_ITEM(state, H_ENGINE_DICT);
+  const Slots& slots = *static_cast<Slots*>(PyCapsule_GetPointer(PyTuple_GET_ITEM(state, H_SLOTS), nullptr));
 
   const int64_t itemsize = f.itemsize;
   const int64_t nbytes = f.nbytes;
@@ -268,24 +337,26 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
     }
   }
   if (!reason) {
-    Ref depth(PyObject_GetAttr(ts, s_excluded_depth));
+    Ref hold;
+    PyObject* depth = attr(ts, s_excluded_depth, slots.excluded_depth, nullptr, hold);
     if (!depth) return nullptr;
-    long long d = PyLong_AsLongLong(depth.get());
+    long long d = PyLong_AsLongLong(depth);
     if (d == -1 && PyErr_Occurred()) return nullptr;
     if (d > 0) {
       reason = C.excluded_region;
     } else {
-      Ref min_size(PyObject_GetAttr(engine, s_min_offload_size));
+      PyObject* min_size = attr(engine, s_min_offload_size, -1, engine_dict, hold);
       if (!min_size) return nullptr;
-      long long m = PyLong_AsLongLong(min_size.get());
+      long long m = PyLong_AsLongLong(min_size);
       if (m == -1 && PyErr_Occurred()) return nullptr;
       if (nbytes == 0 || nbytes < m) {
         reason = C.too_small;
       } else {
         // The model's storages, given up front: storage -> "parameter" / "buffer"
         // (policy.model_storages); the engine's own policy strings, so compared by identity.
-        Ref statics(PyObject_GetAttr(engine, s_static_ptrs));
+        Ref statics(attr(engine, s_static_ptrs, -1, engine_dict, hold));
         if (!statics) return nullptr;
+        Py_INCREF(statics.get());  // (borrowed from the dict, or held by `hold`: owned here)
         PyObject* owner = nullptr;  // borrowed
         if (PyDict_CheckExact(statics.get())) {
           owner = PyDict_GetItemWithError(statics.get(), ptr_obj.get());
@@ -307,7 +378,9 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
         if (torch::autograd::get_current_graph_task_id() >= 0) {
           reason = C.in_backward;  // Rule 11
         } else {
-          int after = attr_true(ts, s_after_head);
+          Ref hold_after;
+          PyObject* after_obj = attr(ts, s_after_head, slots.after_head, nullptr, hold_after);
+          int after = after_obj ? PyObject_IsTrue(after_obj) : -1;
           if (after < 0) return nullptr;
           if (after) reason = C.after_head;  // Rule 8
         }
@@ -317,12 +390,35 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
   if (!reason) return python_pack(engine, obj);  // an offload candidate: nothing done yet
 
   // -- kept: record it (no Python fallback past this line) --------------------
+  // The copy schedule's poll of in-flight D2H copies, as in _pack's kept branch (NOTE [ Copy schedule ]
+  // items 1, 2): finished copies free their sources here, and the end-of-forward bound is kept. One
+  // length test when nothing is in flight.
+  {
+    Ref hold;
+    PyObject* inflight = attr(engine, s_inflight, -1, engine_dict, hold);
+    if (!inflight) return nullptr;
+    Py_ssize_t n = PyObject_Length(inflight);
+    if (n < 0) return nullptr;
+    if (n > 0) {
+      Ref hold_sched;
+      PyObject* sched = attr(engine, s_sched, -1, engine_dict, hold_sched);
+      if (!sched) return nullptr;
+      Ref done(PyObject_CallMethodNoArgs(sched, s_kept_m));
+      if (!done) return nullptr;
+    }
+  }
   PyObject* ledger = PyTuple_GET_ITEM(state, H_LEDGER);
   Ref step;
   {
-    Ref step_ref(PyObject_GetAttr(engine, s_step_ref));
+    Ref hold;
+    PyObject* step_ref = attr(engine, s_step_ref, -1, engine_dict, hold);
     if (!step_ref) return nullptr;
-    step = Ref(PyObject_CallNoArgs(step_ref.get()));
+    if (PyWeakref_CheckRefExact(step_ref)) {  // the open step's, weakly (else a function: none open)
+      step = Ref(PyWeakref_GET_OBJECT(step_ref));
+      Py_INCREF(step.get());
+    } else {
+      step = Ref(PyObject_CallNoArgs(step_ref));
+    }
     if (!step) return nullptr;
     if (step.get() == Py_None) {  // _open_step, inlined as in _pack
       step = Ref(PyObject_CallOneArg(C.step_type, engine));
@@ -333,12 +429,13 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
   }
   Ref module;
   {
-    Ref stack(PyObject_GetAttr(ts, s_module_stack));
+    Ref hold;
+    PyObject* stack = attr(ts, s_module_stack, slots.module_stack, nullptr, hold);
     if (!stack) return nullptr;
-    int has = PyObject_IsTrue(stack.get());
+    int has = PyList_CheckExact(stack) ? PyList_GET_SIZE(stack) > 0 : PyObject_IsTrue(stack);
     if (has < 0) return nullptr;
     if (has) {
-      Ref top(PySequence_GetItem(stack.get(), -1));
+      Ref top(PySequence_GetItem(stack, -1));
       if (!top) return nullptr;
       Ref key(PyLong_FromVoidPtr(top.get()));  // id()
       if (!key) return nullptr;
@@ -369,15 +466,29 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
     alias = Ref(THPVariable_Wrap(t.tensor_data()));
     if (!alias) return nullptr;
   }
-  Ref version(PyLong_FromLongLong(f.version));
+  PyObject* version = PyLong_FromLongLong(f.version);
   if (!version) return nullptr;
-  Ref handle(PyTuple_Pack(3, alias.get(), version.get(), step.get()));
-  if (!handle) return nullptr;
+  Ref handle(PyTuple_New(3));
+  if (!handle) return Py_DECREF(version), nullptr;
+  PyTuple_SET_ITEM(handle.get(), 0, alias.release());
+  PyTuple_SET_ITEM(handle.get(), 1, version);
+  PyTuple_SET_ITEM(handle.get(), 2, step.release());
+  // Only autograd's saved variable holds the handle (C++, unseen by the collector), and nothing in it
+  // reaches back to it: no cycle to find, so no traversal at every young collection.
+  untrack(handle.get());
+  PyObject *records_append, *kept_log, *unique_log;  // borrowed
+  if (!ledger_logs(state, &records_append, &kept_log, &unique_log)) return nullptr;
 
   Ref seq(PyIter_Next(PyTuple_GET_ITEM(state, H_SEQ)));
   if (!seq) return PyErr_Occurred() ? nullptr : (PyErr_SetString(PyExc_RuntimeError, "engine._seq ended"), nullptr);
-  Ref cur(PyObject_GetAttr(ledger, s_current_step));
-  if (!cur) return nullptr;
+  Ref cur;
+  {
+    Ref hold;
+    PyObject* c = attr(ledger, s_current_step, -1, PyTuple_GET_ITEM(state, H_LEDGER_DICT), hold);
+    if (!c) return nullptr;
+    Py_INCREF(c);
+    cur = Ref(c);
+  }
   Ref nb(PyLong_FromLongLong(nbytes));
   Ref shape(shape_of(t));
   if (shape) PyObject_GC_UnTrack(shape.get());  // ints only
@@ -387,14 +498,26 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
   Ref rec(PyTuple_Pack(11, seq.get(), cur.get(), nb.get(), shape.get(), dtype, dev, module.get(),
                        C.kept, reason, ptr_obj.get(), st_nbytes.get()));
   if (!rec) return nullptr;
-  untrack_if_atomic(rec.get());
+  untrack(rec.get());  // atoms only (its shape is a tuple of ints)
   {
-    Ref kept_log(PyObject_GetAttr(ledger, s_kept_log));
-    if (!kept_log) return nullptr;
-    Ref log(PyObject_GetItem(kept_log.get(), reason));  // every reason has its list (Ledger.reset)
-    if (!log || append(log.get(), nb.get()) < 0) return nullptr;
+    PyObject* log = PyDict_GetItemWithError(kept_log, reason);  // every reason has its list (Ledger.reset)
+    if (!log) {
+      if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "offload._native: kept_log has no list for %R", reason);
+      return nullptr;
+    }
+    if (append(log, nb.get()) < 0) return nullptr;
   }
-  if (PyObject_SetAttr(ledger, s_open_used, Py_True) < 0) return nullptr;
+  {
+    PyObject* cache = PyTuple_GET_ITEM(state, H_LOGS);
+    PyObject* open_step = PyList_GET_ITEM(cache, L_OPEN_STEP);
+    int same = open_step == Py_None ? 0 : PyObject_RichCompareBool(open_step, cur.get(), Py_EQ);
+    if (same < 0) return nullptr;
+    if (!same) {  // (set once per ledger step: only close_step and reset clear it)
+      if (PyObject_SetAttr(ledger, s_open_used, Py_True) < 0) return nullptr;
+      Py_INCREF(cur.get());
+      PyList_SetItem(cache, L_OPEN_STEP, cur.get());
+    }
+  }
 
   if (reason != C.parameter && reason != C.buffer) {
     // The bytes this save's span adds to the step's union of saved spans.
@@ -416,17 +539,24 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
       Ref ident(PyTuple_Pack(2, dev, ptr_obj.get()));
       PyObject* entries = PyTuple_GET_ITEM(state, H_ENTRIES);
       Ref lo_obj(PyLong_FromLongLong(lo));
-      Ref hi_obj(PyLong_FromLongLong(hi));
+      // [0, nbytes): the whole tensor from the start of its storage (most saves) is nb itself
+      Ref hi_obj(lo == 0 && hi == nbytes ? (Py_INCREF(nb.get()), nb.get()) : PyLong_FromLongLong(hi));
       if (!ident || !lo_obj || !hi_obj) return nullptr;
-      untrack_if_atomic(ident.get());
-      int present = PyDict_Contains(entries, ident.get());
-      if (present < 0) return nullptr;
-      if (!present && hi > lo) {  // a storage not seen this step (most saves)
+      untrack(ident.get());  // (device name, address)
+      // A storage not seen this step (most saves) gets its entry in one dict lookup: setdefault.
+      Ref entry;
+      PyObject* had = nullptr;  // borrowed
+      if (hi > lo) {
         Ref wr(PyWeakref_NewRef(base ? base.get() : obj, nullptr));
         if (!wr) return nullptr;
-        Ref entry(PyTuple_Pack(3, wr.get(), lo_obj.get(), hi_obj.get()));
-        if (!entry || PyDict_SetItem(entries, ident.get(), entry.get()) < 0) return nullptr;
-        unique = Ref(PyLong_FromLongLong(hi - lo));
+        entry = Ref(PyTuple_Pack(3, wr.get(), lo_obj.get(), hi_obj.get()));
+        if (!entry) return nullptr;
+        untrack(entry.get());  // a weak reference and two ints: nothing in it reaches back
+        had = PyDict_SetDefault(entries, ident.get(), entry.get());
+        if (!had) return nullptr;
+      }
+      if (had && had == entry.get()) {
+        unique = Ref(lo == 0 ? (Py_INCREF(hi_obj.get()), hi_obj.get()) : PyLong_FromLongLong(hi - lo));
       } else {
         unique = Ref(PyObject_CallMethodObjArgs(seen, s_add_span, obj, ident.get(), lo_obj.get(),
                                                 hi_obj.get(), nullptr));
@@ -444,13 +574,10 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
     if (!unique) return nullptr;
     int nonzero = PyObject_IsTrue(unique.get());
     if (nonzero < 0) return nullptr;
-    if (nonzero) {
-      Ref unique_log(PyObject_GetAttr(ledger, s_unique_log));
-      if (!unique_log || append(unique_log.get(), unique.get()) < 0) return nullptr;
-    }
+    if (nonzero && PyList_Append(unique_log, unique.get()) < 0) return nullptr;
   }
-  Ref records(PyObject_GetAttr(ledger, s_records_log));
-  if (!records || append(records.get(), rec.get()) < 0) return nullptr;
+  Ref appended(PyObject_CallOneArg(records_append, rec.get()));
+  if (!appended) return nullptr;
   return handle.release();
 }
 
@@ -504,6 +631,27 @@ PyObject* hook_for(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyTuple_SET_ITEM(state.get(), H_SEQ, seq.release());
   PyTuple_SET_ITEM(state.get(), H_DEVICE, device.release());
   PyTuple_SET_ITEM(state.get(), H_DEV_NAME, dev_name.release());
+  PyObject* logs = PyList_New(L_SIZE);  // empty: filled at the first pack (ledger_logs)
+  if (!logs) return nullptr;
+  for (Py_ssize_t i = 0; i < L_SIZE; ++i) {
+    Py_INCREF(Py_None);
+    PyList_SET_ITEM(logs, i, Py_None);
+  }
+  PyTuple_SET_ITEM(state.get(), H_LOGS, logs);
+  PyObject* engine_dict = PyObject_GenericGetDict(engine, nullptr);
+  if (!engine_dict) return nullptr;
+  PyTuple_SET_ITEM(state.get(), H_ENGINE_DICT, engine_dict);
+  PyObject* ledger_dict = PyObject_GenericGetDict(PyTuple_GET_ITEM(state.get(), H_LEDGER), nullptr);
+  if (!ledger_dict) return nullptr;
+  PyTuple_SET_ITEM(state.get(), H_LEDGER_DICT, ledger_dict);
+  Slots* slots = new Slots();
+  PyTypeObject* ts_type = Py_TYPE(args[1]);
+  slots->excluded_depth = slot_offset(ts_type, s_excluded_depth);
+  slots->after_head = slot_offset(ts_type, s_after_head);
+  slots->module_stack = slot_offset(ts_type, s_module_stack);
+  PyObject* capsule = PyCapsule_New(slots, nullptr, [](PyObject* c) { delete static_cast<Slots*>(PyCapsule_GetPointer(c, nullptr)); });
+  if (!capsule) return delete slots, nullptr;
+  PyTuple_SET_ITEM(state.get(), H_SLOTS, capsule);
   // A builtin bound to the state: it holds the engine while pushed, as the bound
   // method _pack does (only the thread's hook stack holds it, until __exit__).
   return PyCFunction_New(&pack_def, state.get());

@@ -83,12 +83,14 @@ def device_seconds(item: Item, gpu: GPUSpec) -> float:
 
 _HOST_IPS = 3e9
 """Assumption: a host core retires ~3e9 instructions/s in the engine's Python hooks (~3 GHz at
-~1 instruction per cycle). This machine measured 2.9 instructions/ns on the keep path
-(bench/results/cpu/hook_cost.json: ours_keep 31,754 instructions per pack in 10.9 us)."""
-_PACK_IR, _UNPACK_IR = 69_402, 39_202
+~1 instruction per cycle). A 2-core machine shared with other jobs measured 2.9 and 6.6 instructions/ns
+on the Python keep path in two runs (bench/results/cpu/hook_cost.json, ours_keep: 32,084 instructions
+per pack in 4.9 us; its "before": 31,754 in 10.9 us): the assumption is the slower end."""
+_PACK_IR, _UNPACK_IR = 67_639, 39_860
 """Instructions per offloading pack / per reloading unpack of the engine's hooks:
-bench/results/cpu/hook_cost.json (commit 8c693d9, ``python -m bench.hook_cost --rounds 20``),
-``instructions.variants.ours_offload``; callgrind counts, deterministic within ~0.1%."""
+bench/results/cpu/hook_cost.json (commit 99b153a, ``python -m bench.hook_cost --rounds 20``),
+``instructions.variants.ours_offload`` (the Python hook; the C++ hook's offload path,
+``ours_offload_native``, is 66,144 / 40,510); callgrind counts, deterministic within ~0.1%."""
 HOOK_COST = {"pack hook": _PACK_IR / _HOST_IPS, "unpack hook": _UNPACK_IR / _HOST_IPS}
 """Host seconds per engine hook call (offload path), from the instruction counts above."""
 

@@ -241,7 +241,7 @@ def test_size_beyond_what_the_engine_can_hold_is_refused_at_build(name, via):
 @pytest.mark.parametrize("name", SIZE_SETTINGS)
 def test_largest_accepted_size_is_honoured(name, request):
     """Each size setting at its largest accepted value builds an engine that trains bitwise for two
-    steps (Python hook, and the C++ hook in the --native-hooks pass): the bound is one the code honours."""
+    steps (the C++ hook by default, the Python hook in the --python-hooks pass): the bound is one the code honours."""
     cfg = OffloadConfig(**{"device": "cpu", "min_offload_size": 0, name: SIZE_LIMIT})
     model = MLP()
     twin = twin_of(model)

@@ -196,19 +196,128 @@ def test_native_hands_observed_and_foreign_thread_packs_to_python():
     other_handle.remove()
 
 
-def test_native_hooks_setting_is_checked_and_unavailability_is_explained(monkeypatch):
-    with pytest.raises(TypeError, match="native_hooks"):
+def test_native_hooks_setting_is_checked_and_unavailability_is_explained(monkeypatch, caplog, recwarn):
+    """native_hooks is "auto", True or False; True where it cannot be built raises, saying why and what to
+    do; "auto" there runs the Python hook, with one log line and no warning (nobody asked for it)."""
+    with pytest.raises(TypeError, match="native_hooks='yes'.*'auto', True or False"):
         OffloadConfig(native_hooks="yes")
     assert OffloadConfig.from_dict({"native_hooks": True}).native_hooks is True
+    assert OffloadConfig.__dataclass_fields__["native_hooks"].default in ("auto", True, False)  # (the test options)
 
-    def unavailable():
+    def unavailable(announce=True):
         raise _native.NativeUnavailable("RuntimeError: Ninja is required to load C++ extensions")
 
+    _fresh_native_state(monkeypatch)
     monkeypatch.setattr(_native, "load", unavailable)
     with pytest.raises(OffloadError, match="native_hooks=True.*Ninja is required.*native_hooks=False"):
         OffloadActivations(device="cpu", native_hooks=True)
-    if not OffloadConfig().native_hooks:  # (pytest --native-hooks makes it the default)
-        OffloadActivations(device="cpu")  # the default never builds or loads it
+    caplog.set_level("INFO", logger="offload._native")
+    ctx = OffloadActivations(device="cpu", native_hooks="auto")
+    _native._background.join(30)
+    a = torch.randn(8, requires_grad=True)
+    with ctx:
+        assert getattr(_top_pack_hook(), "__func__", None) is OffloadActivations._pack
+        y = a.exp().sum()
+    y.backward()
+    said = [r for r in caplog.records if "cannot be built here" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "INFO" and "Ninja is required" in said[0].getMessage()
+    OffloadActivations(device="cpu", native_hooks="auto")  # the failure is remembered: no second line
+    assert len([r for r in caplog.records if "cannot be built here" in r.getMessage()]) == 1
+    assert not [w for w in recwarn if "native" in str(w.message)]
+
+
+def _fresh_native_state(monkeypatch) -> None:
+    """offload._native as in a process that has not loaded, built or tried to build it yet (restored after)."""
+    for name, value in (("_module", None), ("_failure", None), ("_background", None), ("_announced", None)):
+        monkeypatch.setattr(_native, name, value)
+
+
+def _top_pack_hook():
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)[0]
+
+
+def test_native_auto_builds_in_the_background_and_the_next_enter_switches(monkeypatch, caplog):
+    """native_hooks="auto" while the extension builds: the constructor does not wait for the build, the
+    Python hook runs, and the first `with` after the build finished pushes the C++ hook; the ledger records
+    the same either way (the hooks decide and record alike)."""
+    built = _native.load()
+    _fresh_native_state(monkeypatch)
+    release = threading.Event()
+
+    def slow_load(announce=True):
+        assert not announce and release.wait(30)
+        _native._module = built
+        return built
+
+    monkeypatch.setattr(_native, "load", slow_load)
+    monkeypatch.setattr(_native, "is_built", lambda: False)
+    caplog.set_level("INFO", logger="offload._native")
+    ctx = OffloadActivations(device="cpu", native_hooks="auto", min_offload_size=1 << 30)
+    twin = OffloadActivations(device="cpu", native_hooks=False, min_offload_size=1 << 30)
+    assert ctx._native is None and [r.levelname for r in caplog.records if "background" in r.getMessage()] == ["INFO"]
+    a = torch.randn(8, requires_grad=True)
+    hooks = []
+    for step in range(2):
+        for eng in (ctx, twin):
+            with eng:
+                hooks.append(_top_pack_hook())
+                y = a.exp().sin().sum()
+            y.backward()
+        if step == 0:
+            release.set()
+            _native._background.join(30)
+    assert getattr(hooks[0], "__func__", None) is OffloadActivations._pack  # step 0: building
+    assert built.is_hook_of(hooks[2], ctx)  # step 1: built
+    fields = ("step", "decision", "reason", "nbytes", "shape", "dtype", "module", "storage_nbytes")
+    recs = [[tuple(getattr(r, f) for f in fields) for r in e.ledger.records] for e in (ctx, twin)]
+    assert len(recs[0]) == 4 and recs[0] == recs[1]
+    assert ctx.ledger.summary()["kept_by_reason"] == twin.ledger.summary()["kept_by_reason"]
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_build(tmp_path):
+    """A build killed midway leaves torch's `lock` file in the build directory, on which torch's own
+    cpp_extension.load waits forever; the next process that builds or loads the extension removes it (no
+    live build holds it) and loads (a subprocess, with a timeout: before the fix it hung)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _native.load()
+    root = tmp_path / "ext"
+    shutil.copytree(_native.build_dir(), root / _native._build_name())  # built: the child only loads it
+    lock = root / _native._build_name() / "lock"
+    lock.write_text("")  # what FileBaton leaves when its process is killed during the build
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root))
+    code = "import logging; logging.basicConfig(); from offload import _native; _native.load(); print('loaded')"
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the next load waited on the stale build lock")
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+    assert not lock.exists() and "removed" in done.stderr and "was killed" in done.stderr
+
+
+def test_a_build_lock_held_by_a_live_build_is_waited_for_not_broken(tmp_path):
+    """While another live process builds (it holds the advisory lock), torch's lock file is not touched:
+    the next build waits, and gives up with a reason after its deadline; once the holder is gone the
+    lock file is stale and removed."""
+    fcntl = pytest.importorskip("fcntl")
+    where = tmp_path / "build"
+    where.mkdir()
+    (where / "lock").write_text("")
+    with open(where / _native._OUR_LOCK, "a+") as holder:  # a second open file: what another process holds
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.warns(UserWarning, match="waiting for another process"), \
+                pytest.raises(_native.NativeUnavailable, match="another process .* building .* for over 0 s"):
+            with _native.build_lock(where, wait_s=0.3):
+                pass
+        assert (where / "lock").exists()
+        fcntl.flock(holder, fcntl.LOCK_UN)
+    with _native.build_lock(where, wait_s=0.3):
+        assert not (where / "lock").exists()
 
 
 def test_native_pass_through_engine_uses_the_python_hook():
@@ -340,13 +449,53 @@ def test_native_build_failure_is_remembered_and_names_the_compiler_error(monkeyp
         OffloadActivations(device="cpu", native_hooks=True)
 
 
-def test_native_hooks_default_follows_the_test_option(request):
-    """``pytest --native-hooks`` (CI's second pass) makes every engine the tests build use the C++ hook;
-    without it the default is the Python hook."""
-    native = request.config.getoption("--native-hooks")
-    assert OffloadConfig().native_hooks is native
+def test_native_hooks_default_follows_the_test_option(hooks):
+    """``pytest --python-hooks`` (CI's second pass) makes every engine the tests build use the Python hook,
+    ``--native-hooks`` the C++ hook; without either the default is "auto", which the session resolved
+    before the first test: the C++ hook wherever it builds."""
+    option = hooks
+    want = {"native": True, "python": False, "auto": "auto"}[option]
+    assert OffloadConfig().native_hooks == want
     ctx = OffloadActivations(device="cpu")
-    assert ctx.config.native_hooks is native
+    assert ctx.config.native_hooks == want
+    native = option == "native" or (option == "auto" and _native.loaded() is not None)
     with ctx:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)[0]
-        assert (getattr(top, "__func__", None) is not OffloadActivations._pack) is native
+        assert (getattr(_top_pack_hook(), "__func__", None) is not OffloadActivations._pack) is native
+
+
+def test_native_auto_leaves_a_subclass_its_own_pack():
+    """An engine whose class overrides _pack runs it under the default ("auto"): the C++ hook would keep
+    tensors without calling it."""
+    calls = []
+
+    class Counting(OffloadActivations):
+        def _pack(self, t):
+            calls.append(1)
+            return super()._pack(t)
+
+    ctx = Counting(device="cpu", native_hooks="auto", min_offload_size=1 << 30)
+    a = torch.randn(8, requires_grad=True)
+    with ctx:
+        y = a.exp().sum()
+    y.backward()
+    assert ctx._native is None and len(calls) == 1 and ctx.ledger.records[-1].reason == "too_small"
+
+
+def test_native_hook_follows_a_ledger_reset_and_new_steps_inside_one_with():
+    """The C++ hook caches the ledger's logs and the step it marked used: after ledger.reset() (new logs)
+    and across steps closed while the engine stays entered, its records and totals are the Python hook's."""
+    a = torch.randn(64, requires_grad=True)
+    got = []
+    for native in (True, False):
+        ctx = OffloadActivations(device="cpu", native_hooks=native, min_offload_size=1 << 30)
+        with ctx:
+            for i in range(3):
+                y = (a.exp() * a).sin().sum()
+                if i == 1:
+                    ctx.ledger.reset()
+                y.backward()
+                y = a.tanh().sum()  # packed after the backward closed the step
+                y.backward()
+        recs = [(r.step, r.decision, r.reason, r.nbytes, r.shape, r.dtype) for r in ctx.ledger.records]
+        got.append((recs, _timing_free(ctx.ledger.summary()), [s.kept_count for s in ctx.ledger.step_totals]))
+    assert got[0] == got[1] and got[0][0]

@@ -17,38 +17,50 @@ WIDTH, ROWS = 64, 32
 ACT = WIDTH * ROWS * 4
 
 
-def _model(layers: int) -> nn.Module:
+def _model(layers: int, narrow_tail: int = 0) -> nn.Module:
+    """``layers`` Linear+Tanh blocks; the last ``narrow_tail`` of them half as wide (saves of ``ACT // 2``)."""
     torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
+    widths = [WIDTH] * (layers - narrow_tail) + [WIDTH // 2] * narrow_tail
+    return nn.Sequential(*[m for i, w in enumerate(widths)
+                           for m in (nn.Linear(widths[i - 1] if i else WIDTH, w), nn.Tanh())])
 
 
 def _steps(model: nn.Module, twin: nn.Module, ctx: OffloadActivations, n: int) -> list[tuple[int, int]]:
-    """``n`` training steps; per step (bytes in flight when the forward left the engine, waits counted)."""
-    out = []
+    """``n`` training steps; per step (bytes in flight when the model's last module had run, inside the engine,
+    its saves kept or offloaded; waits counted)."""
+    out, seen = [], []
+    hook = model[-1].register_forward_hook(lambda *a: seen.append(ctx._sched.inflight_bytes))
     for i in range(n):
         x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(i))
         with ctx:
             loss = model(x).square().mean()
-        at_exit = ctx._sched.inflight_bytes
         loss.backward()
         twin(x).square().mean().backward()
-        out.append((at_exit, ctx.ledger.step_totals[-1].d2h_waits))
+        out.append((seen[-1], ctx.ledger.step_totals[-1].d2h_waits))
+    hook.remove()
     return out
 
 
-@pytest.mark.parametrize("kept_tail", [0, 6], ids=["all_offloaded", "first_blocks_offloaded"])
-def test_the_forward_ends_with_its_offloaded_bytes_off_the_device(kept_tail):
-    """From the second step on, the forward leaves the engine with at most the window in flight (a few copies):
-    every other source was released before the forward's last allocations, whether everything is offloaded
-    or only the first blocks (the rest excluded); the first step keeps the old caps (5 copies). Gradients
-    stay bitwise."""
-    layers = 8
+@pytest.mark.parametrize("native", [False, True], ids=["python_hook", "cpp_hook"])
+@pytest.mark.parametrize("kept_tail, tail", [(0, None), (6, "excluded"), (12, "below_min_size")],
+                         ids=["all_offloaded", "first_blocks_offloaded", "tail_kept_by_size"])
+def test_the_forward_ends_with_its_offloaded_bytes_off_the_device(kept_tail, tail, native):
+    """From the second step on, the forward's last module finishes with at most the window in flight (a few
+    copies): every other source was released before the forward's last allocations, at the packs (kept ones
+    too, by the Python hook and the C++ one alike), whether everything is offloaded or only the first blocks
+    (the rest excluded, or kept because they are small: no module hook then, only the packs see them); the
+    first step keeps the old caps (5 copies). Gradients stay bitwise."""
+    # (first blocks: six offloaded, more copies than the window; the small tail saves more than the window
+    # after the last copy was issued, so only its kept packs can release the sources)
+    layers = 6 + kept_tail if tail == "below_min_size" else 12
     with EmulatedAccelerator(lag=10**9, check=True) as acc:  # copies never report done: only waits free
-        model = _model(layers)
+        model = _model(layers, kept_tail if tail == "below_min_size" else 0)
         twin = twin_of(model)
-        ctx = OffloadActivations(device="cpu", min_offload_size=0)
-        for m in list(model)[2 * (layers - kept_tail):]:
-            ctx.exclude(m)
+        min_size = ACT * 3 // 4 if tail == "below_min_size" else 0
+        ctx = OffloadActivations(device="cpu", min_offload_size=min_size, native_hooks=native)
+        if tail == "excluded":
+            for m in list(model)[2 * (layers - kept_tail):]:
+                ctx.exclude(m)
         got = _steps(model, twin, ctx, 3)
     acc.assert_no_hazards()
     assert_same_grads(model, twin)
