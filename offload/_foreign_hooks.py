@@ -132,17 +132,45 @@ def warn_if_inside_foreign_hooks(engine: Any) -> None:
 # -- rule 3: contexts entered inside an engine, seen at module calls ---------------------------
 
 
+class _Watches(threading.local):
+    entered: "list[tuple[Any, Any]]"
+
+    def __init__(self) -> None:
+        self.entered = []  # (engine, the pack hook its enter pushed), outermost first
+
+
+_watches = _Watches()
+
+
 def watch_inner_hooks(engine: Any, hook: Any) -> Any:
-    """At an enter that pushed ``hook``: watch module calls for other hooks inside (rule 3). Returns
-    what ``unwatch_inner_hooks`` restores at the matching exit."""
-    prev = _module_tls.watch
-    if not getattr(engine, "_warned_inner_hooks", False):
-        _module_tls.watch = (hook, lambda top, module: _inner_hooks(engine, top, module))
-    return prev
+    """At an enter that pushed ``hook``: watch module calls for other hooks inside (rule 3). Returns the
+    token ``unwatch_inner_hooks`` takes at the matching exit."""
+    token = (engine, hook)
+    _watches.entered.append(token)
+    _rewatch()
+    return token
 
 
-def unwatch_inner_hooks(prev: Any) -> None:
-    _module_tls.watch = prev
+def unwatch_inner_hooks(token: Any) -> None:
+    """The exit matching ``token``'s enter: the innermost engine still entered is watched again. By identity,
+    not by restoring what the enter saw: after a misnested exit (rule 4) exits do not mirror enters, and a
+    restored watch would outlive its engine (and warn in its name inside a later engine)."""
+    entered = _watches.entered
+    for i in range(len(entered) - 1, -1, -1):
+        if entered[i] is token:
+            del entered[i]
+            break
+    _rewatch()
+
+
+def _rewatch() -> None:
+    """Watch for the innermost engine entered on this thread, unless it already warned (once an engine)."""
+    entered = _watches.entered
+    if not entered or getattr(entered[-1][0], "_warned_inner_hooks", False):
+        _module_tls.watch = None
+        return
+    engine, hook = entered[-1]
+    _module_tls.watch = (hook, lambda top, module: _inner_hooks(engine, top, module))
 
 
 def _inner_hooks(engine: Any, top: Any, module: Any) -> None:

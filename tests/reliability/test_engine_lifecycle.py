@@ -300,7 +300,8 @@ def test_misnested_exit_leaves_the_engine_and_keeps_the_inner_hooks():
 @pytest.mark.parametrize("inner_kind", ["hooks", "engine"])
 def test_engines_behave_after_a_misnested_exit(kind, inner_kind):
     """After a misnested exit (inside it: plain hooks, or a second engine), the engine and another engine
-    train bitwise, record exactly their own steps, and leave nothing entered or tracked on the thread."""
+    train bitwise, record exactly their own steps, and leave nothing entered, tracked or watched on the
+    thread."""
     from offload import active_engine
     from offload.modules import _tls
 
@@ -316,6 +317,7 @@ def test_engines_behave_after_a_misnested_exit(kind, inner_kind):
             train_step(model, BATCH, eng)
             train_step(ref, BATCH)
             assert active_engine() is None and _top_hooks() is None and _tls.stack is None
+            assert _tls.watch is None, "a left engine still watches module calls"  # (it warned in a later one's name)
         assert_grads_equal(ref, model, f"{kind} after a misnested exit")
         fresh = engine()
         train_step(twin(model), BATCH, fresh)
