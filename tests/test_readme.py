@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -289,11 +290,26 @@ def test_set_up_commands_match_ci():
     commands = _bash_commands(README)
     setup = [c for c in commands if c.startswith("pip install torch==2.13.0 && pip install -e ") and c.count(" && ") > 1]
     assert len(setup) == 2 and setup[0] == MAIN_JOB, setup
-    assert setup[1].startswith('pip install torch==2.13.0 && pip install -e ".[test]" && pytest -m "not slow"')
+    assert setup[1].startswith('pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -m "not slow"')
     ci = (ROOT / ".ci" / "run").read_text()
     assert setup[1] in ci.splitlines(), "README's test command and .ci/run differ"
     assert set(setup) <= set(_bash_commands(DOCS / "getting-started.md")), "getting-started's commands differ"
     assert setup[0] in ci.splitlines(), "CI does not run the README's main-job command as written"
+
+
+def test_set_up_starts_in_a_venv_that_git_ignores_and_runs_the_venvs_pytest():
+    """The README's first command makes and activates a venv (.venv, which git ignores); no page's set-up
+    runs a bare ``pytest`` (in a ``--system-site-packages`` venv that can be the system's): ``python -m pytest``
+    (issue 45 item 7)."""
+    first = _bash_commands(README)[0]
+    assert first.startswith("python -m venv .venv && source .venv/bin/activate"), first
+    if shutil.which("git") is not None and (ROOT / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", "-q", ".venv/bin/python"], cwd=ROOT)
+        assert ignored.returncode == 0, ".venv is not git-ignored"
+    for page in (README, DOCS / "getting-started.md", ROOT / ".ci" / "run"):
+        lines = _bash_commands(page) if page.suffix == ".md" else page.read_text().splitlines()
+        bare = [c for c in lines if re.search(r"(^|&&\s*)pytest\b", c.strip())]
+        assert not bare, (page.name, bare)
 
 
 def _backticked(text: str) -> list[str]:
