@@ -101,6 +101,12 @@ class Module(lightning.LightningModule):
 module = Module()
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*make_batch(4, 16)), batch_size=2)
 """,
+    "plan": _TINY_LM + """
+import torch.nn.functional as F
+model = TinyLM()
+tokens, targets = make_batch(2, 16)
+step = lambda: F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())  # one forward: the loss
+""",
     "loop": """
 import torch
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
@@ -122,6 +128,10 @@ assert len(cb.engine.ledger.step_totals) == 2, cb.engine.ledger.step_totals
     "lightning": """
 (cb,) = [c for c in trainer.callbacks if type(c).__name__ == "OffloadCallback"]
 assert len(cb.engine.ledger.step_totals) == 2, cb.engine.ledger.step_totals
+""",
+    "plan": """
+assert plan.target.name == "h100-sxm" and plan.cost.optimizer.given and plan.cost.optimizer.name == "AdamW"
+assert plan.report().splitlines()[0].startswith("optimizer AdamW included")
 """,
     "loop": """
 assert len(ctx.ledger.step_totals) == 1 and ctx.ledger.summary()["packed_count"] > 0
