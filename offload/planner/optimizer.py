@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .._format import format_bytes
 
 __all__ = ["OptimizerMemory", "optimizer_memory", "adamw_memory", "twin_factory", "check_optimizer",
-           "FOREACH_DEVICES"]
+           "with_optimizer", "charged_bytes", "FOREACH_DEVICES"]
 
 FOREACH_DEVICES = ("cuda", "xpu", "mtia")
 """Device types whose tensors torch's optimizers step with ``foreach`` by default (torch.optim's list)."""
@@ -98,6 +98,20 @@ class OptimizerMemory:
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "charged_bytes": self.charged_bytes,
                 "step_event_bytes": self.step_event_bytes}
+
+
+def with_optimizer(cost: Any, opt: OptimizerMemory) -> Any:
+    """``cost`` (a ``CostModel``) with the step's optimizer: the state the profiles did not hold joins the base
+    (every peak), its step is one more peak (``CostModel.breakdown``; item 4)."""
+    cost.optimizer = opt
+    cost.base += opt.charged_bytes
+    return cost
+
+
+def charged_bytes(cost: Any) -> int:
+    """Optimizer state a plan's measured peaks add (not allocated when planned; 0 without ``optimizer=``)."""
+    opt = getattr(cost, "optimizer", None)
+    return opt.charged_bytes if opt is not None else 0
 
 
 def check_optimizer(owner: str, optimizer: Any) -> None:

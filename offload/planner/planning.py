@@ -37,7 +37,7 @@ from .cost import NO_BACKWARD, CostModel, build_cost_model, measure_hardware
 from .host import TIER_SETTINGS, tier_bytes
 from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install
 from .meter import StepMeasurement, measure_step
-from .optimizer import OptimizerLike, adamw_memory, check_optimizer, optimizer_memory
+from .optimizer import OptimizerLike, adamw_memory, charged_bytes, check_optimizer, optimizer_memory, with_optimizer
 from .settings import engine_settings, synchronous
 from .profile import StepProfile, profile_step, run_step, zero_grads_
 
@@ -131,16 +131,10 @@ class Plan:
                              before_each=lambda: zero_grads_(model))
         finally:
             handle.remove()
-        self.measured_peak_bytes = m.peak_bytes + self.optimizer_charged_bytes
+        self.measured_peak_bytes = m.peak_bytes + charged_bytes(self.cost)
         if m.step_seconds is not None:
             self.measured_step_seconds, self.measured_step_seconds_all = m.step_seconds, m.step_seconds_all
         return m.peak_bytes, m.step_seconds
-
-    @property
-    def optimizer_charged_bytes(self) -> int:
-        """Optimizer state added to the measured peaks (not allocated when planned; 0 without ``optimizer=``)."""
-        opt = self.cost.optimizer if self.cost is not None else None
-        return opt.charged_bytes if opt is not None else 0
 
     # -- reporting --------------------------------------------------------------
 
@@ -333,27 +327,22 @@ def plan(
         min_offload_size: passed to the plan's ``OffloadActivations`` (a size, NOTE [ Sizes ]).
         use_streams: passed to the plan's ``OffloadActivations``.
         engine_kwargs: more ``OffloadActivations`` settings for the plan's engine.
-        bandwidth_gb_s: (D2H, H2D) GB/s, or one number; None = measured with
-            a 64 MB copy once per process (pinned on a GPU).
+        bandwidth_gb_s: (D2H, H2D) GB/s, or one number; None = measured once per process (64 MB, pinned on a GPU).
         solver: "auto" (exact Pareto DP, greedy fallback), "exact", "greedy", "brute_force".
         host_budget_bytes: the engine's pool budget the plan may assume (with any other host tier
             in ``engine_kwargs``: ``pageable_budget_bytes``, ``disk_dir``...); the plan never offloads
             more than the tiers hold, and ``Plan.host_tiers`` says where each block's copies land.
         verify: measure the chosen plan (one tracked step) and, if its measured peak is over the
             budget, solve again with that overshoot as a margin (see :func:`plan_from_cost`).
-        optimizer: the optimizer the training loop steps (``torch.optim.Optimizer``, a list of them, or a
-            factory ``params -> Optimizer``): its state and its step are part of the budget, before its
-            first step too (derived from a step of its twin on fake tensors: NOTE [ Optimizer in the
-            budget ]). None: the peaks are forward and backward only, and ``report()``'s first line says
-            so with what an AdamW would add.
+        optimizer: the loop's optimizer (an Optimizer, a list, or a factory ``params -> Optimizer``): its state and
+            step are in the budget (NOTE [ Optimizer in the budget ]); None: ``report()`` says what an AdamW adds.
 
     Side effects: none. Parameters, gradients, buffers (BatchNorm running stats...) and the CPU and
     device RNG states are bit-identical after ``plan()`` to before it. Hugging Face models have
     ``config.use_cache`` off while profiling (a recompute would append to the KV cache twice).
 
     Raises:
-        OffloadError: no plan's predicted peak fits ``budget_bytes`` (the
-            message names the smallest reachable peak and what holds it).
+        OffloadError: no plan fits ``budget_bytes`` (the message names the smallest reachable peak and what holds it).
     """
     dev = _check_args(model, step, budget_bytes, device, warmup=warmup, timed=timed,
                       min_offload_size=min_offload_size, use_streams=use_streams, bandwidth_gb_s=bandwidth_gb_s,
@@ -389,14 +378,6 @@ def _plan_checked(model: nn.Module, step: Callable[[], torch.Tensor], cand: list
                                                  cost.base + opt.step_event_bytes),
                               unplanned_s=unplanned.step_seconds,
                               solver=solver, step=step if verify else None, warmup=max(1, warmup))
-
-
-def with_optimizer(cost: CostModel, opt: Any) -> CostModel:
-    """``cost`` with the step's optimizer (NOTE [ Optimizer in the budget ]): its state the profiles did not
-    hold joins the base (every peak), its step is one more peak (``CostModel.breakdown``)."""
-    cost.optimizer = opt
-    cost.base += opt.charged_bytes
-    return cost
 
 
 def _cost_model(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[tuple[str, nn.Module]],

@@ -49,8 +49,8 @@ from .blocks import find_blocks
 from .cost import Hardware, build_cost_model
 from .host import TIER_SETTINGS
 from .install import DECISIONS, RECOMPUTE, caching_off, install
-from .optimizer import OptimizerLike, adamw_memory, optimizer_memory, twin_factory
-from .planning import Plan, plan_from_cost, with_optimizer
+from .optimizer import OptimizerLike, adamw_memory, optimizer_memory, twin_factory, with_optimizer
+from .planning import Plan, plan_from_cost
 from .settings import engine_settings
 from .profile import DecisionProfile, StepProfile, tracked
 
