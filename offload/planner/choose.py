@@ -167,9 +167,11 @@ def _infeasible(budget: int, cost: CostModel, lowest: dict[str, str], model: nn.
     hint = ("shrink the step (batch, sequence length): that peak happens outside every candidate block, so no "
             "decision lowers it (or make the module that holds it a candidate)" if outside else
             "shrink the step (batch, sequence length), or pass blocks=[...] with more (or larger) candidates")
-    if opt is not None and where.startswith(opt.name + " step"):
-        hint = ("lighten the optimizer (fewer trainable parameters, e.g. LoRA; a smaller state, e.g. an 8-bit or "
-                "factored optimizer; foreach=False steps one parameter at a time): no decision lowers its step")
+    if opt is not None and (where.startswith(opt.name + " step") or f"the {opt.name} step" in where):
+        hint = (f"lighten the optimizer: its state is {format_bytes(opt.state_bytes)} and its step allocates "
+                f"{format_bytes(opt.step_bytes)} more{' (foreach)' if opt.foreach else ''}, which no decision lowers "
+                "(foreach=False steps one parameter at a time; fewer trainable parameters, e.g. LoRA; a smaller "
+                "state, e.g. an 8-bit or factored optimizer)")
     measured = (f" Measured plans peaked above it ({'; '.join(tried)}), so plans need a margin of {format_bytes(margin)} "
                 "below the budget, which none reaches." if tried else "")
     return OffloadError(

@@ -253,12 +253,17 @@ class CostModel:
             if o.head_event:
                 out.append((self.base + prefix + o.head_event, f"head and loss (after {b.name}: {d})", prefix))
             if o.post_event:
-                out.append((self.base + o.post_event, f"end of backward (after {b.name}: {d})", 0))
+                out.append((self.base + o.post_event, f"end of backward{self._profiled_step()} (after {b.name}: {d})", 0))
             prefix += o.retained
         step = self.optimizer.step_event_bytes if self.optimizer is not None else 0
         if step:  # NOTE [ Optimizer in the budget ] item 4: whatever the decisions
             out.append((self.base + step, f"{self.optimizer.name} step (its state and temporaries, derived)", 0))
         return out
+
+    def _profiled_step(self) -> str:
+        """The end of backward's window holds the optimizer's step when the profiles ran it (a target plan)."""
+        opt = self.optimizer
+        return f" and the {opt.name} step" if opt is not None and opt.given and opt.profiled else ""
 
     def peak(self, decisions: dict[str, str] | list[str]) -> int:
         return max(v for v, _ in self.events(decisions))

@@ -164,6 +164,34 @@ def test_a_budget_the_optimizer_alone_exceeds_is_refused_naming_it():
         offload.plan(model, step, budget_bytes=probe.min_peak_bytes - 1, timed=1, optimizer=opt)
 
 
+class _Wide(torch.nn.Module):
+    """Parameters dominate (a tiny batch): the optimizer's step is the step's peak, whatever the decisions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+@pytest.mark.parametrize("target", [None, "h100-sxm"], ids=["measured", "target"])
+def test_a_budget_below_the_optimizer_step_is_refused_saying_to_lighten_it(target):
+    """When the optimizer's step holds the smallest peak (its state and foreach temporaries over the
+    parameters and gradients), the refusal names that step and what lightens it, measured and on a target."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, x = _Wide(), torch.randn(1, 2, 256)
+    step = lambda: model(x).square().mean()  # noqa: E731
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    kw = {"target": target} if target else {"timed": 1}
+    probe = offload.plan(model, step, budget_bytes=1 << 40, optimizer=opt, verify=False, **kw)
+    with pytest.raises(OffloadError, match=r"AdamW step.*lighten the optimizer.*foreach=False"):
+        offload.plan(model, step, budget_bytes=probe.min_peak_bytes - 1, optimizer=opt, **kw)
+
+
 def test_an_optimizer_argument_that_is_none_of_the_forms_is_refused():
     model, step = make_model_and_step()
     with pytest.raises(TypeError, match=r"optimizer=.*torch.optim.Optimizer"):
