@@ -41,6 +41,7 @@ from bench.strategies import DEFAULT_ORDER, STRATEGIES
 from bench.targets import evaluate_targets
 from bench.workloads import PRESETS, Workload, resolve_dtype
 from offload.sizes import to_bytes
+from bench.plan_models import PLAN_MODELS
 from offload.predict.presets import PRESETS as _PRESETS
 
 __all__ = ["main", "parse_args", "config_from_args"]
@@ -72,12 +73,25 @@ def _mib_or_size(option: str) -> Callable[[str], int]:
     return parse
 
 
+def _seq_arg(text: str) -> int | tuple[int, ...]:
+    """argparse type of ``--seq``: a length, or (``--predict`` only) a comma list of them."""
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seq {text!r} must be a number of tokens (or, with --predict, a comma "
+                                         "list: 16384,32768)") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"--seq {text!r} must be positive")
+    return vals[0] if len(vals) == 1 else vals
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: tiny on CPU, 1b on GPU")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (tokens)")
+    p.add_argument("--seq", type=_seq_arg, default=None,
+                   help="sequence length (tokens); --predict: a comma list (16384,32768)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step")
     p.add_argument("--layers", type=int, default=None, help="number of blocks (turns off fit-to-memory for 8b)")
     p.add_argument("--dim", type=int, default=None, help="hidden size (heads are adjusted to keep head_dim)")
@@ -85,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: preset's; bf16 on GPU)")
     p.add_argument("--steps", type=int, default=None, help="measured steps per strategy (CPU 20, GPU 6)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per strategy (CPU 2, GPU 2)")
-    p.add_argument("--strategies", default="all", help=f"comma list or 'all' ({','.join(DEFAULT_ORDER)})")
+    p.add_argument("--strategies", default="all",
+                   help=f"comma list or 'all' ({','.join(DEFAULT_ORDER)}); --predict: of offload.predict.STRATEGIES")
     p.add_argument("--skip", default="", help="comma list of strategies to leave out (e.g. compile,compile_offload)")
     p.add_argument("--order", choices=("interleaved", "sequential"), default=None,
                    help="interleave strategies step by step (CPU default) or run them one after another (GPU)")
@@ -119,8 +134,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seq", action="store_true", help="longest sequence per arm under one budget (bench/plan.py)")
     p.add_argument("--budgets", default="0.25,0.5,0.75", help="--plan: budgets as fractions of activation memory")
     p.add_argument("--predict", action="store_true",
-                   help="predict a --model preset's step on --gpu per strategy, without a GPU (bench/predict.py)")
-    p.add_argument("--gpu", default="h100-sxm", help="--predict: a GPU of offload.predict.GPUS")
+                   help="predict a --model's step on --gpu per strategy, without a GPU (bench/predict.py; needs the "
+                        "hf extra: pip install -e '.[bench,hf]')")
+    p.add_argument("--gpu", default="h100-sxm", help="--predict: a GPU of offload.predict.GPUS, or a comma list")
+    p.add_argument("--predict-trace", default=None, metavar="PATH",
+                   help="--predict: write each strategy's predicted timeline there as a Chrome trace "
+                        "(PATH_<strategy>.json for several)")
     p.add_argument("--world-size", type=int, default=1,
                    help="--predict: one rank of FSDP2 over this many GPUs (1: a single GPU)")
     p.add_argument("--no-max-context", action="store_true", help="--predict: skip the longest-context search")
@@ -128,9 +147,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--predict: the longest context per card and strategy for Llama-3.1-8B, full fine-tune and "
                         "LoRA (bench/max_context.py)")
     p.add_argument("--no-predict", action="store_true", help="CPU main job: skip the 'predicted on an H100' section")
-    p.add_argument("--model", default="toy", choices=("toy", "encoder", "hf_llama", "hf_gpt2", *_PRESETS),
-                   help="--plan: the model planned (bench/plan_models.py; shaped by --dim/--layers/--seq/...); "
-                        "--predict: a preset (offload.predict.presets)")
+    p.add_argument("--model", default=None,
+                   help=f"--plan / --max-seq: the model planned, one of {', '.join(PLAN_MODELS)} (default toy; "
+                        "bench/plan_models.py; shaped by --dim/--layers/--seq/...); --predict: a preset "
+                        f"({', '.join(_PRESETS)}; default llama3.1-8b) or the path of a Hugging Face config.json")
     p.add_argument("--budget-mib", dest="budget_bytes", type=_mib_or_size("--budget-mib"), default=None, metavar="SIZE",
                    help="--max-seq: device budget, a number of MiB (512) or a size with a unit ('2GB', '1.5GiB'); "
                         "default: the no-plan peak at --seq")
@@ -166,6 +186,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     preset = args.preset or ("1b" if on_gpu else "tiny")
     wl: Workload = PRESETS[preset]
     changes: dict = {}
+    if isinstance(args.seq, tuple):
+        raise ValueError(f"--seq {','.join(map(str, args.seq))}: one length per run (a comma list is for --predict)")
     if args.seq is not None:
         changes["seq_len"] = args.seq
     if args.batch is not None:
@@ -288,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         return main_predict(args, argv)
     try:
         cfg = config_from_args(args)
+        if args.model is not None and args.model not in PLAN_MODELS:
+            raise ValueError(f"--model {args.model!r} is for --predict (a preset or a config.json); --plan and "
+                             f"--max-seq plan one of {', '.join(PLAN_MODELS)}")
+        args.model = args.model or "toy"
     except ValueError as e:
         print(f"python -m bench: {e}", file=sys.stderr)
         return 2

@@ -468,6 +468,7 @@ class _Bench:
         except Skip as e:
             self._fail(r, "skipped", str(e))
         except Exception as e:  # a strategy that breaks must not take the others down
+            raise_interrupt(e)
             self._fail(r, "error", f"prepare failed: {type(e).__name__}: {e}", tb=True)
 
     def _fail(self, r: _Runner, status: str, reason: str, tb: bool = False) -> None:
@@ -495,6 +496,7 @@ class _Bench:
         try:
             yield
         except Exception as e:
+            raise_interrupt(e)
             if r.result.status == "ok":
                 self._fail(r, "error", f"{what} failed: {type(e).__name__}: {e}", tb=True)
 
@@ -543,6 +545,7 @@ class _Bench:
             self._fail(r, "oom", f"out of device memory: {str(e).splitlines()[0]}")
             return
         except Exception as e:
+            raise_interrupt(e)
             self._fail(r, "error", f"step failed: {type(e).__name__}: {e}", tb=True)
             return
         r.planned -= 1
@@ -611,6 +614,7 @@ class _Bench:
                                                           None if got.strict else again.snapshot)
                 got = again
         except Exception as e:  # OOM, or a failure the step itself did not have: no verdict
+            raise_interrupt(e)
             r.result.correctness = None
             self.progress.note(f"{r.spec.name}: correctness step failed: {type(e).__name__}: {e}")
             return
@@ -707,6 +711,7 @@ class _Bench:
                 try:
                     self._cpu_memory_step(r)
                 except Exception as e:
+                    raise_interrupt(e)
                     res.activation_source = f"n/a: profiled step failed: {type(e).__name__}: {e}"
                 r.planned -= 1
                 self.progress.step(r.spec.name + " (memory)")
@@ -734,6 +739,19 @@ def device_unusable(device: torch.device) -> str | None:
 
 
 # ------------------------------------------------------------------ the run
+
+
+def raise_interrupt(e: BaseException) -> None:
+    """Re-raise the interrupt behind ``e``, if any: an exception whose cause or context chain holds a
+    ``KeyboardInterrupt`` or ``SystemExit`` (a library that wrapped one, a worker process the same Ctrl-C
+    stopped) ends the run, as the interrupt itself would; it is not a strategy's error for its peers to run on
+    (issue 45 item 7: a Ctrl-C during the tests must stop them, not become a failing test)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise e
+        e = e.__cause__ or e.__context__
 
 
 PENDING_REASON = ("not run yet: the results file is rewritten after every strategy, and this one had not "
@@ -810,7 +828,10 @@ def run_bench(cfg: BenchConfig, meta: dict[str, Any], ceiling: Any = None,
         _run_all(bench, runners, publish)
     except BaseException as e:  # KeyboardInterrupt, SystemExit (SIGTERM): say so in the file, then go
         bench.stopped = f"not run: the bench was interrupted ({type(e).__name__}) before this strategy finished"
-        publish()
+        try:
+            publish()
+        except Exception:  # a half-finished strategy the file cannot hold must not replace the interrupt
+            traceback.print_exc(file=sys.stderr)
         raise
     finally:
         progress.phase("done")

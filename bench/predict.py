@@ -1,18 +1,24 @@
 """``python -m bench --predict``: what a training step would need on a named GPU, per strategy, PREDICTED.
 
-    python -m bench --predict --gpu h100-sxm --model llama3-8b --seq 8192
-    python -m bench --predict --gpu a100-40gb --model qwen2.5-7b --seq 4096 --no-max-context
+    python -m bench --predict --gpu h100-sxm --model llama3.1-8b --seq 16384,32768
+    python -m bench --predict --gpu h100-sxm,a100-80gb,l40s --model path/to/config.json --no-max-context
+    python -m bench --predict --model qwen2.5-7b --strategies ac,offload_ac --predict-trace trace.json
     python -m bench --predict --model llama3-8b --layers 4     # a quick look: 4 of its 32 blocks
     python -m bench --predict --model llama3-8b --world-size 8 # one rank of FSDP2 over 8 GPUs
 
-For each strategy (none, ac, offload, offload_ac): predicted peak device memory, whether it fits the
-GPU's usable memory, bytes offloaded per step, host bytes per tier, predicted step time, tokens/s,
-exposed copy time, step time relative to ``none`` and to ``ac``, the host link rate at which every
-copy would hide (``TimelineResult.link_bytes_per_s_needed``), the longest context that fits, and how
-long the prediction took on this machine. Writes ``predict_<model>_<gpu>_s<seq>.json`` and
-``.md`` into ``--out`` (default: a fresh ``./bench_runs/<time>_predict_<model>/``). Nothing runs on a
-GPU: the step runs through the real engine on fake tensors (``offload.predict``). Batch 1, AdamW,
-bf16 unless told otherwise.
+``--model`` is a preset (``offload.predict.presets``) or the path of a Hugging Face ``config.json`` (or of
+the folder holding one); ``--gpu`` and ``--seq`` take comma lists (one table and one set of files per
+pair); ``--strategies`` picks among ``offload.predict.STRATEGIES`` (default none, ac, offload, offload_ac).
+For each strategy: predicted peak device memory, whether it fits the GPU's usable memory, bytes offloaded
+per step, host bytes per tier, predicted step time, tokens/s, exposed copy time, step time relative to
+``none`` and to ``ac``, the host link rate at which every copy would hide
+(``TimelineResult.link_bytes_per_s_needed``), the longest context that fits, and how long the prediction
+took on this machine. It prints a narrow table (under 100 columns; ``--full``: every column) and writes
+``predict_<model>_<gpu>_s<seq>.json``, ``.md`` (every column) and ``.png`` (peak and step per strategy)
+into ``--out`` (default: a fresh ``./bench_runs/<time>_predict_<model>/``); ``--predict-trace PATH`` writes each
+strategy's predicted timeline as a Chrome trace. Nothing runs on a GPU: the step runs through the real
+engine on fake tensors (``offload.predict``). Batch 1, AdamW, bf16 unless told otherwise. Needs
+``transformers``: ``pip install -e ".[bench,hf]"``.
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.env import default_run_dir
 
-__all__ = ["STRATEGIES", "predict_rows", "add_step_ratios", "main_predict", "format_markdown", "main_job_section"]
+__all__ = ["STRATEGIES", "predict_rows", "add_step_ratios", "main_predict", "format_markdown", "format_short",
+           "write_png", "trace_paths", "main_job_section"]
 
 STRATEGIES = ("none", "ac", "offload", "offload_ac")
 _GiB = 1 << 30
@@ -58,14 +66,26 @@ def add_step_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def trace_paths(path: str | Path, strategies: Any) -> dict[str, Path]:
+    """Where ``--predict-trace PATH`` writes each strategy's Chrome trace: PATH itself for one strategy, else PATH with
+    ``_<strategy>`` before its suffix (``trace.json`` -> ``trace_none.json``, ``trace_ac.json``...)."""
+    path = Path(path)
+    names = list(strategies)
+    if len(names) == 1:
+        return {names[0]: path}
+    return {n: path.with_name(f"{path.stem}_{n}{path.suffix or '.json'}") for n in names}
+
+
 def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torch.dtype, strategies=STRATEGIES,
                  batch: int = 1, max_context_limit: int | None = None, progress: bool = True,
-                 world_size: int = 1) -> list[dict[str, Any]]:
+                 world_size: int = 1, trace: str | Path | None = None) -> list[dict[str, Any]]:
     """One row per strategy: the prediction at ``seq`` (``batch`` sequences a step), its predicted tokens/s,
     link rate that hides every copy and step time relative to ``none`` and ``ac``, and (with
-    ``max_context_limit``) the longest context; ``world_size > 1``: of one rank of FSDP2 over that many GPUs."""
+    ``max_context_limit``) the longest context; ``world_size > 1``: of one rank of FSDP2 over that many GPUs;
+    ``trace``: each strategy's predicted timeline written there as a Chrome trace (``trace_paths``)."""
     from offload.predict import max_context, predict_step
 
+    traces = trace_paths(trace, strategies) if trace is not None else {}
     rows = []
     for strategy in strategies:
         if progress:
@@ -80,10 +100,15 @@ def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torc
         row["exposed_copy_floor_seconds"] = p.timeline.exposed_copy_floor_seconds if p.timeline else None
         row["exposed_at_issue_seconds"] = p.timeline.exposed_at_issue_seconds if p.timeline else None
         row["link_search_seconds"] = round(time.perf_counter() - t1, 2)
+        if strategy in traces and p.timeline is not None:
+            traces[strategy].parent.mkdir(parents=True, exist_ok=True)
+            p.timeline.write_trace(str(traces[strategy]))
+            row["trace"] = str(traces[strategy])
         if max_context_limit:
             t1 = time.perf_counter()
+            step = min(512, max_context_limit)  # the search's granularity (tokens)
             row["max_context"] = max_context(model_fn, step_fn, gpu=gpu, strategy=strategy, optimizer=_adamw,
-                                             dtype=dtype, start=min(seq, max_context_limit), multiple=512,
+                                             dtype=dtype, start=min(max(seq, step), max_context_limit), multiple=step,
                                              limit=max_context_limit, world_size=world_size)
             row["max_context_seconds"] = round(time.perf_counter() - t1, 1)
             row["max_context_limit"] = max_context_limit
@@ -121,7 +146,7 @@ def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
                      f"{r['host_bytes']['pageable'] / _GiB:.2f} | {_num(r.get('step_seconds'))} | "
                      f"{_num(r.get('tokens_per_s'), '.0f')} | {_num(r.get('exposed_copy_seconds'))} | "
                      f"{_num(r.get('exposed_at_issue_seconds'))} | "
-                     f"{_num(r.get('step_vs_none'), '.2f')}x | {_num(r.get('step_vs_ac'), '.2f')}x | {_link(r)} | "
+                     f"{_ratio(r.get('step_vs_none'))} | {_ratio(r.get('step_vs_ac'))} | {_link(r)} | "
                      f"{mc if mc is not None else 'n/a'} | {r['predict_seconds'] + r.get('link_search_seconds', 0):.1f} |")
     if rows:
         lines += ["", f"PREDICTED, not measured: {rows[0]['gpu_spec']}; usable "
@@ -136,46 +161,164 @@ def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main_predict(args: argparse.Namespace, argv: list[str] | None) -> int:
-    """``--predict``: presets only (``--model``), one GPU (``--gpu``)."""
-    from offload.predict.presets import PRESETS, max_positions, preset_config, preset_model_fn, preset_step_fn
+SHORT_COLUMNS = ("strategy", "peak GiB", "fits", "offl. GiB", "step s", "tok/s", "vs ac", "exposed s", "max ctx")
+"""The default terminal table (``format_short``): under 100 columns; ``--full`` prints ``format_markdown``'s."""
+WIDTH = 100
+"""Columns the default output fits (a terminal's; tests/predict/test_predict_cli.py)."""
 
-    if args.model not in PRESETS:
-        print(f"python -m bench --predict: --model {args.model!r} is not a preset; choose one of {PRESETS}",
-              file=sys.stderr)
+
+def _ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def _context(r: dict[str, Any]) -> str:
+    mc = r.get("max_context")
+    if mc is None:
+        return "n/a"
+    return f">={mc}" if mc == r.get("max_context_limit") else str(mc)
+
+
+def format_short(rows: list[dict[str, Any]], title: str) -> str:
+    """The narrow table a terminal shows (``SHORT_COLUMNS``), under a title saying PREDICTED and the GPU,
+    and a line naming what ``--full`` and the files add."""
+    from offload._format import render_table
+
+    body = [[r["strategy"], f"{r['peak_bytes'] / _GiB:.2f}", "yes" if r["fits"] else "NO",
+             f"{r['offloaded_bytes'] / _GiB:.2f}", _num(r.get("step_seconds")), _num(r.get("tokens_per_s"), ".0f"),
+             _ratio(r.get("step_vs_ac")), _num(r.get("exposed_copy_seconds")), _context(r)]
+            for r in rows]
+    gpu = rows[0]["gpu"] if rows else "?"
+    usable = f" (usable {rows[0]['usable_bytes'] / _GiB:.1f} GiB)" if rows else ""
+    notes = (f"every figure PREDICTED for {gpu}{usable}; exposed s: time compute waits on copies; max ctx: the "
+             "longest context that fits (>=: the model's position limit); --full (and the .md): host tiers, the "
+             "link rate that hides the copies, what the prediction assumed")
+    return "\n".join(_wrapped(title) + [render_table(body, SHORT_COLUMNS).rstrip("\n")] + _wrapped(notes)) + "\n"
+
+
+def _wrapped(text: str) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, WIDTH) or [""]
+
+
+def write_png(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
+    """Predicted peak (with the GPU's usable memory) and predicted step time per strategy, side by side.
+    False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [r["strategy"] for r in rows]
+    fig, (mem, step) = plt.subplots(1, 2, figsize=(10, 4))
+    colors = ["C0" if r["fits"] else "C3" for r in rows]
+    mem.bar(names, [r["peak_bytes"] / _GiB for r in rows], color=colors)
+    if rows:
+        mem.axhline(rows[0]["usable_bytes"] / _GiB, color="0.3", ls="--", lw=1)
+        mem.annotate(f"usable on {rows[0]['gpu']}", (0, rows[0]["usable_bytes"] / _GiB), xytext=(2, 3),
+                     textcoords="offset points", fontsize=8, color="0.3")
+    mem.set_ylabel("peak device memory, GiB (PREDICTED)")
+    mem.set_title("red: does not fit", fontsize=8)
+    step.bar(names, [r.get("step_seconds") or 0.0 for r in rows], color="C1")
+    step.set_ylabel(f"step time, s (PREDICTED on {rows[0]['gpu'] if rows else '?'})")
+    for ax in (mem, step):
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``--predict`` runs, checked before any prediction (ValueError: the message for the user)."""
+    from offload.predict import GPUS, STRATEGIES as ALL
+    from offload.predict.presets import config_max_positions, model_config, model_label
+
+    name = args.model or "llama3.1-8b"
+    cfg = model_config(name, layers=args.layers)
+    gpus = [g.strip() for g in str(args.gpu).split(",") if g.strip()]
+    unknown = [g for g in gpus if g not in GPUS]
+    if unknown or not gpus:
+        raise ValueError(f"--gpu {args.gpu!r}: {', '.join(unknown) or 'none given'} not in offload.predict.GPUS "
+                         f"({', '.join(GPUS)})")
+    strategies = (STRATEGIES if args.strategies == "all" else
+                  tuple(x.strip() for x in args.strategies.split(",") if x.strip()))
+    bad = [x for x in strategies if x not in ALL]
+    if bad or not strategies:
+        raise ValueError(f"--strategies {args.strategies!r}: {', '.join(bad) or 'none given'} not one of "
+                         f"{', '.join(ALL)} (with --predict)")
+    limit = config_max_positions(cfg)
+    seqs = list(args.seq) if isinstance(args.seq, tuple) else [args.seq or min(8192, limit)]  # (cli._seq_arg)
+    over = [q for q in seqs if q > limit]
+    if over:
+        raise ValueError(f"--seq {over[0]} is beyond {name}'s {limit} positions (its max_position_embeddings)")
+    if args.world_size < 1:
+        raise ValueError(f"--world-size {args.world_size} must be >= 1")
+    return {"name": name, "label": model_label(name), "cfg": cfg, "gpus": gpus, "strategies": strategies,
+            "seqs": seqs, "limit": limit}
+
+
+def main_predict(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--predict``: a preset or a config.json (``--model``), on each ``--gpu`` at each ``--seq``."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:  # every preset and config.json is a Hugging Face model
+        from offload.predict.presets import EXTRA
+
+        print(f"python -m bench --predict needs transformers (its models are Hugging Face configs), which is not "
+              f'installed: pip install -e ".[bench,{EXTRA}]" (the {EXTRA} extra; .[test] has both)', file=sys.stderr)
         return 2
-    seq = args.seq or 8192
-    limit = max_positions(args.model)
-    if seq > limit:
-        print(f"python -m bench --predict: --seq {seq} is beyond {args.model}'s {limit} positions", file=sys.stderr)
+    from offload.predict.presets import config_model_fn, preset_step_fn
+
+    try:
+        st = _settings(args)
+    except ValueError as e:
+        print(f"python -m bench --predict: {e}", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16
-    cfg = preset_config(args.model)
-    model_fn = preset_model_fn(args.model, layers=args.layers)
-    step_fn = preset_step_fn(cfg.vocab_size, batch=args.batch or 1)
-    world_size = getattr(args, "world_size", 1)
-    if world_size < 1:
-        print(f"python -m bench --predict: --world-size {world_size} must be >= 1", file=sys.stderr)
-        return 2
-    rows = predict_rows(model_fn, step_fn, gpu=args.gpu, seq=seq, dtype=dtype, batch=args.batch or 1,
-                        max_context_limit=None if args.no_max_context else limit, progress=not args.quiet,
-                        world_size=world_size)
-    layers = f", {args.layers} blocks" if args.layers else ""
-    ranks = f", one rank of FSDP2 over {world_size} GPUs" if world_size > 1 else ""
-    title = (f"PREDICTED on {args.gpu}{ranks}: {args.model}{layers}, s={seq}, b={args.batch or 1}, {dtype}, AdamW "
-             "(offload.predict; no GPU used)")
-    md = format_markdown(rows, title)
-    print(md)
-    if not args.no_write:
-        stem = f"predict_{args.model}_{args.gpu}_s{seq}" + (f"_x{world_size}" if world_size > 1 else "")
-        out = args.out if args.out is not None else default_run_dir("predict", args.model)
-        out.mkdir(parents=True, exist_ok=True)
-        cmd = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
-        (out / f"{stem}.json").write_text(json.dumps({"kind": "predicted", "command": cmd, "title": title,
-                                                      "gpu": args.gpu, "gpu_spec": rows[0]["gpu_spec"],
-                                                      "rows": rows}, indent=1, default=str))
-        (out / f"{stem}.md").write_text(f"{md}\nMade by `{cmd}`.\n")
-        print(f"wrote {out / (stem + '.json')}\nwrote {out / (stem + '.md')}")
+    model_fn = config_model_fn(st["cfg"])
+    step_fn = preset_step_fn(st["cfg"].vocab_size, batch=args.batch or 1)
+    world_size = args.world_size
+    out = None
+    for gpu in st["gpus"]:
+        for seq in st["seqs"]:
+            stem = f"predict_{st['label']}_{gpu}_s{seq}" + (f"_x{world_size}" if world_size > 1 else "")
+            trace = None
+            if args.predict_trace is not None:  # one trace per GPU and length when several are asked for
+                trace = Path(args.predict_trace) if len(st["gpus"]) * len(st["seqs"]) == 1 else \
+                    Path(args.predict_trace).with_name(f"{Path(args.predict_trace).stem}_{gpu}_s{seq}{Path(args.predict_trace).suffix}")
+            rows = predict_rows(model_fn, step_fn, gpu=gpu, seq=seq, dtype=dtype, strategies=st["strategies"],
+                                batch=args.batch or 1, max_context_limit=None if args.no_max_context else st["limit"],
+                                progress=not args.quiet, world_size=world_size, trace=trace)
+            layers = f", {args.layers} blocks" if args.layers else ""
+            ranks = f", one rank of FSDP2 over {world_size} GPUs" if world_size > 1 else ""
+            title = (f"PREDICTED on {gpu}{ranks}: {st['name']}{layers}, s={seq}, b={args.batch or 1}, {dtype}, "
+                     "AdamW (offload.predict; no GPU used)")
+            md = format_markdown(rows, title)
+            print(md if args.full else format_short(rows, title))
+            for r in rows:
+                if r.get("trace"):
+                    print(f"wrote {r['trace']} (Chrome trace of {r['strategy']}: https://ui.perfetto.dev)")
+            if args.no_write:
+                continue
+            if out is None:
+                out = args.out if args.out is not None else default_run_dir("predict", st["label"])
+                out.mkdir(parents=True, exist_ok=True)
+            cmd = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+            (out / f"{stem}.json").write_text(json.dumps({"kind": "predicted", "command": cmd, "title": title,
+                                                          "model": st["name"], "gpu": gpu,
+                                                          "gpu_spec": rows[0]["gpu_spec"], "rows": rows},
+                                                         indent=1, default=str))
+            png = out / f"{stem}.png"
+            drawn = not args.no_plot and write_png(rows, title, png)
+            (out / f"{stem}.md").write_text(f"{md}\n" + (f"![peak and step per strategy]({png.name})\n\n" if drawn else "")
+                                            + f"Made by `{cmd}`.\n")
+            for f in (out / f"{stem}.json", out / f"{stem}.md", *([png] if drawn else [])):
+                print(f"wrote {f}")
     return 0
 
 

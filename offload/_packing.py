@@ -174,11 +174,7 @@ class _Packing:
                              _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype), dev, module,
                              KEPT, reason, ptr, len(st))
             handle = self._offload(t, rec, key, ts, step, dtype, device, base, itemsize, contiguous, lo_b, hi_b)
-            if rec.decision == OFFLOADED:  # (Ledger.add's logs, inlined)
-                ledger.offloaded_log.append(nbytes)
-                ledger.tier_log[rec.tier].append(rec.copy_bytes)
-            else:  # a shared copy (Rule 7), or no room on the host (Rule 9)
-                ledger.log_kept(rec.reason, nbytes)
+            _log_offload(ledger, rec, nbytes)
         # -- record
         ledger._open_used = True
         if spanned:
@@ -386,3 +382,12 @@ class _Packing:
                 h.index = len(live)
                 live.append(r)
         order[:] = live
+
+
+def _log_offload(ledger: Any, rec: PackRecord, nbytes: int) -> None:
+    """Ledger.add's logs for an offload candidate (the offload path's share of ``_pack``'s record step)."""
+    if rec.decision == OFFLOADED:
+        ledger.offloaded_log.append(nbytes)
+        ledger.tier_log[rec.tier].append(rec.copy_bytes)
+    else:  # a shared copy (Rule 7), or no room on the host (Rule 9)
+        ledger.log_kept(rec.reason, nbytes)

@@ -342,11 +342,10 @@ def _classify(t: torch.Tensor, device: torch.device, min_offload_size: int, excl
     """``classify`` with positional arguments (a keyword call costs the pack hook ~0.2 us) and
     ``owner(ptr)``: PARAMETER / BUFFER when a running module's parameter / buffer lives on ``ptr``.
 
-    Facts the caller has read come as arguments, so the pack hook reads each once: ``base``
-    (``t._base``), ``on_device`` (``t.device == device``) and ``leaf`` (``t.is_leaf``). ``on_device`` is given only by a
-    caller that has also found ``t`` plain (exactly ``torch.Tensor`` or ``nn.Parameter``, with a
-    storage at ``ptr``, strided, not nested, not quantized), as ``_pack`` does before it calls;
-    None: all of that is checked here.
+    Facts the caller has read come as arguments (the pack hook reads each once): ``base``, ``on_device``
+    (``t.device == device``), ``leaf``. ``on_device`` only from a caller that found ``t`` plain (exactly
+    ``torch.Tensor`` or ``nn.Parameter``; storage at ``ptr``, strided, not nested or quantized), as ``_pack``
+    does; None: all of that is checked here.
     """
     # is_static_tensor and is_unsupported, inlined for the plain-tensor case.
     if leaf is _UNREAD:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,12 @@ class Module(lightning.LightningModule):
 module = Module()
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*make_batch(4, 16)), batch_size=2)
 """,
+    "plan": _TINY_LM + """
+import torch.nn.functional as F
+model = TinyLM()
+tokens, targets = make_batch(2, 16)
+step = lambda: F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())  # one forward: the loss
+""",
     "loop": """
 import torch
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
@@ -121,6 +128,10 @@ assert len(cb.engine.ledger.step_totals) == 2, cb.engine.ledger.step_totals
     "lightning": """
 (cb,) = [c for c in trainer.callbacks if type(c).__name__ == "OffloadCallback"]
 assert len(cb.engine.ledger.step_totals) == 2, cb.engine.ledger.step_totals
+""",
+    "plan": """
+assert plan.target.name == "h100-sxm" and plan.cost.optimizer.given and plan.cost.optimizer.name == "AdamW"
+assert plan.report().splitlines()[0].startswith("optimizer AdamW included")
 """,
     "loop": """
 assert len(ctx.ledger.step_totals) == 1 and ctx.ledger.summary()["packed_count"] > 0
@@ -289,11 +300,26 @@ def test_set_up_commands_match_ci():
     commands = _bash_commands(README)
     setup = [c for c in commands if c.startswith("pip install torch==2.13.0 && pip install -e ") and c.count(" && ") > 1]
     assert len(setup) == 2 and setup[0] == MAIN_JOB, setup
-    assert setup[1].startswith('pip install torch==2.13.0 && pip install -e ".[test]" && pytest -m "not slow"')
+    assert setup[1].startswith('pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -m "not slow"')
     ci = (ROOT / ".ci" / "run").read_text()
     assert setup[1] in ci.splitlines(), "README's test command and .ci/run differ"
     assert set(setup) <= set(_bash_commands(DOCS / "getting-started.md")), "getting-started's commands differ"
     assert setup[0] in ci.splitlines(), "CI does not run the README's main-job command as written"
+
+
+def test_set_up_starts_in_a_venv_that_git_ignores_and_runs_the_venvs_pytest():
+    """The README's first command makes and activates a venv (.venv, which git ignores); no page's set-up
+    runs a bare ``pytest`` (in a ``--system-site-packages`` venv that can be the system's): ``python -m pytest``
+    (issue 45 item 7)."""
+    first = _bash_commands(README)[0]
+    assert first.startswith("python -m venv .venv && source .venv/bin/activate"), first
+    if shutil.which("git") is not None and (ROOT / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", "-q", ".venv/bin/python"], cwd=ROOT)
+        assert ignored.returncode == 0, ".venv is not git-ignored"
+    for page in (README, DOCS / "getting-started.md", ROOT / ".ci" / "run"):
+        lines = _bash_commands(page) if page.suffix == ".md" else page.read_text().splitlines()
+        bare = [c for c in lines if re.search(r"(^|&&\s*)pytest\b", c.strip())]
+        assert not bare, (page.name, bare)
 
 
 def _backticked(text: str) -> list[str]:
@@ -317,6 +343,200 @@ def test_pages_cite_results_files_that_exist():
     assert any(page == "README.md" for page in cited.values()), "the README cites no results file"
     missing = sorted(f"{p} (cited in {page})" for p, page in cited.items() if not (ROOT / p).is_file())
     assert not missing, missing
+
+
+# -- the README's figures are the files' (issue 45 item 6) ------------------------------------------------
+
+
+def _results(path: str) -> dict:
+    import json
+
+    return json.loads((ROOT / path).read_text())
+
+
+def _flat(text: str) -> str:
+    """Whitespace folded to single spaces (a claim may wrap across lines)."""
+    return re.sub(r"\s+", " ", text)
+
+
+def _results_table(path: str) -> list[str]:
+    """The README's results table rows, as its file gives them: CPU time x none with its 95% interval,
+    activation MiB, gradients."""
+    d = _results(path)
+    rows = []
+    for name in ("none", "ac", "offload", "offload_ac", "save_on_cpu", "account_only"):
+        s = next(x for x in d["strategies"] if x["name"] == name)
+        r = d["ratios"][name]
+        lo, hi = r["cpu_time_x_none_ci95"]
+        t = "1.000" if name == "none" else f"{r['cpu_time_x_none']:.3f} [{lo:.3f}-{hi:.3f}]"
+        grads = "reference" if name == "none" else ("bitwise equal" if s["correctness"]["bitwise_equal"] else "NOT")
+        rows.append(f" | {t} | {s['activation_bytes'] / 2**20:.1f} | {grads} |")
+    return rows
+
+
+def _planner_files(cited: str) -> list[str]:
+    """The planner met every budget it accepted, measured, in each of the four models' files."""
+    files = sorted(ROOT.glob("bench/results/cpu/plan_*_L4_s256_b2_float32.json"))
+    files = [f for f in files if "maxseq" not in f.name]
+    for f in files:
+        for row in _results(str(f.relative_to(ROOT)))["planned"]:
+            if row["status"] == "ok":
+                assert row["measured_peak_bytes"] <= row["budget_bytes"], (f.name, row["fraction"])
+    assert len(files) == 4
+    return ["met every budget it accepted, measured, at 25 / 50 / 75 % of activation memory on four models"]
+
+
+def _h200_8b(path: str) -> list[str]:
+    d = _results(path)
+    r = d["ratios"]
+    by = {s["name"]: s for s in d["strategies"]}
+    assert all(s["correctness"]["bitwise_equal"] for s in by.values() if s["status"] == "ok")
+    rate = min(by["offload"]["engine"]["d2h_gb_s"] / d["ceiling"]["d2h_gb_s"],
+               by["offload"]["engine"]["h2d_gb_s"] / d["ceiling"]["h2d_gb_s"])
+    # (no step-time ratio between strategies: that run had torch's GPU-trace callbacks on)
+    return [f"`offload_ac` {100 * (1 - r['offload_ac']['activation_x_ac']):.0f} % less activation memory than `ac`",
+            f"`offload` at {r['offload']['time_x_none']:.2f}x `none` "
+            f"({by['offload']['engine']['offloaded_bytes'] / 1e9:.1f} GB a step",
+            f"TRL's: {r['trl']['time_x_none']:.2f}x", f"copies at {100 * rate:.0f} % of pinned bandwidth"]
+
+
+def _gpu_tests(path: str) -> list[str]:
+    last = (ROOT / path).read_text().strip().splitlines()[-1]
+    failed, passed = (int(re.search(rf"(\d+) {w}", last).group(1)) for w in ("failed", "passed"))
+    return [f"{passed} of {passed + failed} GPU tests passed"]
+
+
+def _predicted_vs_measured(path: str) -> list[str]:
+    """Predicted over measured for the four strategies, peak and step, at 8B width (and steps at 1B)."""
+    out = {}
+    for f in _results(path)["files"]:
+        four = [f["strategies"][n]["ratio"] for n in ("none", "ac", "offload_ac", "offload")]
+        out[f["measured_file"].split("_")[0]] = {k: (min(x[k] for x in four), max(x[k] for x in four))
+                                                for k in ("peak_allocated_bytes", "step_seconds")}
+    big, small = out["8b"], out["1b"]
+    return [f"peaks {big['peak_allocated_bytes'][0]:.2f}-{big['peak_allocated_bytes'][1]:.2f}x of measured and "
+            f"step times {big['step_seconds'][0]:.2f}-{big['step_seconds'][1]:.2f}x (predicted / measured, for "
+            f"`none`, `ac`, `offload_ac` and `offload`; at 1B width steps {small['step_seconds'][0]:.2f}-"
+            f"{small['step_seconds'][1]:.2f}x"]
+
+
+def _predicted_8b(path: str) -> list[str]:
+    rows = {r["strategy"]: r for r in _results(path)["rows"]}
+    gib = {n: f"{r['peak_bytes'] / 2**30:.1f} GiB" for n, r in rows.items()}
+    assert not rows["none"]["fits"] and rows["ac"]["fits"] and rows["offload_ac"]["fits"]
+    return [f"no checkpointing {gib['none']} (does not fit), `ac` {gib['ac']}, `offload_ac` {gib['offload_ac']} at "
+            f"{rows['offload_ac']['step_vs_ac']:.2f}x the step of `ac`"]
+
+
+def _tiers(path: str) -> list[str]:
+    t = _results(path)["target"]
+    assert t["met"] and t["what"] == "disk@50 step time <= 1.25x host_only"
+    return [f"tier cost {t['ratio']:.2f}x the step of an unbounded pool (target 1.25x, met"]
+
+
+def _max_context(path: str) -> list[str]:
+    rows = {r["strategy"]: r for r in _results(path)["rows"] if (r["workload"], r["card"]) == ("lora", "h100-sxm")}
+    lc = rows["long_context"]
+    return [f"Llama-3.1-8B LoRA r=16 on `h100-sxm`: {lc['max_context']:,} tokens, {lc['host_bytes'] / 2**30:.0f} GiB "
+            f"pinned host memory (`ac`: {rows['ac']['max_context']:,}"]
+
+
+def _max_seq(path: str) -> list[str]:
+    rows = {r["arm"]: r["max_seq"] for r in _results(path)["rows"]}
+    return [f"{rows['long_context'] / rows['ac']:.0f}x `ac`'s sequence"]
+
+
+README_CLAIMS = {
+    "bench/results/cpu/tiny_L4_s256_b2_float32.json": _results_table,
+    "bench/results/cpu/plan_hf_llama_L4_s256_b2_float32.md": _planner_files,
+    "bench/results/nvidia-h200/2026-11-26-49b9263/8b_L32_s4096_b1_bfloat16.md": lambda p: _h200_8b(p.replace(".md", ".json")),
+    "bench/results/nvidia-h200/2026-11-26-49b9263/gpu_tests.txt": _gpu_tests,
+    "bench/results/nvidia-h200/2026-11-26-49b9263/predicted_vs_measured.md": lambda p: _predicted_vs_measured(p.replace(".md", ".json")),
+    "bench/results/predicted/predict_llama3-8b_h100-sxm_s8192.md": lambda p: _predicted_8b(p.replace(".md", ".json")),
+    "bench/results/cpu/tiers_tiny_L4_s256_b2_float32.json": _tiers,
+    "bench/results/predicted/max_context_llama3.1-8b.md": lambda p: _max_context(p.replace(".md", ".json")),
+    "bench/results/cpu/plan_maxseq_hf_llama_L4_s256_b1_float32.md": lambda p: _max_seq(p.replace(".md", ".json")),
+}
+"""Each results file the README cites -> its figures as the README must write them, computed from the file."""
+
+
+def _benchmarks_table(path: str) -> list[str]:
+    """docs/benchmarks.md's CPU table: wall and CPU ms, CPU time x none with its interval, activation MiB and x
+    none, host copies MiB, per strategy."""
+    import statistics
+
+    d = _results(path)
+    out = []
+    for s in d["strategies"]:
+        if s["status"] != "ok":
+            continue
+        r = d["ratios"][s["name"]]
+        lo, hi = r["cpu_time_x_none_ci95"]
+        t = "1.000" if s["name"] == "none" else f"{r['cpu_time_x_none']:.3f} [{lo:.3f}-{hi:.3f}]"
+        out.append(f"| {s['name']} | {s['median_s'] * 1e3:.1f} | {statistics.median(s['times']['cpu_seconds']) * 1e3:.1f} "
+                   f"| {t} | {s['activation_bytes'] / 2**20:.1f} | {r['activation_x_none']:.3f} | "
+                   f"{s['host_copy_bytes'] / 2**20:.1f} |")
+    return out
+
+
+def _planner_row(path: str) -> list[str]:
+    """docs/planner.md's table: per budget, peak and step predicted -> measured and the verdict against the
+    fastest fixed strategy that fits."""
+    out = []
+    for r in _results(path)["planned"]:
+        if r["status"] == "ok":
+            out.append(f"{r['predicted_peak_bytes'] / 2**20:.1f} → {r['measured_peak_bytes'] / 2**20:.1f} MiB, "
+                       f"{r['predicted_step_s'] * 1e3:.0f} → {r['measured_step_s'] * 1e3:.0f} ms, "
+                       f"{r['vs_fastest_fixed']} vs {r['fastest_fixed']}")
+        else:
+            out.append("| no plan")
+    return out
+
+
+def _copied_table(path: str) -> list[str]:
+    """A page that shows a results file's table shows its rows as the file has them."""
+    lines = (ROOT / path).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    return [line for line in lines[start:] if line.startswith("| ")][:12]
+
+
+def _per_rank_table(path: str) -> list[str]:
+    return [f"| {r['strategy']} | {r['peak_bytes'] / 2**30:.2f} | {'yes' if r['fits'] else 'no'} | "
+            f"{r['offloaded_bytes'] / 2**30:.2f} | {r['step_seconds']:.3f} |" for r in _results(path)["rows"]]
+
+
+_PLAN_FILES = [f"bench/results/cpu/plan_{m}_L4_s256_b2_float32.json" for m in ("tiny", "encoder", "hf_llama", "hf_gpt2")]
+DOC_CLAIMS = {
+    "docs/benchmarks.md": {"bench/results/cpu/tiny_L4_s256_b2_float32.json": _benchmarks_table},
+    "docs/planner.md": dict.fromkeys(_PLAN_FILES, _planner_row),
+    "docs/predict.md": {"bench/results/predicted/predict_llama3-8b_h100-sxm_s8192.md": _copied_table,
+                        "bench/results/predicted/predict_llama3-8b_h100-sxm_s8192_x8.md":
+                            lambda p: _per_rank_table(p.replace(".md", ".json"))},
+}
+"""Pages of docs/ whose figures are checked against the files they cite (the tables)."""
+
+
+@pytest.mark.parametrize("page", sorted(DOC_CLAIMS))
+def test_docs_tables_are_the_files_they_cite(page):
+    """A docs table that cites a results file gives the figures the file holds."""
+    text = (ROOT / page).read_text()
+    flat = _flat(text)
+    for path, claims in DOC_CLAIMS[page].items():
+        assert f"`{path}`" in text, f"{page} no longer cites {path}"
+        for claim in claims(path):
+            assert claim in flat, f"{page} does not say what {path} shows: expected {claim!r}"
+
+
+def test_readme_figures_are_the_files_they_cite():
+    """Every results file the README cites has its figures checked here, and each figure the README gives is
+    the one its file holds (a number that disagrees with its file fails, naming both)."""
+    text = README.read_text()
+    cited = set(re.findall(r"`(bench/results/[\w./-]+\.(?:json|md|png|txt))`", text))
+    assert cited == set(README_CLAIMS), (sorted(cited - set(README_CLAIMS)), sorted(set(README_CLAIMS) - cited))
+    flat = _flat(text)
+    for path, claims in README_CLAIMS.items():
+        for claim in claims(path):
+            assert claim in flat, f"README.md does not say what {path} shows: expected {claim!r}"
 
 
 def _first_screen() -> str:

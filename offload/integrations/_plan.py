@@ -1,7 +1,9 @@
 """Plan on a trainer's first training step, apply, re-plan when the sequence grows (both callbacks).
 
 The callbacks hand :class:`StepPlanner` the trainer's own step (HF: ``Trainer.compute_loss`` on the
-batch; Lightning: ``training_step``) before it runs for real. On the first step it calls
+batch; Lightning: ``training_step``) and the trainer's own optimizer (HF: ``Trainer.optimizer``, created
+before training starts; Lightning: ``trainer.optimizers``), whose state and step are part of the budget
+(NOTE [ Optimizer in the budget ]), before the step runs for real. On the first step it calls
 ``offload.plan`` with that step, applies the plan, and logs when planning starts (with the number
 of steps it runs) and the decisions with the predicted vs measured peak (``plan()`` measures the
 plan it returns), both at WARNING on a logger under the trainer's own, which its default logging
@@ -81,8 +83,11 @@ class StepPlanner:
         self.plans = 0
         """How many times a plan was made (1 + re-plans)."""
 
-    def before_step(self, model: nn.Module, step: Callable[[], torch.Tensor], batch: Any) -> None:
-        """Plan (first step, or a larger batch than planned) and apply, before the step runs."""
+    def before_step(self, model: nn.Module, step: Callable[[], torch.Tensor], batch: Any,
+                    optimizer: Any = None) -> None:
+        """Plan (first step, or a larger batch than planned) and apply, before the step runs. ``optimizer``:
+        the trainer's own (its state and step are in the budget: NOTE [ Optimizer in the budget ]), unless
+        ``plan_kwargs`` names one."""
         shape = batch_shape(batch)
         if self.plan is not None and self.planned_shape is not None and (
                 shape[0] <= self.planned_shape[0] and shape[1] <= self.planned_shape[1]):
@@ -96,8 +101,12 @@ class StepPlanner:
         # At WARNING on the trainer's logger: what its default logging shows (the HF Trainer hides INFO),
         # so the first step's wait is never silent (issue 31).
         kw = self.plan_kwargs
-        self.shown.warning("%s: planning activation offloading for batch %s with budget_bytes=%d (%s): runs "
+        if "optimizer" not in kw and optimizer is not None:
+            kw = {**kw, "optimizer": optimizer}
+        self.shown.warning("%s: planning activation offloading for batch %s with budget_bytes=%d (%s), %s: runs "
                            "about %d training steps", self.owner, shape, budget, format_bytes(budget),
+                           "optimizer state included" if kw.get("optimizer") is not None else
+                           "optimizer state NOT included (no optimizer)",
                            plan_steps(kw.get("warmup", 1), kw.get("timed", 3)))
         t0 = time.perf_counter()
         try:

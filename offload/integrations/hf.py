@@ -10,7 +10,7 @@ step's figures (``offload/offloaded_bytes``, ``offload/kept_bytes``,
 
 With a memory budget, ``OffloadCallback(budget_bytes=...)`` (or ``budget="80%"`` of the device)
 plans instead: on the first training step it runs ``offload.plan`` with the Trainer's own
-``compute_loss`` on that batch, applies the plan (keep / offload / recompute per block), logs the
+``compute_loss`` on that batch and the Trainer's own optimizer (its state and step in the budget), applies the plan (keep / offload / recompute per block), logs the
 decisions and the predicted vs measured peak, and plans again when a batch is larger (longer
 sequences) than the one planned for (see ``offload.integrations._plan``).
 
@@ -149,7 +149,9 @@ class OffloadCallback(TrainerCallback):
             if not busy and m.training and torch.is_grad_enabled():
                 busy.append(True)
                 try:
-                    planner.before_step(model, lambda: _loss_of(orig(m, inputs, *a, **k)), inputs)
+                    # The Trainer's own optimizer (created before training starts): its state is in the budget.
+                    planner.before_step(model, lambda: _loss_of(orig(m, inputs, *a, **k)), inputs,
+                                        optimizer=trainer.optimizer)
                     self.engine = planner.engine  # the applied plan's engine: its ledger records the steps
                 finally:
                     busy.clear()

@@ -9,7 +9,8 @@ does. After each batch the newest ledger step's figures go to
 ``offload/exposed_copy_s``, ``offload/pool_reserved_bytes``; every figure with ``all_figures=True``), so every Lightning
 logger records them. With a memory budget, ``OffloadCallback(budget_bytes=...)`` (or
 ``budget="80%"``) plans instead: on the first training batch it runs ``offload.plan`` with the
-LightningModule's own ``training_step`` on that batch (``self.log`` calls are dropped while planning),
+LightningModule's own ``training_step`` on that batch (``self.log`` calls are dropped while planning) and
+the trainer's optimizers (their state and step in the budget),
 applies the plan, logs the decisions and the predicted vs measured peak, and plans again when a batch
 is larger than the one planned for (automatic optimization only). Exceptions (``KeyboardInterrupt`` included, which
 Lightning reports through ``on_exception``) leave the engine.
@@ -119,7 +120,8 @@ class OffloadCallback(pl.Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
         self._leave()
         if self.planner is not None:
-            self.planner.before_step(pl_module, lambda: _planning_step(pl_module, batch, batch_idx), batch)
+            self.planner.before_step(pl_module, lambda: _planning_step(pl_module, batch, batch_idx), batch,
+                                     optimizer=list(trainer.optimizers) or None)  # their state is in the budget
             self.engine = self.planner.engine  # the applied plan's engine: its ledger records the steps
             return
         if self.engine is not None:

@@ -161,16 +161,25 @@ def _infeasible(budget: int, cost: CostModel, lowest: dict[str, str], model: nn.
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if model else 0
     smallest, where, prefix = max(cost.breakdown(lowest))
     own = smallest - cost.base - prefix
+    opt = cost.optimizer if cost.optimizer is not None and cost.optimizer.given else None
+    state = opt.state_bytes if opt is not None else 0  # in the base: measured, charged or profiled
     outside = where.startswith(("stem", "end of backward", "head"))
     hint = ("shrink the step (batch, sequence length): that peak happens outside every candidate block, so no "
             "decision lowers it (or make the module that holds it a candidate)" if outside else
             "shrink the step (batch, sequence length), or pass blocks=[...] with more (or larger) candidates")
+    if opt is not None and (where.startswith(opt.name + " step") or f"the {opt.name} step" in where):
+        hint = (f"lighten the optimizer: its state is {format_bytes(opt.state_bytes)} and its step allocates "
+                f"{format_bytes(opt.step_bytes)} more{' (foreach)' if opt.foreach else ''}, which no decision lowers "
+                "(foreach=False steps one parameter at a time; fewer trainable parameters, e.g. LoRA; a smaller "
+                "state, e.g. an 8-bit or factored optimizer)")
     measured = (f" Measured plans peaked above it ({'; '.join(tried)}), so plans need a margin of {format_bytes(margin)} "
                 "below the budget, which none reaches." if tried else "")
     return OffloadError(
         f"offload.plan: budget_bytes={budget} ({format_bytes(budget)}) cannot be met: the smallest peak any plan "
         f"reaches is {smallest} B ({format_bytes(smallest)}), at the {where}.{measured} What holds it: the step's base "
-        f"{format_bytes(cost.base)} (parameters {format_bytes(params)}, gradients {format_bytes(grads)}, buffers and inputs "
-        f"{format_bytes(max(0, cost.base - params - grads))}), {format_bytes(prefix)} kept by earlier blocks for their backward, "
+        f"{format_bytes(cost.base)} (parameters {format_bytes(params)}, gradients {format_bytes(grads)}, "
+        + (f"{opt.name} state {format_bytes(state)}, " if state else "")
+        + f"buffers and inputs {format_bytes(max(0, cost.base - params - grads - state))}), {format_bytes(prefix)} kept by "
+        "earlier blocks for their backward, "
         f"and {format_bytes(own)} in use within that window. Raise budget_bytes to at least {smallest}, or {hint}."
     )

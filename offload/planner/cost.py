@@ -4,9 +4,12 @@ Memory (all quantities measured by :mod:`offload.planner.profile`, one step
 per decision with every candidate block under that decision):
 
 * ``B``: device bytes in use when the step begins (parameters, gradients,
-  buffers, inputs). Profiling zeroes gradients in place, so they exist for
-  the whole step, as in a loop using ``zero_grad(set_to_none=False)``; a loop
-  that sets them to None peaks lower, so the prediction is conservative there.
+  buffers, inputs, and the optimizer's state: measured, or charged where the
+  profiled step did not hold it, NOTE [ Optimizer in the budget ]). Profiling
+  zeroes gradients in place, so they exist for the whole step, as in a loop
+  using ``zero_grad(set_to_none=False)``; a loop that sets them to None peaks
+  lower, so the prediction is conservative there. The optimizer's step is one
+  more peak, ``B`` plus its temporaries, whatever the decisions.
 * ``r_i(d)``: bytes block ``i`` leaves on the device after its forward until
   its backward, under decision ``d``: ``L - A - out + ret * in`` (level after
   minus before, minus its output, which the next block accounts for, plus its
@@ -215,6 +218,9 @@ class CostModel:
     noise_s: float = 0.0
     """The timing's noise band (``noise_band``): plans predicted within it of each other are equally
     fast, and the solver breaks the tie by a rule that reads no time (``choose``)."""
+    optimizer: Any = None
+    """The step's optimizer (``offload.planner.optimizer.OptimizerMemory``; not given: what an AdamW would
+    add, charged nothing). Its ``charged_bytes`` are in ``base``; its ``step_event_bytes`` are one more peak."""
 
     @property
     def keep_only(self) -> dict[str, str]:
@@ -255,9 +261,17 @@ class CostModel:
             if o.head_event:
                 out.append((self.base + prefix + o.head_event, f"head and loss (after {b.name}: {d})", prefix))
             if o.post_event:
-                out.append((self.base + o.post_event, f"end of backward (after {b.name}: {d})", 0))
+                out.append((self.base + o.post_event, f"end of backward{self._profiled_step()} (after {b.name}: {d})", 0))
             prefix += o.retained
+        step = self.optimizer.step_event_bytes if self.optimizer is not None else 0
+        if step:  # NOTE [ Optimizer in the budget ] item 4: whatever the decisions
+            out.append((self.base + step, f"{self.optimizer.name} step (its state and temporaries, derived)", 0))
         return out
+
+    def _profiled_step(self) -> str:
+        """The end of backward's window holds the optimizer's step when the profiles ran it (a target plan)."""
+        opt = self.optimizer
+        return f" and the {opt.name} step" if opt is not None and opt.given and opt.profiled else ""
 
     def peak(self, decisions: dict[str, str] | list[str]) -> int:
         return max(v for v, _ in self.events(decisions))

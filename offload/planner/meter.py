@@ -234,14 +234,17 @@ class MemoryMeter:
         torch.accelerator.reset_peak_memory_stats(self.device)
         return w
 
-    def tracking(self, model: nn.Module | None) -> "_Tracking":
-        return _Tracking(self, model)
+    def tracking(self, model: nn.Module | None, *external: Any) -> "_Tracking":
+        """Track a step of ``model``; on CPU ``external`` (optimizers, tensors) is counted too, as MemTracker's
+        ``track_external`` counts it (an optimizer's state, the step its state is created in included)."""
+        return _Tracking(self, model, external)
 
 
 class _Tracking:
-    def __init__(self, meter: MemoryMeter, model: nn.Module | None) -> None:
+    def __init__(self, meter: MemoryMeter, model: nn.Module | None, external: tuple = ()) -> None:
         self.meter = meter
         self.model = model
+        self.external = external
         self._undo: list[Callable[[], None]] = []
 
     def __enter__(self) -> MemoryMeter:
@@ -259,8 +262,8 @@ class _Tracking:
                 m._host.add(s, e)
             self._wrap(pool)
         m._tracker = _make_tracker_class()(m._host, m._note)
-        if self.model is not None:
-            m._tracker.track_external(self.model)
+        if self.model is not None or self.external:
+            m._tracker.track_external(*([self.model] if self.model is not None else []), *self.external)
         m._tracker.__enter__()
         m._window_peak = m.peak = m._tracker.current_total()
         return m

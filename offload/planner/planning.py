@@ -37,6 +37,7 @@ from .cost import NO_BACKWARD, CostModel, build_cost_model, measure_hardware
 from .host import TIER_SETTINGS, tier_bytes
 from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install
 from .meter import StepMeasurement, measure_step
+from .optimizer import OptimizerLike, adamw_memory, charged_bytes, check_optimizer, optimizer_memory, with_optimizer
 from .settings import engine_settings, synchronous
 from .profile import StepProfile, profile_step, run_step, work_key, zero_grads_
 
@@ -117,7 +118,9 @@ class Plan:
     def measure(self, model: nn.Module, step: Callable[[], torch.Tensor], *, warmup: int = 1,
                 timed: int = 3) -> tuple[int, float | None]:
         """Apply, run ``warmup`` + 1 tracked + ``timed`` steps, remove; record and return (peak, median
-        seconds; None when ``timed=0``)."""
+        seconds; None when ``timed=0``). The peak adds the optimizer state the plan charged because it was not
+        allocated when planned (``cost.optimizer.charged_bytes``, NOTE [ Optimizer in the budget ] item 4): the
+        peak of a training step with it, as the budget is meant."""
         _nonneg_int("warmup", warmup)
         _nonneg_int("timed", timed)
         handle = self.apply(model)
@@ -128,7 +131,7 @@ class Plan:
                              before_each=lambda: zero_grads_(model))
         finally:
             handle.remove()
-        self.measured_peak_bytes = m.peak_bytes
+        self.measured_peak_bytes = m.peak_bytes + charged_bytes(self.cost)
         if m.step_seconds is not None:
             self.measured_step_seconds, self.measured_step_seconds_all = m.step_seconds, m.step_seconds_all
         return m.peak_bytes, m.step_seconds
@@ -161,7 +164,9 @@ class Plan:
         hw = self.cost.hardware
         where = (f"PREDICTED for {self.target.describe()}, not measured" if self.target is not None
                  else f"device {self.device}")
+        opt = self.cost.optimizer
         lines = [
+            *([opt.describe()] if opt is not None else []),  # first: issue 45 (a budget silently without it)
             f"offload plan: budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B), solver {self.solver}, "
             f"{where}",
             f"link: D2H {hw.d2h_gb_s:.1f} GB/s, H2D {hw.h2d_gb_s:.1f} GB/s ({hw.source}); copies "
@@ -251,6 +256,7 @@ class Plan:
             "noise_seconds": self.cost.noise_s,
             "never_recomputed": dict(self.cost.no_recompute),
             "keep_only": dict(self.cost.keep_only),
+            "optimizer": self.cost.optimizer.to_dict() if self.cost.optimizer is not None else None,
             "modules": self._rows(),
         }
 
@@ -301,6 +307,7 @@ def plan(
     engine_kwargs: dict[str, Any] | None = None,
     verify: bool = True,
     host_budget_bytes: SizeLike | None = None,
+    optimizer: OptimizerLike = None,
 ) -> Plan:
     """Profile ``step``, then choose per block the fastest decisions whose predicted peak fits ``budget_bytes``.
 
@@ -320,30 +327,30 @@ def plan(
         min_offload_size: passed to the plan's ``OffloadActivations`` (a size, NOTE [ Sizes ]).
         use_streams: passed to the plan's ``OffloadActivations``.
         engine_kwargs: more ``OffloadActivations`` settings for the plan's engine.
-        bandwidth_gb_s: (D2H, H2D) GB/s, or one number; None = measured with
-            a 64 MB copy once per process (pinned on a GPU).
+        bandwidth_gb_s: (D2H, H2D) GB/s, or one number; None = measured once per process (64 MB, pinned on a GPU).
         solver: "auto" (exact Pareto DP, greedy fallback), "exact", "greedy", "brute_force".
         host_budget_bytes: the engine's pool budget the plan may assume (with any other host tier
             in ``engine_kwargs``: ``pageable_budget_bytes``, ``disk_dir``...); the plan never offloads
             more than the tiers hold, and ``Plan.host_tiers`` says where each block's copies land.
         verify: measure the chosen plan (one tracked step) and, if its measured peak is over the
             budget, solve again with that overshoot as a margin (see :func:`plan_from_cost`).
+        optimizer: the loop's optimizer (an Optimizer, a list, or a factory ``params -> Optimizer``): its state and
+            step are in the budget (NOTE [ Optimizer in the budget ]); None: ``report()`` says what an AdamW adds.
 
     Side effects: none. Parameters, gradients, buffers (BatchNorm running stats...) and the CPU and
     device RNG states are bit-identical after ``plan()`` to before it. Hugging Face models have
     ``config.use_cache`` off while profiling (a recompute would append to the KV cache twice).
 
     Raises:
-        OffloadError: no plan's predicted peak fits ``budget_bytes`` (the
-            message names the smallest reachable peak and what holds it).
+        OffloadError: no plan fits ``budget_bytes`` (the message names the smallest reachable peak and what holds it).
     """
     dev = _check_args(model, step, budget_bytes, device, warmup=warmup, timed=timed,
                       min_offload_size=min_offload_size, use_streams=use_streams, bandwidth_gb_s=bandwidth_gb_s,
-                      solver=solver, engine_kwargs=engine_kwargs, verify=verify)
+                      solver=solver, engine_kwargs=engine_kwargs, verify=verify, optimizer=optimizer)
     budget_bytes = budget_on_device("offload.plan", "budget_bytes", budget_bytes, dev)
     ekw = engine_settings(engine_kwargs, host_budget_bytes, min_offload_size, use_streams, dev)
     return _plan_checked(model, step, find_blocks(model, blocks), budget_bytes, dev, ekw, warmup=warmup, timed=timed,
-                         bandwidth_gb_s=bandwidth_gb_s, solver=solver, verify=verify)
+                         bandwidth_gb_s=bandwidth_gb_s, solver=solver, verify=verify, optimizer=optimizer)
 
 
 def plan_steps(warmup: int = 1, timed: int = 3) -> int:
@@ -355,16 +362,21 @@ def plan_steps(warmup: int = 1, timed: int = 3) -> int:
 
 def _plan_checked(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[tuple[str, nn.Module]],
                   budget_bytes: int, dev: torch.device, ekw: dict[str, Any], *, warmup: int, timed: int,
-                  bandwidth_gb_s: tuple[float, float] | float | None, solver: str, verify: bool) -> Plan:
-    """:func:`plan` once its arguments are checked: measure the step without a plan, profile the
-    candidates, solve (and verify), all of it with the model's state put back afterwards."""
+                  bandwidth_gb_s: tuple[float, float] | float | None, solver: str, verify: bool,
+                  optimizer: OptimizerLike = None) -> Plan:
+    """:func:`plan` once its arguments are checked: derive the optimizer's memory, measure the step without
+    a plan, profile the candidates, solve (and verify), all of it with the model's state put back afterwards."""
+    opt = optimizer_memory(optimizer, model, dev) if optimizer is not None else adamw_memory(model, dev)
     with _Preserved(model, dev) as kept:
         unplanned = measure_step(lambda: run_step(step), device=dev, model=model, warmup=warmup, timed=timed,
                                  before_each=lambda: zero_grads_(model))
         cost = _cost_model(model, step, cand, dev, ekw, kept.mutated(cand), unplanned, warmup=warmup, timed=timed,
                            bandwidth_gb_s=bandwidth_gb_s)
+        with_optimizer(cost, opt)
         return plan_from_cost(cost, budget_bytes, model=model, device=str(dev),
-                              unplanned_peak=unplanned.peak_bytes, unplanned_s=unplanned.step_seconds,
+                              unplanned_peak=max(unplanned.peak_bytes + opt.charged_bytes,
+                                                 cost.base + opt.step_event_bytes),
+                              unplanned_s=unplanned.step_seconds,
                               solver=solver, step=step if verify else None, warmup=max(1, warmup))
 
 
@@ -538,7 +550,7 @@ def budget_on_device(owner: str, name: str, budget: Any, device: torch.device | 
 
 def _check_args(model: Any, step: Any, budget_bytes: Any, device: Any, *, warmup: Any, timed: Any,
                 min_offload_size: Any, use_streams: Any, bandwidth_gb_s: Any, solver: Any, engine_kwargs: Any,
-                verify: Any) -> torch.device:
+                verify: Any, optimizer: Any = None) -> torch.device:
     """Every argument of :func:`plan`, checked before anything runs; returns the device."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload.plan: model must be an nn.Module, got model={model!r} ({type(model).__name__}).")
@@ -562,6 +574,7 @@ def _check_args(model: Any, step: Any, budget_bytes: Any, device: Any, *, warmup
     if engine_kwargs is not None and not isinstance(engine_kwargs, dict):
         raise TypeError(f"offload.plan: engine_kwargs={engine_kwargs!r} must be a dict of OffloadActivations "
                         "settings.")
+    check_optimizer("offload.plan", optimizer)
     if device is None:
         return _model_device(model)
     try:

@@ -15,8 +15,10 @@ NOTE [ Planning on a target ]
 4. The solver and its tie-break are the planner's. The plan's verification is a prediction:
    ``predict_step`` with the plan on the target, whose peak must be within the budget (else the
    solver's cap drops by the overshoot, as for a measured plan).
-5. The step planned for is forward and backward, gradients set to None between steps (no optimizer
-   state), on the target's usable memory (``GPUSpec.usable_bytes``; a budget share is a share of it).
+5. The step planned for is forward and backward, gradients set to None between steps, with the user's
+   optimizer when ``optimizer=`` is given (every capture steps a twin of it: its state and its step are in
+   every profile and in the verification, NOTE [ Optimizer in the budget ] item 4; without one, no
+   optimizer state), on the target's usable memory (``GPUSpec.usable_bytes``; a budget share is a share of it).
 6. A block that updates running statistics in training (BatchNorm) is never recomputed: its buffers
    are fake here, so the measured planner's check by value cannot run; the rule is by module type.
 """
@@ -47,6 +49,7 @@ from .blocks import find_blocks
 from .cost import Hardware, build_cost_model
 from .host import TIER_SETTINGS
 from .install import DECISIONS, RECOMPUTE, caching_off, install
+from .optimizer import OptimizerLike, adamw_memory, optimizer_memory, twin_factory, with_optimizer
 from .planning import Plan, plan_from_cost
 from .settings import engine_settings
 from .profile import DecisionProfile, StepProfile, tracked
@@ -115,22 +118,24 @@ class _TraceClock:
 
 
 def _capture_real(model: nn.Module, step: Callable[[], torch.Tensor], strategy: Any, spec: GPUSpec,
-                  measured: Callable[[Any], Any] | None = None) -> Captured:
+                  measured: Callable[[Any], Any] | None = None, optimizer: Any = None) -> Captured:
     """Capture ``step`` of the real ``model`` on fake tensors (NOTE [ Capture ] item 7), the engine's polls
-    answered by ``spec``'s modelled device (item 6)."""
+    answered by ``spec``'s modelled device (item 6); ``optimizer``: a factory stepped after backward."""
     with contextlib.ExitStack() as stack:
         return capture(lambda: stack.enter_context(fake_parameters(model)), lambda _m: step(), strategy=strategy,
-                       fake=True, lag=NEVER, real_inputs=True, measured=measured, clock=Clock(spec))
+                       fake=True, lag=NEVER, real_inputs=True, measured=measured, clock=Clock(spec),
+                       optimizer=optimizer)
 
 
-def _predict(model: nn.Module, step: Callable[[], torch.Tensor], strategy: Any, spec: GPUSpec) -> Prediction:
+def _predict(model: nn.Module, step: Callable[[], torch.Tensor], strategy: Any, spec: GPUSpec,
+             optimizer: Any = None) -> Prediction:
     t0 = time.perf_counter()
-    cap = _capture_real(model, step, strategy, spec)
-    return _prediction(cap, spec, strategy, None, None, time.perf_counter() - t0)
+    cap = _capture_real(model, step, strategy, spec, optimizer=optimizer)
+    return _prediction(cap, spec, strategy, optimizer, None, time.perf_counter() - t0)
 
 
 def _profile(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[tuple[str, nn.Module]], decision: str,
-             spec: GPUSpec, ekw: dict[str, Any]) -> DecisionProfile:
+             spec: GPUSpec, ekw: dict[str, Any], optimizer: Any = None) -> DecisionProfile:
     """One decision kind on every candidate, predicted (NOTE [ Planning on a target ] rules 1-3)."""
     names = [n for n, _ in cand]
     got: dict[str, Any] = {}
@@ -149,7 +154,7 @@ def _profile(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[tupl
             yield
         got["out"], got["clock"] = out, clock
 
-    cap = _capture_real(model, step, strategy, spec, measured)
+    cap = _capture_real(model, step, strategy, spec, measured, optimizer)
     timeline = simulate(cap.trace, spec)
     got["clock"].resolve(cap.trace, timeline)
     prof = got["out"].profile
@@ -179,7 +184,7 @@ def target_budget(budget_bytes: Any, spec: GPUSpec) -> int:
 def plan_on_target(model: nn.Module, step: Callable[[], torch.Tensor], budget_bytes: Any, target: str | GPUSpec, *,
                    blocks: Any = None, min_offload_size: Any = 1024, use_streams: bool = True, solver: str = "auto",
                    engine_kwargs: dict[str, Any] | None = None, verify: bool = True,
-                   host_budget_bytes: Any = None) -> Plan:
+                   host_budget_bytes: Any = None, optimizer: OptimizerLike = None) -> Plan:
     """``offload.plan`` for ``target`` (a ``GPUS`` name or a ``GPUSpec``), predicted: see NOTE [ Planning on
     a target ]. The arguments are :func:`offload.plan`'s."""
     spec = resolve_gpu(target)
@@ -188,22 +193,27 @@ def plan_on_target(model: nn.Module, step: Callable[[], torch.Tensor], budget_by
     # The plan's engine runs on the target's accelerator: side streams unless use_streams=False.
     ekw = engine_settings(engine_kwargs, host_budget_bytes, min_offload_size, use_streams, torch.device("cuda"))
     no_recompute = {n: why for n, m in cand if (why := _updates_running_stats(m)) is not None}
+    # The target's optimizer runs in every capture (NOTE [ Optimizer in the budget ] item 4).
+    device = torch.device("cuda")
+    factory = twin_factory(optimizer, model, device.type) if optimizer is not None else None
+    opt = (optimizer_memory(optimizer, model, device, profiled=True) if optimizer is not None
+           else adamw_memory(model, device))
     undo = caching_off(model, "while planning")
     try:
-        unplanned = _predict(model, step, "none", spec)
+        unplanned = _predict(model, step, "none", spec, factory)
         decisions = tuple(d for d in DECISIONS if not (d in RECOMPUTE and len(no_recompute) == len(cand)))
-        by_dec = {d: _profile(model, step, cand, d, spec, ekw) for d in decisions}
+        by_dec = {d: _profile(model, step, cand, d, spec, ekw, factory) for d in decisions}
         prof = StepProfile(names=[n for n, _ in cand], device=f"{spec.name} (predicted)", by_decision=by_dec,
                            unplanned_peak=unplanned.peak_bytes, unplanned_step_s=unplanned.step_seconds,
                            synchronous_copies=not ekw["use_streams"])
         hw = Hardware(spec.d2h_bytes_per_s / 1e9, spec.h2d_bytes_per_s / 1e9, not ekw["use_streams"],
                       f"predicted for {spec.describe()}")
-        cost = build_cost_model(prof, hw, ekw)
+        cost = with_optimizer(build_cost_model(prof, hw, ekw), opt)
         cost.no_recompute = no_recompute
         verified: dict[str, Prediction] = {}
 
         def check(p: Plan) -> int:
-            verified["p"] = _predict(model, step, p, spec)
+            verified["p"] = _predict(model, step, p, spec, factory)
             return verified["p"].peak_bytes
 
         try:

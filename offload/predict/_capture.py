@@ -76,6 +76,9 @@ _FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException, Unsup
 _STORAGE_ARG_OPS = {aten.set_.source_Storage, aten.set_.source_Storage_storage_offset}
 """Ops that take a storage: FakeTensorMode's dispatch cache would keep it alive in its key (so the storage
 would never be freed), so they run with the cache off."""
+_LITERAL_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+"""``torch.tensor(...)`` written in the step (an optimizer's step counter): the fake mode makes it a constant
+whose ``.item()`` works; with ``real_inputs`` it must not first become an input's fake twin (no constant)."""
 _CPU_SDPA = {getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention_for_cpu",)
              if hasattr(aten, n)}
 _CPU_SDPA_BWD = {getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention_for_cpu_backward",)
@@ -156,7 +159,7 @@ class _Recorder(TorchDispatchMode):
         if func is aten.record_stream.default:
             cap.record_stream(args[0], args[1])
             return None
-        if cap.real_inputs:
+        if cap.real_inputs and func not in _LITERAL_OPS:
             args, kwargs = cap.as_fake((args, kwargs))
         try:
             if func in _STORAGE_ARG_OPS and cap.fake_mode is not None:

@@ -4,21 +4,31 @@ Each preset is a ``transformers`` config class with the values of the model's pu
 ``config.json`` (the hub repository named in ``SOURCES``); ``preset_model_fn(name)`` builds the
 causal-LM model from it (under ``predict_step`` that is on fake tensors: nothing is materialised) and
 ``preset_step_fn(seq, batch)`` is a training step on random tokens with ``labels`` (the loss inside
-the model, as a Hugging Face trainer computes it). ``transformers`` is needed only to use a preset.
+the model, as a Hugging Face trainer computes it). ``model_config(name_or_path)`` takes a preset or the
+path of a Hugging Face ``config.json`` (or of the folder holding it: a downloaded model), so any causal LM
+``transformers`` knows can be predicted without its weights. ``transformers`` is needed only here: the
+``hf`` extra (``pip install offload[hf]``; from a clone ``pip install -e ".[hf]"``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["PRESETS", "SOURCES", "preset_config", "preset_model_fn", "preset_step_fn", "max_positions"]
+__all__ = ["PRESETS", "SOURCES", "EXTRA", "preset_config", "preset_model_fn", "preset_step_fn", "max_positions",
+           "model_config", "config_model_fn", "config_max_positions", "model_label"]
+
+EXTRA = "hf"
+"""The extra (pyproject.toml) that installs ``transformers``, which every preset and config path needs."""
 
 SOURCES = {
     "llama3-8b": "meta-llama/Meta-Llama-3-8B config.json",
+    "llama3.1-8b": "meta-llama/Llama-3.1-8B config.json (llama3 RoPE scaling, 131072 positions)",
     "qwen2.5-7b": "Qwen/Qwen2.5-7B config.json",
     "mistral-7b": "mistralai/Mistral-7B-v0.3 config.json (no sliding window)",
     "gpt2-xl": "openai-community/gpt2-xl config.json",
@@ -29,6 +39,13 @@ _VALUES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-8b": ("LlamaConfig", dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+        rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_id=128001)),
+    "llama3.1-8b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, bos_token_id=128000,
         eos_token_id=128001)),
     "qwen2.5-7b": ("Qwen2Config", dict(
@@ -52,18 +69,58 @@ PRESETS: tuple[str, ...] = tuple(_VALUES)
 """Preset names."""
 
 
+def _transformers() -> Any:
+    """``transformers``, or an ImportError naming the extra that installs it."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            f"offload.predict.presets needs transformers (the presets and config.json paths are Hugging Face "
+            f"models), which is not installed: pip install offload[{EXTRA}] (from a clone: "
+            f'pip install -e ".[{EXTRA}]")', name="transformers") from e
+    return transformers
+
+
+def _with_layers(cfg: Any, layers: int | None) -> Any:
+    cfg.use_cache = False
+    if layers is not None:
+        setattr(cfg, "n_layer" if hasattr(cfg, "n_layer") else "num_hidden_layers", layers)
+    return cfg
+
+
 def preset_config(name: str, *, layers: int | None = None) -> Any:
     """The preset's ``transformers`` config (``layers`` overrides the number of blocks)."""
     if name not in _VALUES:
         raise ValueError(f"offload.predict: preset {name!r} is not one of {PRESETS}")
-    import transformers
-
     cls_name, values = _VALUES[name]
-    cfg = getattr(transformers, cls_name)(**values)
-    cfg.use_cache = False
-    if layers is not None:
-        setattr(cfg, "n_layer" if cls_name == "GPT2Config" else "num_hidden_layers", layers)
-    return cfg
+    return _with_layers(getattr(_transformers(), cls_name)(**values), layers)
+
+
+def model_config(name_or_path: str | Path, *, layers: int | None = None) -> Any:
+    """A preset's config, or the config at a path: a Hugging Face ``config.json`` or the folder holding one
+    (read by ``transformers.AutoConfig``, no download). ``layers`` overrides the number of blocks."""
+    if str(name_or_path) in _VALUES:
+        return preset_config(str(name_or_path), layers=layers)
+    path = Path(name_or_path).expanduser()
+    if not (path.is_file() or (path / "config.json").is_file()):
+        raise ValueError(f"offload.predict: model {str(name_or_path)!r} is neither a preset ({', '.join(PRESETS)}) "
+                         "nor the path of a Hugging Face config.json (or of a folder holding one)")
+    cfg = _transformers().AutoConfig.from_pretrained(str(path))
+    return _with_layers(cfg, layers)
+
+
+def model_label(name_or_path: str | Path) -> str:
+    """A short name for file names and titles: the preset, or the config's folder (``.../Llama-3.1-8B``)."""
+    if str(name_or_path) in _VALUES:
+        return str(name_or_path)
+    path = Path(name_or_path).expanduser().resolve()
+    name = path.parent.name if path.is_file() else path.name
+    return re.sub(r"[^\w.-]+", "_", name) or "model"
+
+
+def config_max_positions(cfg: Any) -> int:
+    """Longest sequence the config's position embedding covers."""
+    return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions"))
 
 
 def max_positions(name: str) -> int:
@@ -72,17 +129,23 @@ def max_positions(name: str) -> int:
     return int(values.get("max_position_embeddings") or values["n_positions"])
 
 
-def preset_model_fn(name: str, *, layers: int | None = None) -> Callable[[], nn.Module]:
-    """``model_fn`` for ``predict_step``: the preset's causal-LM model, SDPA attention."""
-    cfg = preset_config(name, layers=layers)
+def config_model_fn(cfg: Any) -> Callable[[], nn.Module]:
+    """``model_fn`` for ``predict_step``: the config's causal-LM model (``AutoModelForCausalLM``), SDPA attention."""
 
     def model_fn() -> nn.Module:
-        import transformers
-
+        transformers = _transformers()
         cfg._attn_implementation = "sdpa"
-        return getattr(transformers, _MODELS[type(cfg).__name__])(cfg)
+        name = _MODELS.get(type(cfg).__name__)
+        if name is not None:
+            return getattr(transformers, name)(cfg)
+        return transformers.AutoModelForCausalLM.from_config(cfg)
 
     return model_fn
+
+
+def preset_model_fn(name: str, *, layers: int | None = None) -> Callable[[], nn.Module]:
+    """``model_fn`` for ``predict_step``: the preset's causal-LM model, SDPA attention."""
+    return config_model_fn(preset_config(name, layers=layers))
 
 
 def preset_step_fn(vocab_size: int, batch: int = 1) -> Callable[[nn.Module, int], torch.Tensor]:

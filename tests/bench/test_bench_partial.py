@@ -75,6 +75,63 @@ def test_results_are_published_after_every_strategy(crashers):
                     ["ok", "error", "ok"]], seen
 
 
+def _interrupting(where: str, wrapped: bool):
+    """A strategy whose ``where`` ("prepare" or "step") is interrupted by Ctrl-C: the KeyboardInterrupt itself, or
+    (``wrapped``) an error raised while handling it (a library wrapping it, a worker the same Ctrl-C stopped)."""
+
+    def interrupt():
+        if not wrapped:
+            raise KeyboardInterrupt
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("DataLoader worker (pid 4242) exited unexpectedly (simulated)")
+
+    def prepare(env):
+        if where == "prepare":
+            interrupt()
+        return Prepared(step=interrupt)
+
+    return StrategySpec(name=f"ctrl_c_{where}", description="interrupted", prepare=prepare, group="control")
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["interrupt", "error_from_interrupt"])
+@pytest.mark.parametrize("where", ["prepare", "step"])
+@pytest.mark.parametrize("order", ["sequential", "interleaved"])
+def test_an_interrupt_stops_the_run_instead_of_becoming_a_strategys_error(monkeypatch, where, wrapped, order):
+    """Ctrl-C in a strategy (or an error raised from it) stops the whole run with KeyboardInterrupt, as a test
+    run that calls the bench must stop (issue 45 item 7); no later strategy runs."""
+    spec = _interrupting(where, wrapped)
+    monkeypatch.setitem(STRATEGIES, spec.name, spec)
+    ran = []
+    monkeypatch.setattr(harness._Bench, "prepare", lambda self, r, _p=harness._Bench.prepare: (ran.append(r.spec.name),
+                                                                                           _p(self, r))[1])
+    cfg = BenchConfig(workload=WL, strategies=("none", spec.name, "offload"), steps=1, warmup=0, order=order,
+                      progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(cfg, {"device": "cpu"})
+    assert order == "interleaved" or "offload" not in ran, ran
+
+
+def test_an_interrupt_is_not_replaced_by_a_failing_last_write(monkeypatch):
+    """The file is rewritten once more after an interrupt; when that write fails, the interrupt still ends the
+    run (the write's error is printed, not raised in its place)."""
+    spec = _interrupting("step", False)
+    monkeypatch.setitem(STRATEGIES, spec.name, spec)
+    calls = []
+
+    def write(result):
+        calls.append(result)
+        if any("interrupted" in (s.reason or "") for s in result.strategies):  # the write after the interrupt
+            raise OSError("No space left on device (simulated)")
+
+    cfg = BenchConfig(workload=WL, strategies=("none", spec.name), steps=1, warmup=0, order="sequential",
+                      progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(cfg, {"device": "cpu"}, on_update=write)
+    assert any("interrupted" in (s.reason or "") for s in calls[-1].strategies)
+
+
 def test_a_lost_cuda_context_stops_the_run_and_names_what_is_missing(crashers, monkeypatch, tmp_path):
     """After an error that leaves the device unusable (a sticky CUDA error, stubbed here), the strategies
     left are recorded as not_run with the reason and a rerun command; the file keeps the earlier results

@@ -18,10 +18,16 @@ LENGTHS = (16, 32, 32)  # the second batch is longer: a re-plan, whose new engin
 # the first engine numbered its only one (issue 35 item 7: the step reporter must tell them apart)
 
 
-def _budget(model: torch.nn.Module, step) -> int:
-    """Half-way between the smallest reachable peak and the no-plan peak of the longest batch."""
-    p0 = offload.plan(model, step, budget_bytes=1 << 40, **_PLAN_KW)
+def _budget(model: torch.nn.Module, step, optimizer) -> int:
+    """Half-way between the smallest reachable peak and the no-plan peak of the longest batch, with an optimizer
+    like the trainer's (its state is in the budget the callback plans for)."""
+    p0 = offload.plan(model, step, budget_bytes=1 << 40, optimizer=optimizer, **_PLAN_KW)
     return p0.min_peak_bytes + (p0.unplanned_peak_bytes - p0.min_peak_bytes) // 2
+
+
+def _hf_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer a transformers.Trainer builds by default: AdamW over the trainable parameters."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 
 
 # -------------------------------------------------------------------- Hugging Face
@@ -74,13 +80,14 @@ def test_hf_callback_plans_applies_replans_and_matches_gradients(tmp_path, caplo
 
     probe = _gpt2()
     ids = torch.randint(0, 128, (2, max(LENGTHS)))
-    budget = _budget(probe, lambda: probe(input_ids=ids, labels=ids).loss)
+    budget = _budget(probe, lambda: probe(input_ids=ids, labels=ids).loss, _hf_optimizer(probe))
     cb = OffloadCallback(budget_bytes=budget, plan_kwargs=_PLAN_KW)
     with caplog.at_level(logging.INFO, logger="offload"):
         model, got, logs = _hf_train(tmp_path, "planned", [cb])
     plain, want, _ = _hf_train(tmp_path, "plain", [])
     assert cb.planner.plans == 2 and cb.planner.planned_shape == (2, 32)  # planned, then re-planned
     assert set(cb.planner.plan.decisions.values()) != {"keep"}
+    _planned_with_the_trainers_adamw(cb.planner.plan, model)
     first = [r.getMessage() for r in caplog.records if "under budget_bytes" in r.getMessage()]
     assert len(first) == 2 and "peak predicted" in first[0] and "measured" in first[0]
     assert any("planning again" in r.getMessage() for r in caplog.records)
@@ -94,6 +101,16 @@ def test_hf_callback_plans_applies_replans_and_matches_gradients(tmp_path, caplo
     # Removed at train end: no wrapped forward left, the KV cache setting as training without a plan leaves it.
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert model.config.use_cache == plain.config.use_cache
+
+
+def _planned_with_the_trainers_adamw(plan: offload.Plan, model: torch.nn.Module) -> None:
+    """The plan holds the trainer's own AdamW (issue 45 item 1): its state, two tensors per trainable
+    parameter, is in the budget, and the report's first line says so."""
+    opt = plan.cost.optimizer
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert opt.given and opt.name == "AdamW" and opt.state_bytes == 2 * trainable, opt
+    assert plan.report().startswith("optimizer AdamW included"), plan.report()
+    assert plan.measured_peak_bytes <= plan.budget_bytes
 
 
 class _Lines(logging.Handler):
@@ -112,7 +129,7 @@ def test_hf_callback_plans_a_lora_model_and_says_so(tmp_path) -> None:
 
     probe = _lora_gpt2()
     ids = torch.randint(0, 128, (2, max(LENGTHS)))
-    budget = _budget(probe, lambda: probe(input_ids=ids, labels=ids).loss)
+    budget = _budget(probe, lambda: probe(input_ids=ids, labels=ids).loss, _hf_optimizer(probe))
     cb = OffloadCallback(budget_bytes=budget, plan_kwargs=_PLAN_KW)
     shown = logging.getLogger("transformers")  # where the Trainer's default logging prints WARNING lines
     lines = _Lines()
@@ -128,6 +145,7 @@ def test_hf_callback_plans_a_lora_model_and_says_so(tmp_path) -> None:
     assert sum("planning activation offloading" in m and "training steps" in m for m in said) == 2, said
     assert sum("plan chosen in" in m for m in said) == 2, said
     assert cb.planner.plan.measured_peak_bytes <= cb.planner.plan.budget_bytes
+    assert sum("optimizer state included" in m for m in said) == 2, said
     for g, w in zip(got, want, strict=True):
         assert len(g) == len(w) and all(torch.equal(a, b) for a, b in zip(g, w))
 
@@ -191,7 +209,7 @@ def _lightning_module():
             self.grads.append([p.grad.detach().clone() for p in self.parameters()])
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     return LM()
 
@@ -220,13 +238,15 @@ def test_lightning_callback_plans_applies_replans_and_matches_gradients() -> Non
 
     probe = _lightning_module()
     x, y = _batches()[-1]
-    budget = _budget(probe, lambda: F.cross_entropy(probe.model(x).reshape(-1, 128), y.reshape(-1)))
+    budget = _budget(probe, lambda: F.cross_entropy(probe.model(x).reshape(-1, 128), y.reshape(-1)),
+                     probe.configure_optimizers())
     cb = OffloadCallback(budget_bytes=budget, plan_kwargs=_PLAN_KW)
     got = _pl_train([cb])
     want = _pl_train([])
     assert cb.planner.plans == 2 and cb.planner.planned_shape == (2, 32)
     assert set(cb.planner.plan.decisions) == {f"model.layers.{i}" for i in range(3)}
     assert set(cb.planner.plan.decisions.values()) != {"keep"}
+    _planned_with_the_trainers_adamw(cb.planner.plan, got)
     assert len(got.grads) == len(want.grads) == len(LENGTHS)
     for g, w in zip(got.grads, want.grads):
         for a, b in zip(g, w):

@@ -85,3 +85,103 @@ def test_predict_cli_world_size_predicts_one_rank(tmp_path, capsys):
     assert all(r["world_size"] == 4 for r in four) and all(r["world_size"] == 1 for r in one)
     for a, b in zip(one, four):
         assert b["peak_bytes"] < a["peak_bytes"], (a["strategy"], a["peak_bytes"], b["peak_bytes"])
+
+
+# -- issue 45 item 3: the command line where users start ---------------------------------------------------
+
+
+def _run(argv: list[str]) -> tuple[int, str]:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli.main(argv)
+    return rc, buf.getvalue()
+
+
+def test_predict_cli_default_table_fits_100_columns_and_full_adds_every_column(predicted, capsys):
+    """The default output is a narrow table (every line within bench.predict.WIDTH = 100 columns) labelled
+    PREDICTED; --full prints the markdown table with every column, as the .md file has."""
+    from bench.predict import WIDTH
+
+    stdout, _, md = predicted
+    assert "PREDICTED" in stdout and "offload_ac" in stdout
+    assert max(len(line) for line in stdout.splitlines()) <= WIDTH, stdout
+    full_header = next(line for line in md.splitlines() if line.startswith("| strategy"))
+    assert full_header not in stdout
+    rc, full = _run(["--predict", "--model", "gpt2-xl", "--layers", "1", "--seq", "128", "--strategies", "none",
+                     "--no-max-context", "--quiet", "--no-write", "--full"])
+    assert rc == 0 and full_header in full
+
+
+def test_predict_cli_draws_peak_and_step_per_strategy_next_to_the_table(predicted, tmp_path):
+    """A PNG of the predicted peak and step per strategy lies next to the .md (which shows it) under --out."""
+    out = tmp_path / "p"
+    rc, _ = _run(["--predict", "--model", "gpt2-xl", "--layers", "1", "--seq", "128", "--strategies", "none,ac",
+                  "--no-max-context", "--quiet", "--out", str(out)])
+    png = out / f"{STEM}.png"
+    assert rc == 0 and png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({png.name})" in (out / f"{STEM}.md").read_text()
+
+
+def test_predict_cli_honours_strategies():
+    """--strategies with --predict predicts exactly those strategies, in that order; an unknown one exits 2
+    naming the valid ones."""
+    rc, out = _run(["--predict", "--model", "gpt2-xl", "--layers", "1", "--seq", "128", "--strategies",
+                    "offload_ac,ac", "--no-max-context", "--quiet", "--no-write"])
+    rows = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in
+            ("none", "ac", "offload", "offload_ac", "long_context")]
+    assert rc == 0 and rows == ["offload_ac", "ac"], out
+    rc, _ = _run(["--predict", "--model", "gpt2-xl", "--strategies", "ac,nope", "--no-write"])
+    assert rc == 2
+
+
+def test_predict_cli_writes_a_chrome_trace_per_strategy(tmp_path):
+    """--predict-trace PATH writes the predicted timeline as a Chrome trace: at PATH for one strategy, at
+    PATH_<strategy>.json for several."""
+    base = ["--predict", "--model", "gpt2-xl", "--layers", "1", "--seq", "128", "--no-max-context", "--quiet",
+            "--no-write"]
+    one = tmp_path / "one.json"
+    assert _run([*base, "--strategies", "offload", "--predict-trace", str(one)])[0] == 0
+    events = json.loads(one.read_text())["traceEvents"]
+    assert any(e.get("ph") == "X" for e in events)
+    assert _run([*base, "--strategies", "none,offload", "--predict-trace", str(tmp_path / "t.json")])[0] == 0
+    assert {p.name for p in tmp_path.glob("t_*.json")} == {"t_none.json", "t_offload.json"}
+
+
+def test_llama31_preset_goes_past_8192_tokens_and_a_config_json_path_is_a_model(tmp_path):
+    """llama3.1-8b is Llama-3.1-8B's config (llama3 RoPE scaling, 131072 positions), so --seq 16384 runs where
+    llama3-8b (8192 positions) is refused; a Hugging Face config.json path (or its folder) is a model too,
+    named by its folder."""
+    from offload.predict.presets import model_config
+
+    cfg = model_config("llama3.1-8b")
+    assert cfg.max_position_embeddings == 131072 and cfg.rope_scaling["rope_type"] == "llama3"
+    base = ["--seq", "16384", "--strategies", "ac", "--layers", "1", "--no-max-context", "--quiet"]
+    assert _run(["--predict", "--model", "llama3-8b", *base, "--no-write"])[0] == 2
+    rc, out = _run(["--predict", "--model", "llama3.1-8b", *base, "--no-write"])
+    assert rc == 0 and "s=16384" in out
+    folder = tmp_path / "My-Llama"
+    small = model_config("llama3.1-8b")
+    small.hidden_size, small.intermediate_size, small.num_attention_heads, small.num_key_value_heads = 256, 512, 4, 2
+    small.save_pretrained(folder)
+    for model in (folder / "config.json", folder):
+        rc, _ = _run(["--predict", "--model", str(model), *base, "--out", str(tmp_path / "o")])
+        data = json.loads((tmp_path / "o" / "predict_My-Llama_h100-sxm_s16384.json").read_text())
+        assert rc == 0 and data["model"] == str(model) and [r["strategy"] for r in data["rows"]] == ["ac"]
+    assert _run(["--predict", "--model", str(tmp_path / "missing.json"), "--no-write"])[0] == 2
+
+
+def test_predict_without_transformers_names_the_extra(monkeypatch, capsys):
+    """Without transformers, --predict exits 2 naming the extra that installs it (not a bare "No module named
+    transformers"), as docs/predict.md does; the presets module from Python names it too."""
+    from pathlib import Path
+
+    from offload.predict import presets
+
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # as if not installed
+    assert cli.main(["--predict", "--model", "llama3.1-8b", "--no-write"]) == 2
+    err = capsys.readouterr().err
+    command = 'pip install -e ".[bench,hf]"'
+    assert command in err, err
+    assert command in (Path(__file__).resolve().parents[2] / "docs" / "predict.md").read_text()
+    with pytest.raises(ImportError, match=r"offload\[hf\]"):
+        presets.preset_config("llama3.1-8b")
