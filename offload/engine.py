@@ -101,6 +101,7 @@ from ._backward import _Backward, _Pass
 from ._copies import _Copies
 from ._exclusion import RegionHandle, exclude_module, warn_unused_regions
 from ._handles import _dead, _Step, _unpack_handle
+from . import _kv_cache  # noqa: F401 (registers the KV-cache warning: NOTE in offload/_kv_cache.py)
 from ._observers import PackEvent, _engines, _observe, _pop_engine, active_engine, add_pack_observer
 from ._packing import _owner_lookup, _Packing
 from ._schedule import _Schedule
