@@ -4,21 +4,27 @@
     python -m bench --predict --gpu a100-40gb --model qwen2.5-7b --seq 4096 --no-max-context
     python -m bench --predict --model llama3-8b --layers 4     # a quick look: 4 of its 32 blocks
     python -m bench --predict --model llama3-8b --world-size 8 # one rank of FSDP2 over 8 GPUs
+    python -m bench --predict --model llama3-8b --seq 8192 --mixed-precision bf16   # fp32 state, bf16 compute
+    python -m bench --predict --model llama3-8b --seq 8192 --lora 16                # peft LoRA r=16, bf16 base
 
 For each strategy (none, ac, offload, offload_ac): predicted peak device memory, whether it fits the
 GPU's usable memory, bytes offloaded per step, host bytes per tier, predicted step time, tokens/s,
 exposed copy time, step time relative to ``none`` and to ``ac``, the host link rate at which every
 copy would hide (``TimelineResult.link_bytes_per_s_needed``), the longest context that fits, and how
-long the prediction took on this machine. Writes ``predict_<model>_<gpu>_s<seq>.json`` and
-``.md`` into ``--out`` (default: a fresh ``./bench_runs/<time>_predict_<model>/``). Nothing runs on a
-GPU: the step runs through the real engine on fake tensors (``offload.predict``). Batch 1, AdamW,
-bf16 unless told otherwise.
+long the prediction took on this machine (the longest-context search included; each of its probes is a
+progress line on stderr). Writes ``predict_<model>_<gpu>_s<seq>.json`` and ``.md`` into ``--out`` (default:
+a fresh ``./bench_runs/<time>_predict_<model>/``). Nothing runs on a GPU: the step runs through the real
+engine on fake tensors (``offload.predict``). Batch 1, AdamW, bf16 parameters unless told otherwise
+(``--mixed-precision bf16``: fp32 parameters, gradients and AdamW state, bf16 compute; ``--lora R``: a bf16
+base with peft adapters).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import sys
 import time
@@ -28,7 +34,8 @@ import torch
 
 from bench.env import default_run_dir
 
-__all__ = ["STRATEGIES", "predict_rows", "add_step_ratios", "main_predict", "format_markdown", "main_job_section"]
+__all__ = ["STRATEGIES", "predict_rows", "add_step_ratios", "main_predict", "format_markdown", "main_job_section",
+           "lora_model_fn"]
 
 STRATEGIES = ("none", "ac", "offload", "offload_ac")
 _GiB = 1 << 30
@@ -58,37 +65,69 @@ def add_step_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torch.dtype, strategies=STRATEGIES,
-                 batch: int = 1, max_context_limit: int | None = None, progress: bool = True,
-                 world_size: int = 1) -> list[dict[str, Any]]:
+def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torch.dtype | None,
+                 strategies=STRATEGIES, batch: int = 1, max_context_limit: int | None = None, progress: bool = True,
+                 world_size: int = 1, mixed_precision: torch.dtype | None = None) -> list[dict[str, Any]]:
     """One row per strategy: the prediction at ``seq`` (``batch`` sequences a step), its predicted tokens/s,
     link rate that hides every copy and step time relative to ``none`` and ``ac``, and (with
-    ``max_context_limit``) the longest context; ``world_size > 1``: of one rank of FSDP2 over that many GPUs."""
+    ``max_context_limit``) the longest context, each probe of its search a progress line on stderr;
+    ``world_size > 1``: of one rank of FSDP2 over that many GPUs; ``mixed_precision``: the compute dtype
+    (``predict_step``'s)."""
+    rows = []
+    with _probe_lines(progress):
+        for strategy in strategies:
+            rows.append(_row(model_fn, step_fn, gpu=gpu, seq=seq, dtype=dtype, strategy=strategy, batch=batch,
+                             max_context_limit=max_context_limit, progress=progress, world_size=world_size,
+                             mixed_precision=mixed_precision))
+    return add_step_ratios(rows)
+
+
+@contextlib.contextmanager
+def _probe_lines(progress: bool) -> Any:
+    """While a table is predicted: ``offload.predict``'s INFO lines (a line per longest-context probe) on stderr."""
+    logger = logging.getLogger("offload.predict")
+    if not progress:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[predict] %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _row(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torch.dtype | None, strategy: str, batch: int,
+         max_context_limit: int | None, progress: bool, world_size: int,
+         mixed_precision: torch.dtype | None) -> dict[str, Any]:
+    """One strategy's row of ``predict_rows``."""
     from offload.predict import max_context, predict_step
 
-    rows = []
-    for strategy in strategies:
-        if progress:
-            print(f"[predict] {strategy} at s={seq}", file=sys.stderr)
-        t0 = time.perf_counter()
-        p = predict_step(model_fn, lambda m: step_fn(m, seq), gpu=gpu, strategy=strategy, optimizer=_adamw,
-                         dtype=dtype, world_size=world_size)
-        row = {**p.to_dict(), "seq": seq, "batch": batch, "predict_seconds": round(time.perf_counter() - t0, 2)}
-        row["tokens_per_s"] = batch * seq / p.step_seconds if p.step_seconds else None
-        t1 = time.perf_counter()
-        row.update(_link_fields(p.link_bytes_per_s_needed))
-        row["exposed_copy_floor_seconds"] = p.timeline.exposed_copy_floor_seconds if p.timeline else None
-        row["exposed_at_issue_seconds"] = p.timeline.exposed_at_issue_seconds if p.timeline else None
-        row["link_search_seconds"] = round(time.perf_counter() - t1, 2)
-        if max_context_limit:
-            t1 = time.perf_counter()
-            row["max_context"] = max_context(model_fn, step_fn, gpu=gpu, strategy=strategy, optimizer=_adamw,
-                                             dtype=dtype, start=min(seq, max_context_limit), multiple=512,
-                                             limit=max_context_limit, world_size=world_size)
-            row["max_context_seconds"] = round(time.perf_counter() - t1, 1)
-            row["max_context_limit"] = max_context_limit
-        rows.append(row)
-    return add_step_ratios(rows)
+    if progress:
+        print(f"[predict] {strategy} at s={seq}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    p = predict_step(model_fn, lambda m: step_fn(m, seq), gpu=gpu, strategy=strategy, optimizer=_adamw,
+                     dtype=dtype, world_size=world_size, mixed_precision=mixed_precision)
+    row = {**p.to_dict(), "seq": seq, "batch": batch, "predict_seconds": round(time.perf_counter() - t0, 2)}
+    row["tokens_per_s"] = batch * seq / p.step_seconds if p.step_seconds else None
+    t1 = time.perf_counter()
+    row.update(_link_fields(p.link_bytes_per_s_needed))
+    row["exposed_copy_floor_seconds"] = p.timeline.exposed_copy_floor_seconds if p.timeline else None
+    row["exposed_at_issue_seconds"] = p.timeline.exposed_at_issue_seconds if p.timeline else None
+    row["link_search_seconds"] = round(time.perf_counter() - t1, 2)
+    if max_context_limit:
+        longest = max_context(model_fn, step_fn, gpu=gpu, strategy=strategy, optimizer=_adamw, dtype=dtype,
+                              start=max(512, min(seq, max_context_limit)), multiple=512, limit=max_context_limit,
+                              world_size=world_size, mixed_precision=mixed_precision)
+        row["max_context"] = int(longest)
+        row["max_context_reason"] = longest.reason
+        row["max_context_seconds"] = round(longest.seconds, 1)
+        row["max_context_limit"] = max_context_limit
+    return row
 
 
 def _num(x: float | None, fmt: str = ".3f") -> str:
@@ -100,6 +139,11 @@ def _link(r: dict[str, Any]) -> str:
         return "never (each awaited at issue)"
     rate = r.get("link_bytes_per_s_needed")
     return "n/a" if rate is None else ("no copies" if rate == 0 else f"{rate / 1e9:.1f}")
+
+
+def _took(r: dict[str, Any]) -> float:
+    """Seconds this machine spent on the row: the prediction, the link search and the longest-context search."""
+    return r["predict_seconds"] + r.get("link_search_seconds", 0) + r.get("max_context_seconds", 0)
 
 
 def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
@@ -116,13 +160,15 @@ def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
         mc = r.get("max_context")
         if mc is not None and mc == r.get("max_context_limit"):
             mc = f">= {mc} (the model's position limit)"
+        elif mc == 0 and r.get("max_context_reason"):
+            mc = f"none: {r['max_context_reason']}"
         lines.append(f"| {r['strategy']} | {r['peak_bytes'] / _GiB:.2f} | {'yes' if r['fits'] else 'no'} | "
                      f"{r['offloaded_bytes'] / _GiB:.2f} | {r['host_bytes']['pool'] / _GiB:.2f} | "
                      f"{r['host_bytes']['pageable'] / _GiB:.2f} | {_num(r.get('step_seconds'))} | "
                      f"{_num(r.get('tokens_per_s'), '.0f')} | {_num(r.get('exposed_copy_seconds'))} | "
                      f"{_num(r.get('exposed_at_issue_seconds'))} | "
                      f"{_num(r.get('step_vs_none'), '.2f')}x | {_num(r.get('step_vs_ac'), '.2f')}x | {_link(r)} | "
-                     f"{mc if mc is not None else 'n/a'} | {r['predict_seconds'] + r.get('link_search_seconds', 0):.1f} |")
+                     f"{mc if mc is not None else 'n/a'} | {_took(r):.1f} |")
     if rows:
         lines += ["", f"PREDICTED, not measured: {rows[0]['gpu_spec']}; usable "
                       f"{rows[0]['usable_bytes'] / _GiB:.2f} GiB. Step times are the timeline's (uncalibrated); "
@@ -136,43 +182,90 @@ def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def lora_model_fn(model_fn: Any, r: int, *, base_dtype: torch.dtype = torch.bfloat16) -> Any:
+    """``model_fn`` wrapped in peft: the base model cast to ``base_dtype`` and frozen, LoRA rank ``r`` (alpha
+    2r, dropout 0) on every linear layer inside its blocks (``offload.planner.find_blocks``: the attention and
+    MLP projections of a transformer), the adapters as peft makes them (float32 by default). Needs ``peft``."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"bench --predict: --lora {r!r} must be a LoRA rank >= 1 (16 is common)")
+
+    def build() -> torch.nn.Module:
+        import peft
+
+        from offload.planner.blocks import find_blocks
+
+        model = model_fn().to(base_dtype)
+        names = [f"{b}.{n}" for b, block in find_blocks(model) for n, m in block.named_modules()
+                 if n and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")]
+        if not names:
+            raise ValueError("bench --predict --lora: the model's blocks hold no linear layer to adapt")
+        config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=names)
+        return peft.get_peft_model(model, config)
+
+    return build
+
+
+def _fail(message: str) -> int:
+    print(f"python -m bench --predict: {message}", file=sys.stderr)
+    return 2
+
+
 def main_predict(args: argparse.Namespace, argv: list[str] | None) -> int:
     """``--predict``: presets only (``--model``), one GPU (``--gpu``)."""
+    from offload.predict import resolve_gpu
     from offload.predict.presets import PRESETS, max_positions, preset_config, preset_model_fn, preset_step_fn
 
+    from bench.workloads import resolve_dtype
+
     if args.model not in PRESETS:
-        print(f"python -m bench --predict: --model {args.model!r} is not a preset; choose one of {PRESETS}",
-              file=sys.stderr)
-        return 2
+        return _fail(f"--model {args.model!r} is not a preset; choose one of {PRESETS}")
+    try:
+        gpu = resolve_gpu(args.gpu).name
+    except ValueError as e:
+        return _fail(f"--gpu: {str(e).removeprefix('offload.predict: ')}")
     seq = args.seq or 8192
     limit = max_positions(args.model)
     if seq > limit:
-        print(f"python -m bench --predict: --seq {seq} is beyond {args.model}'s {limit} positions", file=sys.stderr)
-        return 2
-    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16
+        return _fail(f"--seq {seq} is beyond {args.model}'s {limit} positions")
+    mixed = getattr(args, "mixed_precision", None)
+    lora = getattr(args, "lora", None)
+    try:
+        dtype = resolve_dtype(args.dtype) if args.dtype else (None if mixed or lora else torch.bfloat16)
+    except ValueError as e:
+        return _fail(str(e).removeprefix("bench: "))
+    mixed_precision = resolve_dtype(mixed) if mixed else None
     cfg = preset_config(args.model)
     model_fn = preset_model_fn(args.model, layers=args.layers)
+    if lora is not None:
+        if lora < 1:
+            return _fail(f"--lora {lora} must be a LoRA rank >= 1 (16 is common)")
+        model_fn = lora_model_fn(model_fn, lora)
     step_fn = preset_step_fn(cfg.vocab_size, batch=args.batch or 1)
     world_size = getattr(args, "world_size", 1)
     if world_size < 1:
-        print(f"python -m bench --predict: --world-size {world_size} must be >= 1", file=sys.stderr)
-        return 2
-    rows = predict_rows(model_fn, step_fn, gpu=args.gpu, seq=seq, dtype=dtype, batch=args.batch or 1,
-                        max_context_limit=None if args.no_max_context else limit, progress=not args.quiet,
-                        world_size=world_size)
+        return _fail(f"--world-size {world_size} must be >= 1")
+    try:
+        rows = predict_rows(model_fn, step_fn, gpu=gpu, seq=seq, dtype=dtype, batch=args.batch or 1,
+                            max_context_limit=None if args.no_max_context else limit, progress=not args.quiet,
+                            world_size=world_size, mixed_precision=mixed_precision)
+    except ImportError as e:
+        return _fail(f"{e}: --lora needs peft (pip install peft)" if lora is not None else str(e))
     layers = f", {args.layers} blocks" if args.layers else ""
     ranks = f", one rank of FSDP2 over {world_size} GPUs" if world_size > 1 else ""
-    title = (f"PREDICTED on {args.gpu}{ranks}: {args.model}{layers}, s={seq}, b={args.batch or 1}, {dtype}, AdamW "
-             "(offload.predict; no GPU used)")
+    what = (f"LoRA r={lora} on the blocks' linear layers, bf16 base, AdamW on the adapters" if lora is not None
+            else "full fine-tune, AdamW")
+    title = (f"PREDICTED on {gpu}{ranks}: {args.model}{layers}, s={seq}, b={args.batch or 1}, {what}, "
+             f"precision: {rows[0]['precision']} (offload.predict; no GPU used)")
     md = format_markdown(rows, title)
     print(md)
     if not args.no_write:
-        stem = f"predict_{args.model}_{args.gpu}_s{seq}" + (f"_x{world_size}" if world_size > 1 else "")
+        stem = (f"predict_{args.model}_{gpu}_s{seq}" + (f"_x{world_size}" if world_size > 1 else "")
+                + (f"_mp{mixed}" if mixed else "") + (f"_lora{lora}" if lora is not None else ""))
         out = args.out if args.out is not None else default_run_dir("predict", args.model)
         out.mkdir(parents=True, exist_ok=True)
         cmd = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
         (out / f"{stem}.json").write_text(json.dumps({"kind": "predicted", "command": cmd, "title": title,
-                                                      "gpu": args.gpu, "gpu_spec": rows[0]["gpu_spec"],
+                                                      "gpu": gpu, "gpu_spec": rows[0]["gpu_spec"],
                                                       "rows": rows}, indent=1, default=str))
         (out / f"{stem}.md").write_text(f"{md}\nMade by `{cmd}`.\n")
         print(f"wrote {out / (stem + '.json')}\nwrote {out / (stem + '.md')}")
