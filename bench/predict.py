@@ -120,9 +120,10 @@ def _row(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torch.dtype 
     row["exposed_at_issue_seconds"] = p.timeline.exposed_at_issue_seconds if p.timeline else None
     row["link_search_seconds"] = round(time.perf_counter() - t1, 2)
     if max_context_limit:
+        start = max(512, min(seq, max_context_limit)) // 512 * 512
         longest = max_context(model_fn, step_fn, gpu=gpu, strategy=strategy, optimizer=_adamw, dtype=dtype,
-                              start=max(512, min(seq, max_context_limit)), multiple=512, limit=max_context_limit,
-                              world_size=world_size, mixed_precision=mixed_precision)
+                              start=start, multiple=512, limit=max_context_limit, world_size=world_size,
+                              mixed_precision=mixed_precision, start_prediction=p if start == seq else None)
         row["max_context"] = int(longest)
         row["max_context_reason"] = longest.reason
         row["max_context_seconds"] = round(longest.seconds, 1)

@@ -136,6 +136,9 @@ class Captured:
     """The most bytes a KV cache the model returned held (NOTE [ Capture ] item 8; 0: none returned)."""
     state_dtype: torch.dtype | None = None
     """The floating dtype of most of the model's parameter bytes, as built and cast (None: no such parameter)."""
+    autocast: torch.dtype | None = None
+    """The dtype of an autocast the step ran under (``mixed_precision``'s, or the step's own: NOTE [ Mixed
+    precision ] item 4); None: none."""
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -563,7 +566,7 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
     cap.pinned = config.use_pin_memory if config is not None else True
     cap.real_inputs = real_inputs and fake
     with (fake_process_group(world_size) if world_size > 1 else contextlib.nullcontext()) as mesh, \
-            _capturing(cap, fake, lag) as stack, cuda_autocast(autocast):
+            _capturing(cap, fake, lag) as stack, cuda_autocast() as autocasts:
         model, param_bytes, block_names = _prepare(cap, stack, model_fn, dtype, fake, mesh, mixed_precision)
         applied = apply_strategy(model, strategy, config)
         try:
@@ -587,7 +590,7 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
             applied.remove()
     trace = _settle(cap)
     return Captured(trace, summary, host, param_bytes, block_names, records, dict(cap.state_bytes), cap.head_name,
-                    cap.kv_cache_bytes, cap.state_dtype)
+                    cap.kv_cache_bytes, cap.state_dtype, min(autocasts, key=lambda d: d.itemsize, default=None))
 
 
 def _prepare(cap: _Capture, stack: contextlib.ExitStack, model_fn: Callable[[], nn.Module],

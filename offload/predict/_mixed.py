@@ -24,6 +24,10 @@ NOTE [ Mixed precision ]
 3. The report names the regime (``Prediction.precision``): "mixed bf16 (autocast; parameters,
    gradients and optimizer state in float32)", "FSDP2 MixedPrecisionPolicy(param_dtype=bf16,
    reduce_dtype=float32)", or the one dtype the whole step runs in.
+4. A step written for the GPU. A ``torch.autocast("cuda", dtype=...)`` (or ``torch.cuda.amp.autocast``)
+   that the step enters itself is CPU autocast in the same dtype while a capture runs (CUDA's default,
+   float16, when it names none), with the policy of item 2: the step predicts as it runs on the GPU,
+   where it would otherwise compute in float32 (autocast for CUDA leaves CPU tensors alone).
 """
 
 from __future__ import annotations
@@ -106,10 +110,11 @@ def _cast(tree: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map(lambda t: t.to(dtype) if _eligible(t) and t.dtype != dtype else t, tree)
 
 
-def _kernel(op: Any, policy: str, lower: torch.dtype) -> Callable[..., Any]:
+def _kernel(op: Any, policy: str) -> Callable[..., Any]:
     dtype_at = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
+        lower = torch.get_autocast_dtype("cpu")
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
             if policy == "lower":
                 args, kwargs = _cast((args, kwargs), lower)
@@ -132,25 +137,36 @@ def _overload(name: str) -> Any:
 
 
 @contextlib.contextmanager
-def _cuda_policy(lower: torch.dtype) -> Iterator[None]:
-    """CPU autocast with CUDA's policy on the ops where the two differ (NOTE [ Mixed precision ] item 2)."""
+def cuda_autocast() -> Iterator[set[torch.dtype]]:
+    """For a whole capture: CPU autocast with CUDA's policy on the ops where the two differ, and a step's own
+    ``torch.autocast("cuda", ...)`` (``torch.cuda.amp.autocast``) as CPU autocast in the same dtype (CUDA's
+    default float16 when none is named): NOTE [ Mixed precision ] items 2 and 4. Yields the set of dtypes an
+    enabled autocast was entered with while it ran (the regime the report names)."""
     lib = torch.library.Library("aten", "IMPL")
+    seen: set[torch.dtype] = set()
+    cls = torch.amp.autocast_mode.autocast
+    orig_init = cls.__init__
+
+    def __init__(self: Any, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+                 cache_enabled: bool | None = None) -> None:
+        if device_type == "cuda":
+            device_type, dtype = "cpu", dtype if dtype is not None else torch.float16
+        orig_init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        if enabled and device_type == "cpu":
+            seen.add(self.fast_dtype)
+
     try:
         for names, policy in ((_LOWER, "lower"), (_FP32, "fp32"), (_FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype")):
             for name in names:
                 op = _overload(name)
                 if op is None or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "AutocastCPU"):
                     continue  # not in this torch, or CPU autocast already has a kernel for it
-                lib.impl(name, _kernel(op, policy, lower), "AutocastCPU")
-        yield
+                lib.impl(name, _kernel(op, policy), "AutocastCPU")
+        cls.__init__ = __init__  # type: ignore[method-assign]
+        yield seen
     finally:
+        cls.__init__ = orig_init  # type: ignore[method-assign]
         lib._destroy()
-
-
-def cuda_autocast(mixed_precision: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """For a whole capture on one GPU: CUDA's autocast policy while it runs (a no-op for None); the forward
-    enters ``forward_autocast`` (NOTE [ Mixed precision ] items 1-2)."""
-    return _cuda_policy(mixed_precision) if mixed_precision is not None else contextlib.nullcontext()
 
 
 def forward_autocast(mixed_precision: torch.dtype | None) -> contextlib.AbstractContextManager:

@@ -291,7 +291,8 @@ def _prediction(cap: Captured, spec: GPUSpec, strategy: str | Plan, optimizer: O
                 mixed_precision: torch.dtype | None = None) -> Prediction:
     mem = replay(cap.trace, DeviceMemory())
     name = strategy_name(strategy)
-    precision = precision_words(mixed_precision, dtype, world_size, cap.state_dtype)
+    precision = precision_words(mixed_precision if mixed_precision is not None else cap.autocast, dtype,
+                                world_size if mixed_precision is not None else 1, cap.state_dtype)
     return Prediction(gpu=spec, strategy=name, peak_bytes=mem.peak_bytes,
                       peak_allocated_bytes=mem.peak_allocated_bytes, breakdown_at_peak=mem.breakdown_at_peak(),
                       activations_at_peak=_by_block(mem.activations_at_peak(), cap.block_names),
@@ -337,7 +338,8 @@ def max_context(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module,
                 gpu: str | GPUSpec, strategy: str | Plan = "offload", config: OffloadConfig | None = None,
                 optimizer: OptimizerFactory | None = None, dtype: torch.dtype | None = None,
                 start: int = 1024, multiple: int = 256, limit: int = 1 << 20, world_size: int = 1,
-                mixed_precision: torch.dtype | None = None) -> LongestContext:
+                mixed_precision: torch.dtype | None = None,
+                start_prediction: Prediction | None = None) -> LongestContext:
     """The longest sequence length (a multiple of ``multiple``, at most ``limit``) whose step is predicted
     to fit on ``gpu``; 0 when not even ``multiple`` fits. ``step_fn(model, seq_len)`` runs the forward at
     that length. Doubling from ``start`` then bisecting: about ``2 log2(limit / multiple)`` captures, each
@@ -345,7 +347,8 @@ def max_context(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module,
     not fit and the model's state alone (parameters, gradients, optimizer state) exceeds the GPU's usable
     memory, the answer is 0 at once, its ``reason`` naming what the state needs. The answer is a
     ``LongestContext`` (an int with ``reason``, ``probes`` and ``seconds``). ``world_size``, ``dtype`` and
-    ``mixed_precision``: as in ``predict_step``."""
+    ``mixed_precision``: as in ``predict_step``. ``start_prediction``: the prediction of the step at
+    ``start`` with these arguments, if the caller has it (it is the first probe: one capture saved)."""
     for name, value in (("start", start), ("multiple", multiple), ("limit", limit)):
         _positive_int(name, value)
     if start < multiple or limit < multiple:
@@ -359,8 +362,11 @@ def max_context(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module,
 
     def fits(seq: int) -> bool:
         t = time.perf_counter()
-        p = predict_step(model_fn, lambda m: step_fn(m, seq), gpu=spec, strategy=strategy, config=config,
-                         optimizer=optimizer, dtype=dtype, world_size=world_size, mixed_precision=mixed_precision)
+        if start_prediction is not None and seq == start and not probes:
+            p = start_prediction
+        else:
+            p = predict_step(model_fn, lambda m: step_fn(m, seq), gpu=spec, strategy=strategy, config=config,
+                             optimizer=optimizer, dtype=dtype, world_size=world_size, mixed_precision=mixed_precision)
         first[:] = first or [p]
         probes.append((seq, p.fits, p.peak_bytes))
         log.info("max_context on %s (%s): s=%d %s, predicted peak %.2f GiB of %.2f GiB usable [%.1f s]", spec.name,

@@ -93,7 +93,7 @@ def test_cpu_autocast_takes_cuda_op_lists_inside_a_capture_only():
                     torch.mv(x.float(), v).dtype)
 
     assert dtypes() == (BF16, BF16, BF16, torch.float32)
-    with cuda_autocast(BF16):
+    with cuda_autocast():
         assert dtypes() == (torch.float32, torch.float32, torch.float32, BF16)
     assert dtypes() == (BF16, BF16, BF16, torch.float32)
 
@@ -101,7 +101,7 @@ def test_cpu_autocast_takes_cuda_op_lists_inside_a_capture_only():
 def test_cuda_policy_keeps_gradients_flowing():
     """A cast under the CUDA policy is recorded by autograd: the input's gradient exists and has its dtype."""
     x = torch.randn(4, 8, dtype=BF16, requires_grad=True)
-    with cuda_autocast(BF16), forward_autocast(BF16):
+    with cuda_autocast(), forward_autocast(BF16):
         F.softmax(x, -1).sum().backward()
     assert x.grad is not None and x.grad.dtype == BF16
 
@@ -121,3 +121,19 @@ def test_fsdp2_mixed_precision_gathers_bf16_and_keeps_fp32_shards():
     assert mixed.state_bytes == fp32.state_bytes
     assert 0 < unsharded(mixed) <= 0.6 * unsharded(fp32), (unsharded(mixed), unsharded(fp32))
     assert "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)" in mixed.precision
+
+
+def test_a_step_that_enters_cuda_autocast_predicts_as_mixed_precision():
+    """A step written for the GPU, entering torch.autocast("cuda", dtype=torch.bfloat16) itself, predicts what
+    mixed_precision=torch.bfloat16 predicts (not a float32 step: CUDA autocast would leave CPU tensors alone)."""
+    model_fn, step_fn = _long_toy()
+
+    def gpu_step(model: torch.nn.Module) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=BF16):
+            return step_fn(model)
+
+    own = predict_step(model_fn, gpu_step, gpu="h100-sxm", strategy="none", optimizer=adamw)
+    given = predict_step(model_fn, step_fn, gpu="h100-sxm", strategy="none", optimizer=adamw, mixed_precision=BF16)
+    assert own.peak_bytes == given.peak_bytes
+    assert own.breakdown_at_peak == given.breakdown_at_peak
+    assert own.precision == given.precision and "mixed bf16" in own.precision
