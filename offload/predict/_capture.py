@@ -23,9 +23,8 @@ NOTE [ Capture ]
 5. Categories are settled when the step ends: the storages of ``p.grad`` after backward are
    ``gradient``, the optimizer's state ``optimizer``, the model's parameters and buffers
    ``parameter``; a reload destination is ``copy``; what the forward (or a recompute) allocates is
-   ``activation``, by module; a KV cache ``kv_cache`` (item 8), logits outside the modules ``logits``
-   (item 9); everything else ``other`` (the step's inputs, the gradients flowing between modules in
-   backward, the optimizer step's temporaries).
+   ``activation``, by module; ``kv_cache`` and ``logits`` (item 8); everything else ``other`` (inputs,
+   gradients between modules in backward, the optimizer's temporaries).
 6. In-flight copies. In the measured step, an event the engine polls (``Event.query``) is done when
    the modelled device has run it by the host's current time (``clock``: the timeline of the GPU
    predicted, run as the items are recorded: NOTE [ Simulated timeline ] rule 7), so the engine frees
@@ -35,20 +34,15 @@ NOTE [ Capture ]
    times before "done" (default: never, until something waits for it).
 7. A real model (``offload.plan(..., target=)``): its parameters and buffers are swapped for fake ones
    while the capture runs (``fake_parameters``), and the real tensors the step closes over (token ids)
-   become fake when an op first reads them (``real_inputs``), each a device block from then on. So does a
-   model ``model_fn`` built before the call (``lambda: model``) or on the meta device.
-8. A KV cache. When the model returns a non-empty cache (``past_key_values`` / ``cache``: a Hugging Face
-   model with ``use_cache=True``), the blocks it holds are ``kv_cache``, also those a recompute appends
-   in backward; ``Captured.kv_cache_bytes`` is the most it held (``offload._kv_cache``).
-9. Logits. A block made outside the model's modules (not in the optimizer step) whose tensor's last
-   dimension is the vocabulary (the output head's ``out_features``) is ``logits``: the loss computed on
-   the logits outside the model (an upcast, a log-softmax) and the logits' gradients in backward.
+   become fake when an op first reads them (``real_inputs``), each a device block from then on; so does a
+   model built before the call (``lambda: model``) or on the meta device.
+8. What the model says beyond its ops (its output head and vocabulary, its state's dtype, a KV cache it
+   returns: the ``kv_cache`` and ``logits`` categories) is NOTE [ Model facts ] in ``_facts.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,15 +60,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _pinned
 from .._torch_private import graph_task_id_c as _graph_task_id
-from .._kv_cache import cache_tensors, returned_cache
-from ..modules import OUTPUT_OBSERVERS, current_module_name, module_name, track_modules
-from ..regions import find_output_head
+from ..modules import current_module_name, track_modules
 from ..testing import EmulatedAccelerator
 from ..testing._aten_ops import _EMPTY_OPS, _METADATA_OPS
 from ._errors import PredictError
+from ._facts import ModelFacts, watching_outputs
 from ._fsdp import fake_process_group, fsdp_categories, local, shard
 from ._mixed import cuda_autocast, forward_autocast
-from ._model import _CudaOnStandIn, _block_names, _build, _hf_masks_as_real, _leaves, fake_parameters
+from ._model import (_CudaOnStandIn, _block_names, _build, _hf_masks_as_real, _leaves, _local_bytes, _tensors,
+                     fake_parameters)
 from ._strategies import apply_strategy
 from ._timeline import Clock
 from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, Kernel, RecordEvent, RecordStream, Trace,
@@ -89,9 +83,8 @@ _FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException, Unsup
 _STORAGE_ARG_OPS = {aten.set_.source_Storage, aten.set_.source_Storage_storage_offset}
 """Ops that take a storage: FakeTensorMode's dispatch cache would keep it alive in its key (so the storage
 would never be freed), so they run with the cache off."""
-_LIFT_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.lift.default}
-"""How ``torch.tensor(...)`` in fake mode hands its fresh real tensor to the fake mode, which keeps its value (a
-constant, so ``.item()`` on it works: AdamW's step count): ``as_fake`` must not make it a plain fake first."""
+_LIFT_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.lift.default}  # torch.tensor(): a
+# fake constant (AdamW's step .item()) only if fake mode gets the real tensor, so as_fake leaves it alone
 _CPU_SDPA = {getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention_for_cpu",)
              if hasattr(aten, n)}
 _CPU_SDPA_BWD = {getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention_for_cpu_backward",)
@@ -130,20 +123,8 @@ class Captured:
     state_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes of model state one rank holds in the measured step: ``parameter``, ``buffer`` (not sharded),
     ``gradient`` (after backward), ``optimizer`` (after its step); sharded state by its local shard."""
-    head_name: str = ""
-    """The output head's module name, as in ``records`` ('' without a head)."""
-    kv_cache_bytes: int = 0
-    """The most bytes a KV cache the model returned held (NOTE [ Capture ] item 8; 0: none returned)."""
-    state_dtype: torch.dtype | None = None
-    """The floating dtype of most of the model's parameter bytes, as built and cast (None: no such parameter)."""
-    autocast: torch.dtype | None = None
-    """The dtype of an autocast the step ran under (``mixed_precision``'s, or the step's own: NOTE [ Mixed
-    precision ] item 4); None: none."""
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    """The tensors in ``x``, each by the tensors that hold its bytes (``_leaves``)."""
-    return [leaf for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor) for leaf in _leaves(t)]
+    facts: ModelFacts = field(default_factory=ModelFacts)
+    """The model's head, state dtype, KV cache, the step's autocast (NOTE [ Model facts ] in ``_facts.py``)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -269,15 +250,7 @@ class _Capture:
         self.device_bytes = 0
         """Bytes of the device blocks alive now (what ``memory_allocated`` reports)."""
         self.device_peak = 0
-        self.kv_cache_bytes = 0
-        """The most bytes a KV cache the model returned held in the measured step (NOTE [ Capture ] item 8)."""
-        self._cache: Any = None
-        """A weak reference to that cache (None: none seen, or it cannot be weakly referenced)."""
-        self.vocab = 0
-        """The output head's ``out_features`` (0: no head found): NOTE [ Capture ] item 9."""
-        self.head_name = ""
-        """The output head's module name (``offload.regions.find_output_head``; '' if none)."""
-        self.state_dtype: torch.dtype | None = None
+        self.facts = ModelFacts()
 
     def as_fake(self, tree: Any) -> Any:
         """``tree`` with every real tensor as its fake twin (memoized by the fake mode, so one real tensor
@@ -377,24 +350,8 @@ class _Capture:
             self.emit(RecordStream(b.id, self.stream_id(stream)))
 
     def on_output(self, module: nn.Module, output: Any) -> None:
-        """An outermost module call returned (``offload.modules.OUTPUT_OBSERVERS``): a KV cache it carries is
-        ``kv_cache``, and so is what that cache holds after any later module call (a recompute appends to it):
-        NOTE [ Capture ] item 8."""
-        if not self.recording:
-            return
-        cache = returned_cache(output)
-        if cache is not None:
-            try:
-                self._cache = weakref.ref(cache)
-            except TypeError:  # a tuple of tuples: marked now only
-                self._cache = None
-        elif self._cache is not None:
-            cache = self._cache()
-        if cache is None:
-            return
-        tensors = cache_tensors(cache)
-        self.mark(tensors, "kv_cache")
-        self.kv_cache_bytes = max(self.kv_cache_bytes, sum(_nbytes(t) for t in tensors))
+        if self.recording:  # an outermost call returned (OUTPUT_OBSERVERS): NOTE [ Model facts ] item 3
+            self.facts.on_output(output, self.mark)
 
     def mark(self, tensors: list[torch.Tensor], category: str) -> None:
         """Settle the category of the storages behind ``tensors`` (NOTE [ Capture ] item 5)."""
@@ -412,8 +369,8 @@ class _Capture:
             return "other"
         if current_module_name():
             return "activation"  # the forward, or a forward recomputed in backward
-        if self.vocab and t is not None and t.dim() and t.shape[-1] == self.vocab:
-            return "logits"  # NOTE [ Capture ] item 9
+        if self.facts.is_logits(t):
+            return "logits"  # NOTE [ Model facts ] item 1
         return "activation" if self.phase == "forward" else "other"
 
     def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -466,11 +423,6 @@ def _io_bytes(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
     return sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs if id(t) not in seen)
 
 
-def _local_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of ``tensors`` on this rank (a DTensor by its local shard, an NF4 weight by its packed data)."""
-    return sum(_nbytes(leaf) for t in tensors for leaf in _leaves(t))
-
-
 def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
@@ -494,10 +446,7 @@ def _capturing(cap: _Capture, fake: bool, lag: int):
         stack.enter_context(track_modules(owner=cap))
         _pinned.HOST_ALLOC_OBSERVERS.append(cap.host_alloc)
         stack.callback(_pinned.HOST_ALLOC_OBSERVERS.remove, cap.host_alloc)
-        OUTPUT_OBSERVERS.append(cap.on_output)
-        stack.callback(OUTPUT_OBSERVERS.remove, cap.on_output)
-        stack.enter_context(warnings.catch_warnings())  # the prediction reports a returned KV cache itself
-        warnings.filterwarnings("ignore", message=r"OffloadActivations: \w+ returned a KV cache")
+        stack.enter_context(watching_outputs(cap.on_output))
         stack.enter_context(_seeing_resizes(cap))
         yield stack
 
@@ -522,8 +471,7 @@ def _seeing_resizes(cap: _Capture):
 
 def _step(cap: _Capture, model: nn.Module, step_fn: Callable[[nn.Module], torch.Tensor],
           opt: torch.optim.Optimizer | None, autocast: torch.dtype | None = None) -> None:
-    """One training step: forward (``step_fn``, under autocast in ``autocast``: NOTE [ Mixed precision ]),
-    backward, optimizer step, gradients set to None."""
+    """One training step: forward (``step_fn``, under ``autocast``), backward, optimizer step, zero grads."""
     cap.phase = "forward"
     with forward_autocast(autocast):
         loss = step_fn(model)
@@ -558,8 +506,7 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
     ``strategy(model) -> Applied``; ``measured(cap)`` a context manager entered around the measured step;
     ``real_inputs``: see NOTE [ Capture ] item 7. ``world_size > 1``: the step of rank 0 of FSDP2 over
     that many GPUs (NOTE [ One FSDP2 rank ] in offload/predict/_fsdp.py). ``clock``: the modelled GPU the
-    engine's polls ask in the measured step (NOTE [ Capture ] item 6). ``mixed_precision``: the compute dtype
-    (autocast on one GPU, FSDP2's MixedPrecisionPolicy over several: NOTE [ Mixed precision ] in _mixed.py)."""
+    engine's polls ask in the measured step (NOTE [ Capture ] item 6). ``mixed_precision``: NOTE [ Mixed precision ]."""
     autocast = mixed_precision if world_size == 1 else None
     cap = _Capture()
     cap.clock = clock
@@ -589,13 +536,12 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
         finally:
             applied.remove()
     trace = _settle(cap)
-    return Captured(trace, summary, host, param_bytes, block_names, records, dict(cap.state_bytes), cap.head_name,
-                    cap.kv_cache_bytes, cap.state_dtype, min(autocasts, key=lambda d: d.itemsize, default=None))
+    cap.facts.autocast = min(autocasts, key=lambda d: d.itemsize, default=None)
+    return Captured(trace, summary, host, param_bytes, block_names, records, dict(cap.state_bytes), cap.facts)
 
 
-def _prepare(cap: _Capture, stack: contextlib.ExitStack, model_fn: Callable[[], nn.Module],
-             dtype: torch.dtype | None, fake: bool, mesh: Any,
-             mixed_precision: torch.dtype | None = None) -> tuple[nn.Module, int, list[str]]:
+def _prepare(cap: _Capture, stack: contextlib.ExitStack, model_fn: Callable[[], nn.Module], dtype: torch.dtype | None,
+             fake: bool, mesh: Any, mixed_precision: torch.dtype | None) -> tuple[nn.Module, int, list[str]]:
     """Build the model, settle its state as ``parameter`` and (with a ``mesh``) shard it: the model, its
     unsharded parameter and buffer bytes, and its candidate blocks."""
     model, twins = _build(model_fn, dtype, fake, stack)
@@ -606,15 +552,7 @@ def _prepare(cap: _Capture, stack: contextlib.ExitStack, model_fn: Callable[[], 
     state = [*model.parameters(), *model.buffers()]
     param_bytes = _local_bytes(state)
     block_names = _block_names(model)
-    by_dtype: dict[torch.dtype, int] = {}
-    for t in model.parameters():
-        if t.is_floating_point():
-            by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + _nbytes(t)
-    cap.state_dtype = max(by_dtype, key=by_dtype.__getitem__) if by_dtype else None
-    head = find_output_head(model)
-    if head is not None:
-        cap.head_name = module_name(head)
-        cap.vocab = int(getattr(head, "out_features", 0) or 0)
+    cap.facts.read(model)
     if mesh is not None:
         shard(model, mesh, block_names, mixed_precision)
         stack.enter_context(fsdp_categories(cap.category, cap.mark))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..modules import register_model
@@ -178,6 +179,16 @@ def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
         return [t]
     names, _ctx = t.__tensor_flatten__()
     return [x for n in names for x in _leaves(getattr(t, n))]
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors in ``x``, each by the tensors that hold its bytes (``_leaves``)."""
+    return [leaf for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor) for leaf in _leaves(t)]
+
+
+def _local_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of ``tensors`` on this rank (a DTensor by its local shard, an NF4 weight by its packed data)."""
+    return sum(leaf.numel() * leaf.element_size() for t in tensors for leaf in _leaves(t))
 
 
 def _needs_twins(model: nn.Module) -> bool:

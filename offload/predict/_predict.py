@@ -217,9 +217,9 @@ def _assumptions(gpu: GPUSpec, strategy: str, optimizer: OptimizerFactory | None
         out += [f"FSDP2 over {world_size} GPUs, rank 0 (the largest shard): fully_shard on each block and the root "
                 "with its defaults; collectives on a fake process group, so communication time and NCCL buffers "
                 "are not counted"]
-    if cap is not None and cap.kv_cache_bytes:
+    if cap is not None and cap.facts.kv_cache_bytes:
         out.append(f"KV cache: the model returns one (past_key_values / cache, use_cache=True) holding "
-                   f"{cap.kv_cache_bytes / _GiB:.2f} GiB, counted as kv_cache: a training step never reads it; "
+                   f"{cap.facts.kv_cache_bytes / _GiB:.2f} GiB, counted as kv_cache: a training step never reads it; "
                    "pass use_cache=False (or set model.config.use_cache = False) to drop it")
     return tuple(out)
 
@@ -278,7 +278,7 @@ def predict_step(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module
 
 def _head(cap: Captured) -> dict[str, Any]:
     """``Prediction.head`` from the engine's records (NOTE [ Capture ] item 5)."""
-    name = cap.head_name
+    name = cap.facts.head_name
     if not name:
         return {"name": ""}
     mine = [r for r in cap.records if r[3] == name or r[3].startswith(name + ".")]
@@ -291,8 +291,8 @@ def _prediction(cap: Captured, spec: GPUSpec, strategy: str | Plan, optimizer: O
                 mixed_precision: torch.dtype | None = None) -> Prediction:
     mem = replay(cap.trace, DeviceMemory())
     name = strategy_name(strategy)
-    precision = precision_words(mixed_precision if mixed_precision is not None else cap.autocast, dtype,
-                                world_size if mixed_precision is not None else 1, cap.state_dtype)
+    precision = precision_words(mixed_precision if mixed_precision is not None else cap.facts.autocast, dtype,
+                                world_size if mixed_precision is not None else 1, cap.facts.state_dtype)
     return Prediction(gpu=spec, strategy=name, peak_bytes=mem.peak_bytes,
                       peak_allocated_bytes=mem.peak_allocated_bytes, breakdown_at_peak=mem.breakdown_at_peak(),
                       activations_at_peak=_by_block(mem.activations_at_peak(), cap.block_names),
@@ -301,7 +301,7 @@ def _prediction(cap: Captured, spec: GPUSpec, strategy: str | Plan, optimizer: O
                                                world_size, cap),
                       capture_seconds=seconds, trace=cap.trace, timeline=simulate(cap.trace, spec),
                       world_size=world_size, state_bytes=cap.state_bytes, precision=precision, head=_head(cap),
-                      kv_cache_bytes=cap.kv_cache_bytes)
+                      kv_cache_bytes=cap.facts.kv_cache_bytes)
 
 
 class LongestContext(int):
@@ -377,36 +377,43 @@ def max_context(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module,
     def answer(value: int, reason: str = "") -> LongestContext:
         return LongestContext(value, reason, tuple(probes), round(time.perf_counter() - t0, 2))
 
-    top = limit // multiple * multiple
-    lo, hi = 0, None  # lo fits (0: nothing known to fit), hi does not
-    s = min(start // multiple * multiple, top)
-    while True:
-        if fits(s):
-            lo = s
-            if s >= top:
-                return answer(lo, f"reached the limit ({limit})")
-            s = min(2 * s, top)
-        else:
-            hi = s
-            break
-    if lo == 0:  # the start did not fit
+    lo, hi = _bracket(fits, start, multiple, limit)
+    if lo == 0 and hi is not None:  # the start did not fit
         state = _state_total(first[0])
         if state > spec.usable_bytes:
             return answer(0, f"the state alone (parameters, gradients, optimizer state) needs {state / _GiB:.2f} GiB "
                              f"of the {spec.usable_bytes / _GiB:.2f} GiB usable on {spec.name}")
-        while hi > multiple:  # halve down
-            s = max(multiple, hi // 2 // multiple * multiple)
-            if fits(s):
-                lo = s
-                break
-            hi = s
+        lo, hi = _halve(fits, hi, multiple)
         if lo == 0:
             return answer(0, f"even {multiple} tokens peak at {probes[-1][2] / _GiB:.2f} GiB of the "
                              f"{spec.usable_bytes / _GiB:.2f} GiB usable on {spec.name}")
+    if hi is None:
+        return answer(lo, f"reached the limit ({limit})")
     while hi - lo > multiple:
         mid = (lo + hi) // 2 // multiple * multiple
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return answer(lo)
+
+
+def _bracket(fits: Callable[[int], bool], start: int, multiple: int, limit: int) -> tuple[int, int | None]:
+    """Doubling from ``start``: (the longest length known to fit (0: the start did not), the first that did not
+    (None: the limit fits))."""
+    top = limit // multiple * multiple
+    lo, s = 0, min(start // multiple * multiple, top)
+    while fits(s):
+        lo = s
+        if s >= top:
+            return lo, None
+        s = min(2 * s, top)
+    return lo, s
+
+
+def _halve(fits: Callable[[int], bool], hi: int, multiple: int) -> tuple[int, int]:
+    """Halving down from ``hi`` (which does not fit) to ``multiple``: (a length that fits, or 0; the last that did
+    not)."""
+    while hi > multiple:
+        s = max(multiple, hi // 2 // multiple * multiple)
+        if fits(s):
+            return s, hi
+        hi = s
+    return 0, hi
