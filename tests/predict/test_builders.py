@@ -14,7 +14,7 @@ from torch import nn
 
 from offload.predict import PredictError, predict_step
 
-from predict_testkit import V, adamw, hf, toy
+from predict_testkit import CASES, V, adamw, hf, toy
 
 BF16 = torch.bfloat16
 
@@ -49,16 +49,18 @@ def test_peft_lora_predicts_with_optimizer_state_for_the_adapters_only(kind):
     assert p.offloaded_bytes > 0
 
 
-def test_a_cast_in_model_fn_is_the_cast_model():
+@pytest.mark.parametrize("name", ["toy_llama", "hf_llama"])
+def test_a_cast_in_model_fn_is_the_cast_model(name):
     """model_fn returning model.to(torch.bfloat16) predicts what dtype=torch.bfloat16 predicts."""
-    model_fn, step_fn = toy()
+    model_fn, step_fn = CASES[name]()
     cast = predict_step(lambda: model_fn().to(BF16), step_fn, gpu="h100-sxm", strategy="none", optimizer=adamw)
     given = predict_step(model_fn, step_fn, gpu="h100-sxm", strategy="none", optimizer=adamw, dtype=BF16)
     assert cast.state_bytes == given.state_bytes and cast.peak_bytes == given.peak_bytes
 
 
-def _moved(how: str):
-    model_fn, step_fn = toy()
+def _builds_and_steps(name: str, how: str):
+    """(model_fn, step_fn) of CASES[name] as written for a GPU: the model moved by ``how``, the inputs moved."""
+    model_fn, step_fn = CASES[name]()
 
     def build() -> nn.Module:
         if how == "device":
@@ -68,18 +70,21 @@ def _moved(how: str):
 
     def step(model: nn.Module) -> torch.Tensor:
         tokens = torch.randint(0, V, (2, 16)).to("cuda")
+        if name == "hf_llama":
+            return model(input_ids=tokens, labels=tokens).loss
         return F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
 
     return build, step
 
 
 @pytest.mark.parametrize("how", ["cuda", "to", "device"])
-def test_moving_to_the_gpu_in_model_fn_and_step_fn_predicts_the_same_step(how):
+@pytest.mark.parametrize("name", ["toy_llama", "hf_llama"])
+def test_moving_to_the_gpu_in_model_fn_and_step_fn_predicts_the_same_step(name, how):
     """.cuda(), .to("cuda") and torch.device("cuda") in model_fn, and inputs moved with .to("cuda") in step_fn,
     predict the step that model_fn and step_fn without the moves predict (the GPU is the prediction's)."""
-    model_fn, step_fn = toy()
+    model_fn, step_fn = CASES[name]()
     plain = predict_step(model_fn, step_fn, gpu="h100-sxm", strategy="offload", optimizer=adamw)
-    moved = predict_step(*_moved(how), gpu="h100-sxm", strategy="offload", optimizer=adamw)
+    moved = predict_step(*_builds_and_steps(name, how), gpu="h100-sxm", strategy="offload", optimizer=adamw)
     assert moved.peak_bytes == plain.peak_bytes and moved.offloaded_bytes == plain.offloaded_bytes
 
 
