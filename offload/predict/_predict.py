@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._format import format_bytes
 from .._totals import OFFLOADED
 from ..config import OffloadConfig
 from ..planner.planning import Plan
@@ -145,11 +146,11 @@ class Prediction:
             return ""
         off, kept = self.head.get("offloaded_bytes", 0), self.head.get("kept_bytes", 0)
         if off:
-            return (f"output head {name}: {off / _GiB:.2f} GiB of the {self.offloaded_bytes / _GiB:.2f} GiB offloaded "
+            return (f"output head {name}: {format_bytes(off)} of the {format_bytes(self.offloaded_bytes)} offloaded "
                     f"({off / max(1, self.offloaded_bytes):.0%}), reloaded first in backward (its reload cannot hide); "
                     "keep it on the device with offload.regions.exclude_output_head(engine, model), as the trainer "
                     "integrations do")
-        return (f"output head {name}: kept on the device with what runs after it ({kept / _GiB:.2f} GiB saved "
+        return (f"output head {name}: kept on the device with what runs after it ({format_bytes(kept)} saved "
                 "there), as the trainer integrations keep it")
 
     def report(self) -> str:
