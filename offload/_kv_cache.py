@@ -29,7 +29,7 @@ from ._observers import active_engine
 from ._warn import warn_user
 from .modules import OUTPUT_OBSERVERS
 
-__all__ = ["returned_cache", "cache_tensors", "cache_bytes"]
+__all__ = ["returned_cache", "cache_tensors", "cache_bytes", "install_warning"]
 
 _MAX_DEPTH = 5
 """How deep ``cache_tensors`` looks into a cache object (layers -> layer -> keys: 3 in transformers 5)."""
@@ -112,5 +112,7 @@ def _warn_engine(module: nn.Module, output: Any) -> None:
         "(or set model.config.use_cache = False before training).")
 
 
-if _warn_engine not in OUTPUT_OBSERVERS:
-    OUTPUT_OBSERVERS.append(_warn_engine)
+def install_warning() -> None:
+    """Register the engine's warning about a returned cache (once; ``offload.engine`` calls it on import)."""
+    if _warn_engine not in OUTPUT_OBSERVERS:
+        OUTPUT_OBSERVERS.append(_warn_engine)

@@ -126,10 +126,7 @@ class _QLoRA(nn.Module):
 def test_nf4_base_weights_are_counted_at_their_stored_size():
     """torchao NF4 base weights count as their packed 4-bit data and scalers (about a quarter of bf16), not as a
     bf16 tensor of their shape."""
-    try:
-        from torchao.quantization import to_nf4  # noqa: F401
-    except ImportError:
-        pytest.skip("torchao with NF4 (torchao.quantization.to_nf4) is not installed")
+    pytest.importorskip("torchao.quantization", reason="torchao with NF4 (torchao.quantization.to_nf4) is not installed")
     dim, r = 512, 8
     p = predict_step(_QLoRA, lambda m: m(torch.randn(4, dim, dtype=BF16)).float().sum(), gpu="h100-sxm",
                      strategy="none")
