@@ -143,6 +143,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=1,
                    help="--predict: one rank of FSDP2 over this many GPUs (1: a single GPU)")
     p.add_argument("--no-max-context", action="store_true", help="--predict: skip the longest-context search")
+    p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                   help="--predict: mixed precision: parameters, gradients and AdamW state in fp32, the step computed "
+                        "in this dtype (autocast; FSDP2's MixedPrecisionPolicy with --world-size > 1)")
+    p.add_argument("--lora", type=int, default=None, metavar="R",
+                   help="--predict: peft LoRA r=R on the blocks' linear layers, bf16 base, AdamW on the adapters")
     p.add_argument("--max-context", action="store_true",
                    help="--predict: the longest context per card and strategy for Llama-3.1-8B, full fine-tune and "
                         "LoRA (bench/max_context.py)")

@@ -150,7 +150,7 @@ def _labels_step(mixed: bool) -> Callable[[nn.Module, int], torch.Tensor]:
     def step_fn(model: nn.Module, seq: int) -> torch.Tensor:
         tokens = torch.randint(0, 128256, (1, seq))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):  # the fake step runs on CPU tensors
-            return model(input_ids=tokens, labels=tokens).loss
+            return model(input_ids=tokens, labels=tokens, use_cache=False).loss
 
     return step_fn
 

@@ -93,7 +93,7 @@ def build_target(name: str, workload: Workload, device: torch.device, seed: int 
             ids = torch.randint(0, v, (b, s), generator=g).to(device)
 
             def step() -> torch.Tensor:
-                return model(input_ids=ids, labels=ids).loss
+                return model(input_ids=ids, labels=ids, use_cache=False).loss
     model.to(workload.torch_dtype)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

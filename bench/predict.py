@@ -5,6 +5,8 @@
     python -m bench --predict --model qwen2.5-7b --strategies ac,offload_ac --predict-trace trace.json
     python -m bench --predict --model llama3-8b --layers 4     # a quick look: 4 of its 32 blocks
     python -m bench --predict --model llama3-8b --world-size 8 # one rank of FSDP2 over 8 GPUs
+    python -m bench --predict --model llama3-8b --seq 8192 --mixed-precision bf16   # fp32 state, bf16 compute
+    python -m bench --predict --model llama3-8b --seq 8192 --lora 16                # peft LoRA r=16, bf16 base
 
 ``--model`` is a preset (``offload.predict.presets``) or the path of a Hugging Face ``config.json`` (or of
 the folder holding one); ``--gpu`` and ``--seq`` take comma lists (one table and one set of files per
@@ -13,18 +15,22 @@ For each strategy: predicted peak device memory, whether it fits the GPU's usabl
 per step, host bytes per tier, predicted step time, tokens/s, exposed copy time, step time relative to
 ``none`` and to ``ac``, the host link rate at which every copy would hide
 (``TimelineResult.link_bytes_per_s_needed``), the longest context that fits, and how long the prediction
-took on this machine. It prints a narrow table (under 100 columns; ``--full``: every column) and writes
+took on this machine (the longest-context search included; each of its probes is a progress line on
+stderr). It prints a narrow table (under 100 columns; ``--full``: every column) and writes
 ``predict_<model>_<gpu>_s<seq>.json``, ``.md`` (every column) and ``.png`` (peak and step per strategy)
 into ``--out`` (default: a fresh ``./bench_runs/<time>_predict_<model>/``); ``--predict-trace PATH`` writes each
 strategy's predicted timeline as a Chrome trace. Nothing runs on a GPU: the step runs through the real
-engine on fake tensors (``offload.predict``). Batch 1, AdamW, bf16 unless told otherwise. Needs
-``transformers``: ``pip install -e ".[bench,hf]"``.
+engine on fake tensors (``offload.predict``). Batch 1, AdamW, bf16 parameters unless told otherwise
+(``--mixed-precision bf16``: fp32 parameters, gradients and AdamW state, bf16 compute; ``--lora R``: a bf16
+base with peft adapters). Needs ``transformers``: ``pip install -e ".[bench,hf]"``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import sys
 import time
@@ -36,7 +42,7 @@ import torch
 from bench.env import default_run_dir
 
 __all__ = ["STRATEGIES", "predict_rows", "add_step_ratios", "main_predict", "format_markdown", "format_short",
-           "write_png", "trace_paths", "main_job_section"]
+           "write_png", "trace_paths", "main_job_section", "lora_model_fn"]
 
 STRATEGIES = ("none", "ac", "offload", "offload_ac")
 _GiB = 1 << 30
@@ -76,44 +82,78 @@ def trace_paths(path: str | Path, strategies: Any) -> dict[str, Path]:
     return {n: path.with_name(f"{path.stem}_{n}{path.suffix or '.json'}") for n in names}
 
 
-def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torch.dtype, strategies=STRATEGIES,
-                 batch: int = 1, max_context_limit: int | None = None, progress: bool = True,
-                 world_size: int = 1, trace: str | Path | None = None) -> list[dict[str, Any]]:
+def predict_rows(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torch.dtype | None,
+                 strategies=STRATEGIES, batch: int = 1, max_context_limit: int | None = None, progress: bool = True,
+                 world_size: int = 1, trace: str | Path | None = None,
+                 mixed_precision: torch.dtype | None = None) -> list[dict[str, Any]]:
     """One row per strategy: the prediction at ``seq`` (``batch`` sequences a step), its predicted tokens/s,
     link rate that hides every copy and step time relative to ``none`` and ``ac``, and (with
-    ``max_context_limit``) the longest context; ``world_size > 1``: of one rank of FSDP2 over that many GPUs;
-    ``trace``: each strategy's predicted timeline written there as a Chrome trace (``trace_paths``)."""
-    from offload.predict import max_context, predict_step
-
+    ``max_context_limit``) the longest context, each probe of its search a progress line on stderr;
+    ``world_size > 1``: of one rank of FSDP2 over that many GPUs; ``trace``: each strategy's predicted
+    timeline written there as a Chrome trace (``trace_paths``); ``mixed_precision``: the compute dtype
+    (``predict_step``'s)."""
     traces = trace_paths(trace, strategies) if trace is not None else {}
     rows = []
-    for strategy in strategies:
-        if progress:
-            print(f"[predict] {strategy} at s={seq}", file=sys.stderr)
-        t0 = time.perf_counter()
-        p = predict_step(model_fn, lambda m: step_fn(m, seq), gpu=gpu, strategy=strategy, optimizer=_adamw,
-                         dtype=dtype, world_size=world_size)
-        row = {**p.to_dict(), "seq": seq, "batch": batch, "predict_seconds": round(time.perf_counter() - t0, 2)}
-        row["tokens_per_s"] = batch * seq / p.step_seconds if p.step_seconds else None
-        t1 = time.perf_counter()
-        row.update(_link_fields(p.link_bytes_per_s_needed))
-        row["exposed_copy_floor_seconds"] = p.timeline.exposed_copy_floor_seconds if p.timeline else None
-        row["exposed_at_issue_seconds"] = p.timeline.exposed_at_issue_seconds if p.timeline else None
-        row["link_search_seconds"] = round(time.perf_counter() - t1, 2)
-        if strategy in traces and p.timeline is not None:
-            traces[strategy].parent.mkdir(parents=True, exist_ok=True)
-            p.timeline.write_trace(str(traces[strategy]))
-            row["trace"] = str(traces[strategy])
-        if max_context_limit:
-            t1 = time.perf_counter()
-            step = min(512, max_context_limit)  # the search's granularity (tokens)
-            row["max_context"] = max_context(model_fn, step_fn, gpu=gpu, strategy=strategy, optimizer=_adamw,
-                                             dtype=dtype, start=min(max(seq, step), max_context_limit), multiple=step,
-                                             limit=max_context_limit, world_size=world_size)
-            row["max_context_seconds"] = round(time.perf_counter() - t1, 1)
-            row["max_context_limit"] = max_context_limit
-        rows.append(row)
+    with _probe_lines(progress):
+        for strategy in strategies:
+            rows.append(_row(model_fn, step_fn, gpu=gpu, seq=seq, dtype=dtype, strategy=strategy, batch=batch,
+                             max_context_limit=max_context_limit, progress=progress, world_size=world_size,
+                             mixed_precision=mixed_precision, trace=traces.get(strategy)))
     return add_step_ratios(rows)
+
+
+@contextlib.contextmanager
+def _probe_lines(progress: bool) -> Any:
+    """While a table is predicted: ``offload.predict``'s INFO lines (a line per longest-context probe) on stderr."""
+    logger = logging.getLogger("offload.predict")
+    if not progress:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[predict] %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _row(model_fn: Any, step_fn: Any, *, gpu: str, seq: int, dtype: torch.dtype | None, strategy: str, batch: int,
+         max_context_limit: int | None, progress: bool, world_size: int,
+         mixed_precision: torch.dtype | None, trace: Path | None = None) -> dict[str, Any]:
+    """One strategy's row of ``predict_rows`` (``trace``: where its predicted timeline goes, if anywhere)."""
+    from offload.predict import max_context, predict_step
+
+    if progress:
+        print(f"[predict] {strategy} at s={seq}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    p = predict_step(model_fn, lambda m: step_fn(m, seq), gpu=gpu, strategy=strategy, optimizer=_adamw,
+                     dtype=dtype, world_size=world_size, mixed_precision=mixed_precision)
+    row = {**p.to_dict(), "seq": seq, "batch": batch, "predict_seconds": round(time.perf_counter() - t0, 2)}
+    row["tokens_per_s"] = batch * seq / p.step_seconds if p.step_seconds else None
+    t1 = time.perf_counter()
+    row.update(_link_fields(p.link_bytes_per_s_needed))
+    row["exposed_copy_floor_seconds"] = p.timeline.exposed_copy_floor_seconds if p.timeline else None
+    row["exposed_at_issue_seconds"] = p.timeline.exposed_at_issue_seconds if p.timeline else None
+    row["link_search_seconds"] = round(time.perf_counter() - t1, 2)
+    if trace is not None and p.timeline is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        p.timeline.write_trace(str(trace))
+        row["trace"] = str(trace)
+    if max_context_limit:
+        grain = min(512, max_context_limit)  # the search's granularity (tokens)
+        start = max(grain, min(seq, max_context_limit)) // grain * grain
+        longest = max_context(model_fn, step_fn, gpu=gpu, strategy=strategy, optimizer=_adamw, dtype=dtype,
+                              start=start, multiple=grain, limit=max_context_limit, world_size=world_size,
+                              mixed_precision=mixed_precision, start_prediction=p if start == seq else None)
+        row["max_context"] = int(longest)
+        row["max_context_reason"] = longest.reason
+        row["max_context_seconds"] = round(longest.seconds, 1)
+        row["max_context_limit"] = max_context_limit
+    return row
 
 
 def _num(x: float | None, fmt: str = ".3f") -> str:
@@ -125,6 +165,11 @@ def _link(r: dict[str, Any]) -> str:
         return "never (each awaited at issue)"
     rate = r.get("link_bytes_per_s_needed")
     return "n/a" if rate is None else ("no copies" if rate == 0 else f"{rate / 1e9:.1f}")
+
+
+def _took(r: dict[str, Any]) -> float:
+    """Seconds this machine spent on the row: the prediction, the link search and the longest-context search."""
+    return r["predict_seconds"] + r.get("link_search_seconds", 0) + r.get("max_context_seconds", 0)
 
 
 def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
@@ -141,13 +186,15 @@ def format_markdown(rows: list[dict[str, Any]], title: str) -> str:
         mc = r.get("max_context")
         if mc is not None and mc == r.get("max_context_limit"):
             mc = f">= {mc} (the model's position limit)"
+        elif mc == 0 and r.get("max_context_reason"):
+            mc = f"none: {r['max_context_reason']}"
         lines.append(f"| {r['strategy']} | {r['peak_bytes'] / _GiB:.2f} | {'yes' if r['fits'] else 'no'} | "
                      f"{r['offloaded_bytes'] / _GiB:.2f} | {r['host_bytes']['pool'] / _GiB:.2f} | "
                      f"{r['host_bytes']['pageable'] / _GiB:.2f} | {_num(r.get('step_seconds'))} | "
                      f"{_num(r.get('tokens_per_s'), '.0f')} | {_num(r.get('exposed_copy_seconds'))} | "
                      f"{_num(r.get('exposed_at_issue_seconds'))} | "
                      f"{_ratio(r.get('step_vs_none'))} | {_ratio(r.get('step_vs_ac'))} | {_link(r)} | "
-                     f"{mc if mc is not None else 'n/a'} | {r['predict_seconds'] + r.get('link_search_seconds', 0):.1f} |")
+                     f"{mc if mc is not None else 'n/a'} | {_took(r):.1f} |")
     if rows:
         lines += ["", f"PREDICTED, not measured: {rows[0]['gpu_spec']}; usable "
                       f"{rows[0]['usable_bytes'] / _GiB:.2f} GiB. Step times are the timeline's (uncalibrated); "
@@ -175,6 +222,8 @@ def _context(r: dict[str, Any]) -> str:
     mc = r.get("max_context")
     if mc is None:
         return "n/a"
+    if mc == 0 and r.get("max_context_reason"):
+        return "none"  # (the reason: --full and the .md)
     return f">={mc}" if mc == r.get("max_context_limit") else str(mc)
 
 
@@ -233,18 +282,49 @@ def write_png(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
     return True
 
 
+def lora_model_fn(model_fn: Any, r: int, *, base_dtype: torch.dtype = torch.bfloat16) -> Any:
+    """``model_fn`` wrapped in peft: the base model cast to ``base_dtype`` and frozen, LoRA rank ``r`` (alpha
+    2r, dropout 0) on every linear layer inside its blocks (``offload.planner.find_blocks``: the attention and
+    MLP projections of a transformer), the adapters as peft makes them (float32 by default). Needs ``peft``."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"bench --predict: --lora {r!r} must be a LoRA rank >= 1 (16 is common)")
+
+    def build() -> torch.nn.Module:
+        import peft
+
+        from offload.planner.blocks import find_blocks
+
+        model = model_fn().to(base_dtype)
+        names = [f"{b}.{n}" for b, block in find_blocks(model) for n, m in block.named_modules()
+                 if n and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")]
+        if not names:
+            raise ValueError("bench --predict --lora: the model's blocks hold no linear layer to adapt")
+        config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=names)
+        return peft.get_peft_model(model, config)
+
+    return build
+
+
+def _fail(message: str) -> int:
+    print(f"python -m bench --predict: {message}", file=sys.stderr)
+    return 2
+
+
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """What ``--predict`` runs, checked before any prediction (ValueError: the message for the user)."""
-    from offload.predict import GPUS, STRATEGIES as ALL
+    from offload.predict import STRATEGIES as ALL, resolve_gpu
     from offload.predict.presets import config_max_positions, model_config, model_label
 
     name = args.model or "llama3.1-8b"
     cfg = model_config(name, layers=args.layers)
-    gpus = [g.strip() for g in str(args.gpu).split(",") if g.strip()]
-    unknown = [g for g in gpus if g not in GPUS]
-    if unknown or not gpus:
-        raise ValueError(f"--gpu {args.gpu!r}: {', '.join(unknown) or 'none given'} not in offload.predict.GPUS "
-                         f"({', '.join(GPUS)})")
+    gpus = []
+    for g in (g.strip() for g in str(args.gpu).split(",")):
+        try:
+            gpus += [resolve_gpu(g).name] if g else []  # ('h100sxm' is h100-sxm; 'h100' names both H100s)
+        except ValueError as e:
+            raise ValueError(f"--gpu: {str(e).removeprefix('offload.predict: ')}") from None
+    if not gpus:
+        raise ValueError(f"--gpu {args.gpu!r}: no GPU given (offload.predict.GPUS names them)")
     strategies = (STRATEGIES if args.strategies == "all" else
                   tuple(x.strip() for x in args.strategies.split(",") if x.strip()))
     bad = [x for x in strategies if x not in ALL]
@@ -258,6 +338,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--seq {over[0]} is beyond {name}'s {limit} positions (its max_position_embeddings)")
     if args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size} must be >= 1")
+    if args.lora is not None and args.lora < 1:
+        raise ValueError(f"--lora {args.lora} must be a LoRA rank >= 1 (16 is common)")
     return {"name": name, "label": model_label(name), "cfg": cfg, "gpus": gpus, "strategies": strategies,
             "seqs": seqs, "limit": limit}
 
@@ -274,30 +356,42 @@ def main_predict(args: argparse.Namespace, argv: list[str] | None) -> int:
         return 2
     from offload.predict.presets import config_model_fn, preset_step_fn
 
+    from bench.workloads import resolve_dtype
+
+    mixed, lora = args.mixed_precision, args.lora
     try:
         st = _settings(args)
+        dtype = resolve_dtype(args.dtype) if args.dtype else (None if mixed or lora else torch.bfloat16)
+        mixed_precision = resolve_dtype(mixed) if mixed else None
     except ValueError as e:
-        print(f"python -m bench --predict: {e}", file=sys.stderr)
-        return 2
-    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16
+        return _fail(str(e).removeprefix("bench: "))
     model_fn = config_model_fn(st["cfg"])
+    if lora is not None:
+        model_fn = lora_model_fn(model_fn, lora)
     step_fn = preset_step_fn(st["cfg"].vocab_size, batch=args.batch or 1)
     world_size = args.world_size
     out = None
     for gpu in st["gpus"]:
         for seq in st["seqs"]:
-            stem = f"predict_{st['label']}_{gpu}_s{seq}" + (f"_x{world_size}" if world_size > 1 else "")
+            stem = (f"predict_{st['label']}_{gpu}_s{seq}" + (f"_x{world_size}" if world_size > 1 else "")
+                    + (f"_mp{mixed}" if mixed else "") + (f"_lora{lora}" if lora is not None else ""))
             trace = None
             if args.predict_trace is not None:  # one trace per GPU and length when several are asked for
                 trace = Path(args.predict_trace) if len(st["gpus"]) * len(st["seqs"]) == 1 else \
                     Path(args.predict_trace).with_name(f"{Path(args.predict_trace).stem}_{gpu}_s{seq}{Path(args.predict_trace).suffix}")
-            rows = predict_rows(model_fn, step_fn, gpu=gpu, seq=seq, dtype=dtype, strategies=st["strategies"],
-                                batch=args.batch or 1, max_context_limit=None if args.no_max_context else st["limit"],
-                                progress=not args.quiet, world_size=world_size, trace=trace)
+            try:
+                rows = predict_rows(model_fn, step_fn, gpu=gpu, seq=seq, dtype=dtype, strategies=st["strategies"],
+                                    batch=args.batch or 1, progress=not args.quiet, world_size=world_size,
+                                    max_context_limit=None if args.no_max_context else st["limit"], trace=trace,
+                                    mixed_precision=mixed_precision)
+            except ImportError as e:
+                return _fail(f"{e}: --lora needs peft (pip install peft)" if lora is not None else str(e))
             layers = f", {args.layers} blocks" if args.layers else ""
             ranks = f", one rank of FSDP2 over {world_size} GPUs" if world_size > 1 else ""
-            title = (f"PREDICTED on {gpu}{ranks}: {st['name']}{layers}, s={seq}, b={args.batch or 1}, {dtype}, "
-                     "AdamW (offload.predict; no GPU used)")
+            what = (f"LoRA r={lora} on the blocks' linear layers, bf16 base, AdamW on the adapters" if lora is not None
+                    else "full fine-tune, AdamW")
+            title = (f"PREDICTED on {gpu}{ranks}: {st['name']}{layers}, s={seq}, b={args.batch or 1}, {what}, "
+                     f"precision: {rows[0]['precision']} (offload.predict; no GPU used)")
             md = format_markdown(rows, title)
             print(md if args.full else format_short(rows, title))
             for r in rows:

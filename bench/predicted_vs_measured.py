@@ -16,6 +16,7 @@ ratio predicted / measured of each. Writes ``predicted_vs_measured.json`` and ``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -139,10 +140,21 @@ def _predictable(name: str, wl: Workload) -> Any:
 
     from bench.strategies import first_blocks
 
+    if name == "offload_head_excluded":
+        return "offload"  # offload.predict's "offload" keeps the head, as this strategy does
+    if name in ("offload", "offload_ac"):  # the bench's offload the head too
+        return functools.partial(_head_offloaded, name)
     if name in STRATEGIES:
         return name
     first = first_blocks(name, wl.n_layers)
     return None if first is None else first_blocks_plan(wl.n_layers, *first)
+
+
+def _head_offloaded(name: str, model: Any) -> Any:
+    """``predict_step``'s ``name`` with the output head offloaded too, as the bench's ``name`` runs it."""
+    from offload.predict._strategies import apply_strategy
+
+    return apply_strategy(model, name, None, keep_head=False)
 
 
 def _predicted(wl: Workload, strategy: Any, gpu: str) -> dict[str, Any]:

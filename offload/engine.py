@@ -101,6 +101,7 @@ from ._backward import _Backward, _Pass
 from ._copies import _Copies
 from ._exclusion import RegionHandle, exclude_module, warn_unused_regions
 from ._handles import _dead, _Step, _unpack_handle
+from ._kv_cache import install_warning as _install_kv_cache_warning
 from ._observers import PackEvent, _engines, _observe, _pop_engine, active_engine, add_pack_observer
 from ._packing import _owner_lookup, _Packing
 from ._schedule import _Schedule
@@ -119,6 +120,8 @@ from .disk import DiskStore
 from .pool import HostPool
 from .tiers import HostTiers
 from .streams import make_backend
+
+_install_kv_cache_warning()  # a returned KV cache is warned about once per engine (offload/_kv_cache.py)
 
 __all__ = ["OffloadActivations", "PackEvent", "add_pack_observer", "active_engine"]
 

@@ -81,7 +81,7 @@ from torch import nn
 from ._torch_private import top_saved_tensors_hooks_c as _top_hooks
 
 __all__ = ["track_modules", "current_module_name", "current_modules", "current_modules_view", "register_model",
-           "module_name", "uninstall"]
+           "module_name", "uninstall", "OUTPUT_OBSERVERS"]
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -93,6 +93,9 @@ _installs = 0
 """How many times this process wrapped ``nn.Module.__call__`` (NOTE [ Wrapper lifetime ])."""
 _STICKY_AFTER = 8
 """Installs after which the wrapper is never removed automatically (bounded type changes)."""
+OUTPUT_OBSERVERS: "list[Callable[[nn.Module, object], None]]" = []
+"""Called with (module, output) after each outermost module call on a thread with a scope open (the KV cache
+check of ``offload._kv_cache``): the one place that sees a model's output without a hook on the model."""
 
 
 class _Local(threading.local):
@@ -298,12 +301,16 @@ def _tracked_call(self: nn.Module, *args, **kwargs):
         _name_outermost(self)
     stack.append(self)
     try:
-        return _call(self, *args, **kwargs)
+        out = _call(self, *args, **kwargs)
     finally:
         # Back to this call's entry, also when an inner call raised (or its entry
         # is gone: the scope closed meanwhile and the stack was dropped).
         if len(stack) > i and stack[i] is self:
             del stack[i:]
+    if not i and OUTPUT_OBSERVERS:
+        for observe in OUTPUT_OBSERVERS:
+            observe(self, out)
+    return out
 
 
 def _name_outermost(module: nn.Module) -> None:

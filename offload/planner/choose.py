@@ -154,6 +154,20 @@ def _as_dict(cost: CostModel, per_position: Sequence[str]) -> dict[str, str]:
     return {b.name: d for b, d in zip(cost.blocks, per_position)}
 
 
+def refusal_hint(cost: CostModel, where: str) -> str:
+    """What lowers a smallest peak the cost model puts at ``where`` (a window's label), for a refusal."""
+    opt = cost.optimizer if cost.optimizer is not None and cost.optimizer.given else None
+    if opt is not None and (where.startswith(opt.name + " step") or f"the {opt.name} step" in where):
+        return (f"lighten the optimizer: its state is {format_bytes(opt.state_bytes)} and its step allocates "
+                f"{format_bytes(opt.step_bytes)} more{' (foreach)' if opt.foreach else ''}, which no decision lowers "
+                "(foreach=False steps one parameter at a time; fewer trainable parameters, e.g. LoRA; a smaller "
+                "state, e.g. an 8-bit or factored optimizer)")
+    if where.startswith(("stem", "end of backward", "head")):
+        return ("shrink the step (batch, sequence length): that peak happens outside every candidate block, so no "
+                "decision lowers it (or make the module that holds it a candidate)")
+    return "shrink the step (batch, sequence length), or pass blocks=[...] with more (or larger) candidates"
+
+
 def _infeasible(budget: int, cost: CostModel, lowest: dict[str, str], model: nn.Module | None, margin: int = 0,
                 tried: Sequence[str] = ()) -> OffloadError:
     params = sum(p.numel() * p.element_size() for p in model.parameters()) if model is not None else 0
@@ -163,15 +177,7 @@ def _infeasible(budget: int, cost: CostModel, lowest: dict[str, str], model: nn.
     own = smallest - cost.base - prefix
     opt = cost.optimizer if cost.optimizer is not None and cost.optimizer.given else None
     state = opt.state_bytes if opt is not None else 0  # in the base: measured, charged or profiled
-    outside = where.startswith(("stem", "end of backward", "head"))
-    hint = ("shrink the step (batch, sequence length): that peak happens outside every candidate block, so no "
-            "decision lowers it (or make the module that holds it a candidate)" if outside else
-            "shrink the step (batch, sequence length), or pass blocks=[...] with more (or larger) candidates")
-    if opt is not None and (where.startswith(opt.name + " step") or f"the {opt.name} step" in where):
-        hint = (f"lighten the optimizer: its state is {format_bytes(opt.state_bytes)} and its step allocates "
-                f"{format_bytes(opt.step_bytes)} more{' (foreach)' if opt.foreach else ''}, which no decision lowers "
-                "(foreach=False steps one parameter at a time; fewer trainable parameters, e.g. LoRA; a smaller "
-                "state, e.g. an 8-bit or factored optimizer)")
+    hint = refusal_hint(cost, where)
     measured = (f" Measured plans peaked above it ({'; '.join(tried)}), so plans need a margin of {format_bytes(margin)} "
                 "below the budget, which none reaches." if tried else "")
     return OffloadError(

@@ -24,8 +24,12 @@ _TARGET_ONLY_UNUSED = ("warmup", "timed")
 
 
 def plan(model: nn.Module, step: Callable[[], torch.Tensor], budget_bytes: Any, device: Any = None, *,
-         target: Any = None, **kwargs: Any) -> Plan:
+         target: Any = None, mixed_precision: torch.dtype | None = None, **kwargs: Any) -> Plan:
     if target is None:
+        if mixed_precision is not None:
+            raise ValueError(
+                f"offload.plan: mixed_precision={mixed_precision} is for a plan with target= (predicted); a measured "
+                "plan runs your step as written: put torch.autocast(device_type, dtype=...) in the step instead")
         return planning.plan(model, step, budget_bytes, device, **kwargs)
     if device is not None or kwargs.get("bandwidth_gb_s") is not None:
         name = "device" if device is not None else "bandwidth_gb_s"
@@ -39,7 +43,7 @@ def plan(model: nn.Module, step: Callable[[], torch.Tensor], budget_bytes: Any, 
                                                              "verify": True, **kwargs})
     from .predicted import plan_on_target
 
-    return plan_on_target(model, step, budget_bytes, target,
+    return plan_on_target(model, step, budget_bytes, target, mixed_precision=mixed_precision,
                           **{k: v for k, v in kwargs.items() if k not in (*_TARGET_ONLY_UNUSED, "bandwidth_gb_s")})
 
 
@@ -49,8 +53,11 @@ plan.__doc__ = (planning.plan.__doc__ or "") + """
     engine and model on fake tensors, replayed on the target's spec), the plan's verification is
     ``predict_step`` with the plan, a budget share is a share of ``target.usable_bytes``, and the plan's
     report says PREDICTED and names the spec (NOTE [ Planning on a target ], offload/planner/predicted.py).
-    ``warmup`` and ``timed`` are not read; ``device`` and ``bandwidth_gb_s`` are refused.
+    ``warmup`` and ``timed`` are not read; ``device`` and ``bandwidth_gb_s`` are refused; a budget above the
+    target's usable memory is refused. ``mixed_precision`` (target plans only): the step's compute dtype, as
+    in ``offload.predict.predict_step`` (state in the model's dtype).
 """
 _sig = inspect.signature(planning.plan)
 plan.__signature__ = _sig.replace(parameters=[  # type: ignore[attr-defined]
-    *_sig.parameters.values(), inspect.Parameter("target", inspect.Parameter.KEYWORD_ONLY, default=None)])
+    *_sig.parameters.values(), inspect.Parameter("target", inspect.Parameter.KEYWORD_ONLY, default=None),
+    inspect.Parameter("mixed_precision", inspect.Parameter.KEYWORD_ONLY, default=None)])

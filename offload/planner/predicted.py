@@ -21,6 +21,10 @@ NOTE [ Planning on a target ]
    optimizer state), on the target's usable memory (``GPUSpec.usable_bytes``; a budget share is a share of it).
 6. A block that updates running statistics in training (BatchNorm) is never recomputed: its buffers
    are fake here, so the measured planner's check by value cannot run; the rule is by module type.
+7. The budget is the target's to meet: one above its usable memory is refused. When the cost model finds
+   no plan within the budget, its lowest-peak plan is verified by ``predict_step`` before refusing: the
+   model's window peaks are bounds (loose for BatchNorm blocks under offload), so that plan may fit; a
+   refusal then advises that plan's predicted peak, never a budget below the one refused.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from torch import nn
 from ..engine import OffloadActivations
 from ..errors import OffloadError
 from ..predict._capture import NEVER, Captured, capture, fake_parameters, settled
+from .._format import format_bytes
 from ..predict._memory import Replay
+from ..predict._mixed import check_mixed_precision
 from ..predict._predict import Prediction, _prediction
 from ..predict._strategies import Applied
 from ..predict._timeline import Clock, TimelineResult, simulate
@@ -47,10 +53,11 @@ from ..predict.gpus import GPUSpec, resolve_gpu
 from ..sizes import to_budget
 from .blocks import find_blocks
 from .cost import Hardware, build_cost_model
-from .host import TIER_SETTINGS
+from .host import TIER_SETTINGS, tier_bytes
 from .install import DECISIONS, RECOMPUTE, caching_off, install
 from .optimizer import OptimizerLike, adamw_memory, optimizer_memory, twin_factory, with_optimizer
-from .planning import Plan, plan_from_cost
+from .choose import refusal_hint
+from .planning import Plan, _solve, plan_from_cost
 from .settings import engine_settings
 from .profile import DecisionProfile, StepProfile, tracked
 
@@ -118,24 +125,28 @@ class _TraceClock:
 
 
 def _capture_real(model: nn.Module, step: Callable[[], torch.Tensor], strategy: Any, spec: GPUSpec,
-                  measured: Callable[[Any], Any] | None = None, optimizer: Any = None) -> Captured:
+                  measured: Callable[[Any], Any] | None = None, optimizer: Any = None,
+                  mixed_precision: torch.dtype | None = None) -> Captured:
     """Capture ``step`` of the real ``model`` on fake tensors (NOTE [ Capture ] item 7), the engine's polls
-    answered by ``spec``'s modelled device (item 6); ``optimizer``: a factory stepped after backward."""
+    answered by ``spec``'s modelled device (item 6); ``optimizer``: a factory stepped after backward;
+    ``mixed_precision`` as in ``predict_step``."""
     with contextlib.ExitStack() as stack:
         return capture(lambda: stack.enter_context(fake_parameters(model)), lambda _m: step(), strategy=strategy,
                        fake=True, lag=NEVER, real_inputs=True, measured=measured, clock=Clock(spec),
-                       optimizer=optimizer)
+                       optimizer=optimizer, mixed_precision=mixed_precision)
 
 
 def _predict(model: nn.Module, step: Callable[[], torch.Tensor], strategy: Any, spec: GPUSpec,
-             optimizer: Any = None) -> Prediction:
+             optimizer: Any = None, mixed_precision: torch.dtype | None = None) -> Prediction:
     t0 = time.perf_counter()
-    cap = _capture_real(model, step, strategy, spec, optimizer=optimizer)
-    return _prediction(cap, spec, strategy, optimizer, None, time.perf_counter() - t0)
+    cap = _capture_real(model, step, strategy, spec, optimizer=optimizer, mixed_precision=mixed_precision)
+    return _prediction(cap, spec, strategy, optimizer, None, time.perf_counter() - t0,
+                       mixed_precision=mixed_precision)
 
 
 def _profile(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[tuple[str, nn.Module]], decision: str,
-             spec: GPUSpec, ekw: dict[str, Any], optimizer: Any = None) -> DecisionProfile:
+             spec: GPUSpec, ekw: dict[str, Any], optimizer: Any = None,
+             mixed_precision: torch.dtype | None = None) -> DecisionProfile:
     """One decision kind on every candidate, predicted (NOTE [ Planning on a target ] rules 1-3)."""
     names = [n for n, _ in cand]
     got: dict[str, Any] = {}
@@ -154,7 +165,7 @@ def _profile(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[tupl
             yield
         got["out"], got["clock"] = out, clock
 
-    cap = _capture_real(model, step, strategy, spec, measured, optimizer)
+    cap = _capture_real(model, step, strategy, spec, measured, optimizer, mixed_precision)
     timeline = simulate(cap.trace, spec)
     got["clock"].resolve(cap.trace, timeline)
     prof = got["out"].profile
@@ -176,19 +187,63 @@ def _updates_running_stats(mod: nn.Module) -> str | None:
 
 
 def target_budget(budget_bytes: Any, spec: GPUSpec) -> int:
-    """A budget in bytes; a share (``"80%"``, 0.8) is a share of the target's usable memory."""
+    """A budget in bytes; a share (``"80%"``, 0.8) is a share of the target's usable memory. A budget above the
+    usable memory is refused: a plan within it need not fit the card."""
     value = to_budget(budget_bytes, "budget_bytes", owner="offload.plan")
+    if isinstance(value, int) and value > spec.usable_bytes:
+        raise ValueError(
+            f"offload.plan: budget_bytes={budget_bytes!r} ({format_bytes(value)}) is above {spec.name}'s usable memory "
+            f"({format_bytes(spec.usable_bytes)}: {format_bytes(spec.memory_bytes)} less a reserve of "
+            f"{format_bytes(spec.reserve_bytes)}), so a plan within it need not fit the card. Pass at most "
+            f"{spec.usable_bytes} bytes, or a share of the card ('100%').")
     return value if isinstance(value, int) else max(1, int(value * spec.usable_bytes))
+
+
+def _lowest_verified(cost: Any, budget: int, check: Callable[[Plan], int], model: nn.Module, unplanned: Prediction,
+                     solver: str, spec: GPUSpec, allowed: tuple[str, ...]) -> Plan:
+    """When the cost model finds no plan within ``budget``: the cost model's lowest-peak plan and the plans taking
+    one ``allowed`` decision for every block, each verified by ``predict_step``; the fastest (by the cost model)
+    whose predicted peak is within the budget, else an ``OffloadError`` advising the lowest predicted peak, never
+    a budget below the one refused (NOTE [ Planning on a target ] rule 7)."""
+    kw = dict(model=model, device="cuda", unplanned_peak=unplanned.peak_bytes, unplanned_s=unplanned.step_seconds,
+              solver=solver)
+    lowest = _solve(cost, _solve(cost, spec.usable_bytes, 0, **kw).min_peak_bytes, 0, **kw)
+    no_recompute = getattr(cost, "no_recompute", {})
+    tries = [lowest] + [_with_decisions(cost, lowest, {b.name: "offload" if d in RECOMPUTE and b.name in no_recompute
+                                                       else d for b in cost.blocks}) for d in allowed if d != "keep"]
+    peaks = [(check(p), p) for p in tries]
+    fitting = [(cost.seconds(p.decisions), peak, p) for peak, p in peaks if peak <= budget]
+    if fitting:
+        _s, peak, p = min(fitting, key=lambda t: t[:2])
+        return dataclasses.replace(p, budget_bytes=budget, solver=(
+            f"{lowest.solver}; the cost model's bounds found none within the budget, predict_step on {spec.name} "
+            f"puts this plan at {format_bytes(peak)}"))
+    peak, p = min(peaks, key=lambda t: t[0])
+    raise OffloadError(
+        f"offload.plan: budget_bytes={budget} ({format_bytes(budget)}) cannot be met on {spec.name}: the plan with the "
+        f"smallest peak ({p.decisions}) is predicted at {peak} B ({format_bytes(peak)}) by predict_step, at the "
+        f"{cost.where(p.decisions)} by the cost model (its bound: {format_bytes(p.predicted_peak_bytes)}). Raise "
+        f"budget_bytes to at least {peak}, or {refusal_hint(cost, cost.where(p.decisions))}. "
+        f"(PREDICTED for target={spec.name!r}: {spec.describe()})")
+
+
+def _with_decisions(cost: Any, like: Plan, decisions: dict[str, str]) -> Plan:
+    """``like`` with other ``decisions``, its cost-model figures recomputed for them."""
+    return dataclasses.replace(like, decisions=decisions, predicted_peak_bytes=cost.peak(decisions),
+                               predicted_step_seconds=cost.seconds(decisions), binding=cost.where(decisions),
+                               host_tiers=tier_bytes(cost, decisions))
 
 
 def plan_on_target(model: nn.Module, step: Callable[[], torch.Tensor], budget_bytes: Any, target: str | GPUSpec, *,
                    blocks: Any = None, min_offload_size: Any = 1024, use_streams: bool = True, solver: str = "auto",
                    engine_kwargs: dict[str, Any] | None = None, verify: bool = True,
-                   host_budget_bytes: Any = None, optimizer: OptimizerLike = None) -> Plan:
+                   host_budget_bytes: Any = None, optimizer: OptimizerLike = None,
+                   mixed_precision: torch.dtype | None = None) -> Plan:
     """``offload.plan`` for ``target`` (a ``GPUS`` name or a ``GPUSpec``), predicted: see NOTE [ Planning on
     a target ]. The arguments are :func:`offload.plan`'s."""
     spec = resolve_gpu(target)
     budget = target_budget(budget_bytes, spec)
+    mixed_precision = check_mixed_precision(mixed_precision, None)
     cand = find_blocks(model, blocks)
     # The plan's engine runs on the target's accelerator: side streams unless use_streams=False.
     ekw = engine_settings(engine_kwargs, host_budget_bytes, min_offload_size, use_streams, torch.device("cuda"))
@@ -200,9 +255,9 @@ def plan_on_target(model: nn.Module, step: Callable[[], torch.Tensor], budget_by
            else adamw_memory(model, device))
     undo = caching_off(model, "while planning")
     try:
-        unplanned = _predict(model, step, "none", spec, factory)
+        unplanned = _predict(model, step, "none", spec, factory, mixed_precision)
         decisions = tuple(d for d in DECISIONS if not (d in RECOMPUTE and len(no_recompute) == len(cand)))
-        by_dec = {d: _profile(model, step, cand, d, spec, ekw, factory) for d in decisions}
+        by_dec = {d: _profile(model, step, cand, d, spec, ekw, factory, mixed_precision) for d in decisions}
         prof = StepProfile(names=[n for n, _ in cand], device=f"{spec.name} (predicted)", by_decision=by_dec,
                            unplanned_peak=unplanned.peak_bytes, unplanned_step_s=unplanned.step_seconds,
                            synchronous_copies=not ekw["use_streams"])
@@ -213,7 +268,7 @@ def plan_on_target(model: nn.Module, step: Callable[[], torch.Tensor], budget_by
         verified: dict[str, Prediction] = {}
 
         def check(p: Plan) -> int:
-            verified["p"] = _predict(model, step, p, spec, factory)
+            verified["p"] = _predict(model, step, p, spec, factory, mixed_precision)
             return verified["p"].peak_bytes
 
         try:
@@ -221,7 +276,9 @@ def plan_on_target(model: nn.Module, step: Callable[[], torch.Tensor], budget_by
                                unplanned_s=unplanned.step_seconds, solver=solver, check=check if verify else None,
                                checked_by=f"predict_step on {spec.name}")
         except OffloadError as e:
-            raise OffloadError(f"{e} (PREDICTED for target={spec.name!r}: {spec.describe()})") from None
+            if not verify:
+                raise OffloadError(f"{e} (PREDICTED for target={spec.name!r}: {spec.describe()})") from None
+            p = _lowest_verified(cost, budget, check, model, unplanned, solver, spec, decisions)
     finally:
         undo()
     # "none needed" (all keep): the step without a plan is the prediction that verifies it.

@@ -7,7 +7,7 @@ with the spec it assumed (DESIGN.md, "Prediction").
 
 from ._errors import PredictError
 from ._cost import HostCost
-from ._predict import Prediction, max_context, predict_step
+from ._predict import LongestContext, Prediction, max_context, predict_step
 from ._stalls import Stall
 from ._strategies import STRATEGIES
 from ._timeline import TimelineResult, simulate
@@ -15,7 +15,7 @@ from .gpus import GPUS, GPUSpec, resolve_gpu
 
 __all__ = [
     # predicting a step
-    "predict_step", "max_context", "Prediction", "PredictError", "STRATEGIES",
+    "predict_step", "max_context", "LongestContext", "Prediction", "PredictError", "STRATEGIES",
     # GPU specs
     "GPUS", "GPUSpec", "resolve_gpu",
     # the predicted timeline of a trace

@@ -23,7 +23,8 @@ NOTE [ Capture ]
 5. Categories are settled when the step ends: the storages of ``p.grad`` after backward are
    ``gradient``, the optimizer's state ``optimizer``, the model's parameters and buffers
    ``parameter``; a reload destination is ``copy``; what the forward (or a recompute) allocates is
-   ``activation``, by module; everything else ``other``.
+   ``activation``, by module; ``kv_cache`` and ``logits`` (item 8); everything else ``other`` (inputs,
+   gradients between modules in backward, the optimizer's temporaries).
 6. In-flight copies. In the measured step, an event the engine polls (``Event.query``) is done when
    the modelled device has run it by the host's current time (``clock``: the timeline of the GPU
    predicted, run as the items are recorded: NOTE [ Simulated timeline ] rule 7), so the engine frees
@@ -33,7 +34,10 @@ NOTE [ Capture ]
    times before "done" (default: never, until something waits for it).
 7. A real model (``offload.plan(..., target=)``): its parameters and buffers are swapped for fake ones
    while the capture runs (``fake_parameters``), and the real tensors the step closes over (token ids)
-   become fake when an op first reads them (``real_inputs``), each a device block from then on.
+   become fake when an op first reads them (``real_inputs``), each a device block from then on; so does a
+   model built before the call (``lambda: model``) or on the meta device.
+8. What the model says beyond its ops (its output head and vocabulary, its state's dtype, a KV cache it
+   returns: the ``kv_cache`` and ``logits`` categories) is NOTE [ Model facts ] in ``_facts.py``.
 """
 
 from __future__ import annotations
@@ -60,8 +64,11 @@ from ..modules import current_module_name, track_modules
 from ..testing import EmulatedAccelerator
 from ..testing._aten_ops import _EMPTY_OPS, _METADATA_OPS
 from ._errors import PredictError
+from ._facts import ModelFacts, watching_outputs
 from ._fsdp import fake_process_group, fsdp_categories, local, shard
-from ._model import _block_names, _build, _hf_masks_as_real, fake_parameters
+from ._mixed import cuda_autocast, forward_autocast
+from ._model import (_CudaOnStandIn, _block_names, _build, _hf_masks_as_real, _leaves, _local_bytes, _tensors,
+                     fake_parameters)
 from ._strategies import apply_strategy
 from ._timeline import Clock
 from ._trace import (COMPUTE_STREAM, Alloc, Copy, Free, HostSync, Kernel, RecordEvent, RecordStream, Trace,
@@ -76,9 +83,8 @@ _FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException, Unsup
 _STORAGE_ARG_OPS = {aten.set_.source_Storage, aten.set_.source_Storage_storage_offset}
 """Ops that take a storage: FakeTensorMode's dispatch cache would keep it alive in its key (so the storage
 would never be freed), so they run with the cache off."""
-_LITERAL_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
-"""``torch.tensor(...)`` written in the step (an optimizer's step counter): the fake mode makes it a constant
-whose ``.item()`` works; with ``real_inputs`` it must not first become an input's fake twin (no constant)."""
+_LIFT_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.lift.default}  # torch.tensor(): a
+# fake constant (AdamW's step .item()) only if fake mode gets the real tensor, so as_fake leaves it alone
 _CPU_SDPA = {getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention_for_cpu",)
              if hasattr(aten, n)}
 _CPU_SDPA_BWD = {getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention_for_cpu_backward",)
@@ -117,12 +123,8 @@ class Captured:
     state_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes of model state one rank holds in the measured step: ``parameter``, ``buffer`` (not sharded),
     ``gradient`` (after backward), ``optimizer`` (after its step); sharded state by its local shard."""
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    """The tensors in ``x``; a ``DTensor`` as its local shard (this mode does not see the ops DTensor
-    runs on its shards, so its op stands for them: NOTE [ One FSDP2 rank ] item 3)."""
-    return [local(t) for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+    facts: ModelFacts = field(default_factory=ModelFacts)
+    """The model's head, state dtype, KV cache, the step's autocast (NOTE [ Model facts ] in ``_facts.py``)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -159,7 +161,7 @@ class _Recorder(TorchDispatchMode):
         if func is aten.record_stream.default:
             cap.record_stream(args[0], args[1])
             return None
-        if cap.real_inputs and func not in _LITERAL_OPS:
+        if cap.real_inputs and func not in _LIFT_OPS:
             args, kwargs = cap.as_fake((args, kwargs))
         try:
             if func in _STORAGE_ARG_OPS and cap.fake_mode is not None:
@@ -248,6 +250,7 @@ class _Capture:
         self.device_bytes = 0
         """Bytes of the device blocks alive now (what ``memory_allocated`` reports)."""
         self.device_peak = 0
+        self.facts = ModelFacts()
 
     def as_fake(self, tree: Any) -> Any:
         """``tree`` with every real tensor as its fake twin (memoized by the fake mode, so one real tensor
@@ -346,23 +349,29 @@ class _Capture:
         if b is not None and not b.host:
             self.emit(RecordStream(b.id, self.stream_id(stream)))
 
+    def on_output(self, module: nn.Module, output: Any) -> None:
+        if self.recording:  # an outermost call returned (OUTPUT_OBSERVERS): NOTE [ Model facts ] item 3
+            self.facts.on_output(output, self.mark)
+
     def mark(self, tensors: list[torch.Tensor], category: str) -> None:
         """Settle the category of the storages behind ``tensors`` (NOTE [ Capture ] item 5)."""
-        for t in tensors:
+        for t in (leaf for t in tensors for leaf in _leaves(t)):
             b = self.block_of(t)
             if b is not None and not b.host:
                 b.category = category
 
     # -- ops -----------------------------------------------------------------------------------
 
-    def _category(self) -> str:
+    def _category(self, t: torch.Tensor | None = None) -> str:
         if self.override is not None:
             return self.override
         if self.phase == "optimizer":
             return "other"
-        if self.phase == "forward" or current_module_name():
+        if current_module_name():
             return "activation"  # the forward, or a forward recomputed in backward
-        return "other"
+        if self.facts.is_logits(t):
+            return "logits"  # NOTE [ Model facts ] item 1
+        return "activation" if self.phase == "forward" else "other"
 
     def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         outs = _tensors(out)
@@ -373,7 +382,7 @@ class _Capture:
             except (RuntimeError, NotImplementedError, TypeError):
                 continue
             if st not in self.blocks:
-                new.append(self._new_block(st, self._category()))
+                new.append(self._new_block(st, self._category(t)))
         if not self.recording or func in _METADATA_OPS or func in _EMPTY_OPS or (not new and not _writes(func)):
             return
         ins = _tensors((args, kwargs))
@@ -414,11 +423,6 @@ def _io_bytes(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
     return sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs if id(t) not in seen)
 
 
-def _local_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of ``tensors`` on this rank (a DTensor by its local shard)."""
-    return sum(_nbytes(local(t)) for t in tensors)
-
-
 def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
@@ -437,10 +441,12 @@ def _capturing(cap: _Capture, fake: bool, lag: int):
         cap.acc = stack.enter_context(_Accelerator(cap, lag))
         if fake:
             cap.fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=cap.real_inputs))
+        stack.enter_context(_CudaOnStandIn())
         stack.enter_context(_Recorder(cap))
         stack.enter_context(track_modules(owner=cap))
         _pinned.HOST_ALLOC_OBSERVERS.append(cap.host_alloc)
         stack.callback(_pinned.HOST_ALLOC_OBSERVERS.remove, cap.host_alloc)
+        stack.enter_context(watching_outputs(cap.on_output))
         stack.enter_context(_seeing_resizes(cap))
         yield stack
 
@@ -464,10 +470,11 @@ def _seeing_resizes(cap: _Capture):
 
 
 def _step(cap: _Capture, model: nn.Module, step_fn: Callable[[nn.Module], torch.Tensor],
-          opt: torch.optim.Optimizer | None) -> None:
-    """One training step: forward (``step_fn``), backward, optimizer step, gradients set to None."""
+          opt: torch.optim.Optimizer | None, autocast: torch.dtype | None = None) -> None:
+    """One training step: forward (``step_fn``, under ``autocast``), backward, optimizer step, zero grads."""
     cap.phase = "forward"
-    loss = step_fn(model)
+    with forward_autocast(autocast):
+        loss = step_fn(model)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(f"offload.predict: step_fn(model) must return the scalar loss, got {loss!r:.80}")
     cap.phase = "backward"
@@ -493,20 +500,21 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
             optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, dtype: torch.dtype | None = None,
             fake: bool = True, lag: int = NEVER, steps: int = 2, real_inputs: bool = False,
             measured: Callable[["_Capture"], Any] | None = None, world_size: int = 1,
-            clock: Clock | None = None) -> Captured:
+            clock: Clock | None = None, mixed_precision: torch.dtype | None = None) -> Captured:
     """Run ``steps`` training steps (NOTE [ Capture ]) and return the last one's trace. ``fake=False``
     runs the same on real CPU tensors (the tests' reference). ``strategy`` may also be a callable
     ``strategy(model) -> Applied``; ``measured(cap)`` a context manager entered around the measured step;
     ``real_inputs``: see NOTE [ Capture ] item 7. ``world_size > 1``: the step of rank 0 of FSDP2 over
     that many GPUs (NOTE [ One FSDP2 rank ] in offload/predict/_fsdp.py). ``clock``: the modelled GPU the
-    engine's polls ask in the measured step (NOTE [ Capture ] item 6)."""
+    engine's polls ask in the measured step (NOTE [ Capture ] item 6). ``mixed_precision``: NOTE [ Mixed precision ]."""
+    autocast = mixed_precision if world_size == 1 else None
     cap = _Capture()
     cap.clock = clock
     cap.pinned = config.use_pin_memory if config is not None else True
     cap.real_inputs = real_inputs and fake
     with (fake_process_group(world_size) if world_size > 1 else contextlib.nullcontext()) as mesh, \
-            _capturing(cap, fake, lag) as stack:
-        model, param_bytes, block_names = _prepare(cap, stack, model_fn, dtype, fake, mesh)
+            _capturing(cap, fake, lag) as stack, cuda_autocast() as autocasts:
+        model, param_bytes, block_names = _prepare(cap, stack, model_fn, dtype, fake, mesh, mixed_precision)
         applied = apply_strategy(model, strategy, config)
         try:
             opt = optimizer(model.parameters()) if optimizer is not None else None
@@ -516,9 +524,9 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
                         applied.engine.ledger.reset()
                     _begin_measured(cap)
                     with measured(cap) if measured is not None else contextlib.nullcontext():
-                        _step(cap, model, step_fn, opt)
+                        _step(cap, model, step_fn, opt, autocast)
                 else:
-                    _step(cap, model, step_fn, opt)
+                    _step(cap, model, step_fn, opt, autocast)
             cap.recording = False
             engine = applied.engine
             summary = engine.ledger.summary() if engine is not None else None
@@ -528,21 +536,25 @@ def capture(model_fn: Callable[[], nn.Module], step_fn: Callable[[nn.Module], to
         finally:
             applied.remove()
     trace = _settle(cap)
-    return Captured(trace, summary, host, param_bytes, block_names, records, dict(cap.state_bytes))
+    cap.facts.autocast = min(autocasts, key=lambda d: d.itemsize, default=None)
+    return Captured(trace, summary, host, param_bytes, block_names, records, dict(cap.state_bytes), cap.facts)
 
 
-def _prepare(cap: _Capture, stack: contextlib.ExitStack, model_fn: Callable[[], nn.Module],
-             dtype: torch.dtype | None, fake: bool, mesh: Any) -> tuple[nn.Module, int, list[str]]:
+def _prepare(cap: _Capture, stack: contextlib.ExitStack, model_fn: Callable[[], nn.Module], dtype: torch.dtype | None,
+             fake: bool, mesh: Any, mixed_precision: torch.dtype | None) -> tuple[nn.Module, int, list[str]]:
     """Build the model, settle its state as ``parameter`` and (with a ``mesh``) shard it: the model, its
     unsharded parameter and buffer bytes, and its candidate blocks."""
-    model = _build(model_fn, dtype, fake)
+    model, twins = _build(model_fn, dtype, fake, stack)
+    if twins:  # a model built before the call (or on meta): its real inputs become fake too (item 7)
+        cap.real_inputs = cap.fake_mode.allow_non_fake_inputs = True
     if fake:
         _hf_masks_as_real(stack)  # (after the build: the model's import brings masking_utils)
     state = [*model.parameters(), *model.buffers()]
-    param_bytes = sum(_nbytes(t) for t in state)
+    param_bytes = _local_bytes(state)
     block_names = _block_names(model)
+    cap.facts.read(model)
     if mesh is not None:
-        shard(model, mesh, block_names)
+        shard(model, mesh, block_names, mixed_precision)
         stack.enter_context(fsdp_categories(cap.category, cap.mark))
         state = [*model.parameters(), *model.buffers()]
     cap.mark(state, "parameter")

@@ -76,13 +76,17 @@ def fake_process_group(world_size: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def shard(model: nn.Module, mesh: Any, block_names: list[str]) -> None:
-    """``fully_shard`` each candidate block, then the root (NOTE [ One FSDP2 rank ] item 1)."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model: nn.Module, mesh: Any, block_names: list[str], mixed_precision: torch.dtype | None = None) -> None:
+    """``fully_shard`` each candidate block, then the root (NOTE [ One FSDP2 rank ] item 1); with
+    ``mixed_precision``, FSDP2's ``MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=float32)``
+    (NOTE [ Mixed precision ] item 1 in _mixed.py)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    kw = {} if mixed_precision is None else \
+        {"mp_policy": MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)}
     for name in block_names:
-        fully_shard(model.get_submodule(name), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(model.get_submodule(name), mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,9 @@ trace item (``Alloc``, ``RecordStream``, ``Free``) and as held blocks become fre
 ``peak_time`` and ``breakdown_at_peak()``.
 
 Categories (``_trace.Alloc.category``): parameter, gradient, optimizer, activation, copy (a reloaded
-activation), other. Activations are also counted by the module that allocated them.
+activation), kv_cache (a KV cache the model returned), logits (logits-shaped tensors outside the model's
+modules: the loss and the logits' gradients), other (the step's inputs, gradients between modules in
+backward, the optimizer step's temporaries). Activations are also counted by the module that allocated them.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ __all__ = ["MIN_BLOCK_BYTES", "CATEGORIES", "block_bytes", "DeviceMemory", "repl
 
 MIN_BLOCK_BYTES = 512
 """The caching allocator's rounding (``kMinBlockSize``): every block is a multiple of it."""
-CATEGORIES = ("parameter", "gradient", "optimizer", "activation", "copy", "other")
+CATEGORIES = ("parameter", "gradient", "optimizer", "activation", "copy", "kv_cache", "logits", "other")
+"""What a device block holds (NOTE [ Capture ] items 5, 8, 9 in ``_capture.py``)."""
 
 
 def block_bytes(nbytes: int, round_bytes: int = MIN_BLOCK_BYTES) -> int:

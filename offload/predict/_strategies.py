@@ -5,8 +5,13 @@
   ``nn.ModuleList``) runs under non-reentrant ``torch.utils.checkpoint``, as the bench's ``ac`` does.
 - ``"offload"``: ``OffloadActivations`` built from ``config`` and attached to the model
   (``engine.attach``: entered around the model's forward; the loss and backward run outside it, as
-  the bench's ``offload`` strategy and torchtune recipes run it).
-- ``"offload_ac"``: both (the bench's ``offload_ac``: the engine moves the checkpoint inputs).
+  torchtune recipes run it), with the output head and what runs after it kept on the device
+  (``offload.regions.exclude_output_head``), as the trainer integrations (``OffloadCallback``, the
+  Lightning callback) and ``get_act_offloading_ctx_manager`` keep it: the head's activations are needed
+  first in backward, so their reload could not hide. The bench's ``offload_head_excluded`` runs the same;
+  its plain ``offload`` offloads the head too.
+- ``"offload_ac"``: both (the bench's ``offload_ac``: the engine moves the checkpoint inputs), the head
+  kept likewise.
 - ``"long_context"``: ``offload.long_context(model, config=...)``: ``offload_ac`` with the output head kept
   on the device, each block's MLP and (a Hugging Face causal LM's) labels= loss in tiles.
 - a ``Plan``: ``plan.apply(model)``.
@@ -27,6 +32,7 @@ from ..config import OffloadConfig
 from ..engine import OffloadActivations
 from ..planner.blocks import find_blocks
 from ..planner.planning import Plan
+from ..regions import exclude_output_head
 from .._long_context import checkpoint_blocks as _checkpointed
 from .._long_context import long_context
 
@@ -50,7 +56,9 @@ class Applied:
 
 def strategy_name(strategy: str | Plan) -> str:
     """The name a report shows for ``strategy``."""
-    return "plan" if isinstance(strategy, Plan) else str(strategy)
+    if isinstance(strategy, Plan):
+        return "plan"
+    return strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "custom")
 
 
 def engine_config(config: OffloadConfig | None) -> OffloadConfig:
@@ -63,9 +71,11 @@ def engine_config(config: OffloadConfig | None) -> OffloadConfig:
     return dataclasses.replace(cfg, device="cpu", virtual_memory_safe_pct=None)
 
 
-def apply_strategy(model: nn.Module, strategy: str | Plan, config: OffloadConfig | None) -> Applied:
+def apply_strategy(model: nn.Module, strategy: str | Plan, config: OffloadConfig | None, *,
+                   keep_head: bool = True) -> Applied:
     """Install ``strategy`` on ``model`` (see the module docstring); a callable is called with ``model``
-    and returns its own ``Applied`` (the planner's per-decision profiles, ``offload.planner.predicted``)."""
+    and returns its own ``Applied`` (the planner's per-decision profiles, ``offload.planner.predicted``).
+    ``keep_head=False``: the engine strategies offload the output head too (the bench's plain ``offload``)."""
     if callable(strategy) and not isinstance(strategy, Plan):
         return strategy(model)
     if isinstance(strategy, Plan):
@@ -85,4 +95,6 @@ def apply_strategy(model: nn.Module, strategy: str | Plan, config: OffloadConfig
         engine = OffloadActivations(config=engine_config(config))
         applied.engine = engine
         applied.undo.append(engine.attach(model).remove)
+        for region in exclude_output_head(engine, model) if keep_head else ():  # as the integrations keep it
+            applied.undo.append(region.remove)
     return applied

@@ -30,16 +30,28 @@ See ``shared/research/simulators-2026-11.md`` section 6 for the survey these com
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
 
+from ..sizes import to_bytes
+
 __all__ = ["GPUSpec", "GPUS", "resolve_gpu"]
 
 _MiB = 1 << 20
 _GiB = 1 << 30
+
+
+def _real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _positive(name: str, v: object) -> None:
+    if not _real(v) or not 0 < v < math.inf:
+        raise ValueError(f"GPUSpec.{name} must be a finite number > 0, got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,16 +90,39 @@ class GPUSpec:
     """Field name -> where its value comes from."""
 
     def __post_init__(self) -> None:
-        for f in ("memory_bytes", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
-            v = getattr(self, f)
-            if not v > 0:
-                raise ValueError(f"GPUSpec.{f} must be > 0, got {v!r}")
+        """Every field checked, each refusal naming the field and the value (a bad spec would otherwise divide
+        by zero in a replay, or make ``fits`` true for a step larger than the card)."""
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"GPUSpec.name must be a non-empty string, got {self.name!r}")
+        for f in ("memory_bytes", "reserve_bytes"):  # one size parser (NOTE [ Sizes ] in offload/sizes.py)
+            object.__setattr__(self, f, to_bytes(getattr(self, f), f, owner="GPUSpec", minimum=0 if f == "reserve_bytes"
+                                                 else 1))
+        if self.reserve_bytes >= self.memory_bytes:
+            raise ValueError(f"GPUSpec.reserve_bytes={self.reserve_bytes} must be below memory_bytes={self.memory_bytes} "
+                             "(usable memory = memory_bytes - reserve_bytes must be > 0); lower reserve_bytes")
+        for f in ("hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
+            _positive(f, getattr(self, f))
         for f in ("matmul_efficiency", "hbm_efficiency", "pageable_fraction"):
             v = getattr(self, f)
-            if not 0 < v <= 1:
-                raise ValueError(f"GPUSpec.{f} must be in (0, 1], got {v!r}")
-        if not self.peak_flops:
-            raise ValueError("GPUSpec.peak_flops must name at least one dtype")
+            if not _real(v) or not 0 < v <= 1:
+                raise ValueError(f"GPUSpec.{f} must be a number in (0, 1], got {v!r}")
+        for f in ("launch_s", "copy_latency_s"):
+            v = getattr(self, f)
+            if not _real(v) or not 0 <= v < math.inf:
+                raise ValueError(f"GPUSpec.{f} must be a finite number of seconds >= 0, got {v!r}")
+        if isinstance(self.copy_engines, bool) or not isinstance(self.copy_engines, int) or self.copy_engines < 1:
+            raise ValueError(f"GPUSpec.copy_engines must be an int >= 1, got {self.copy_engines!r}")
+        if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
+            raise ValueError(f"GPUSpec.peak_flops must map at least one torch dtype to FLOP/s, got {self.peak_flops!r}")
+        for dtype, flops in self.peak_flops.items():
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"GPUSpec.peak_flops: key {dtype!r} must be a floating torch dtype (torch.bfloat16, "
+                                 "torch.float32, ...)")
+            _positive(f"peak_flops[{dtype}]", flops)
+        if not isinstance(self.link, str):
+            raise ValueError(f"GPUSpec.link must be a string, got {self.link!r}")
+        if not isinstance(self.sources, Mapping):
+            raise ValueError(f"GPUSpec.sources must map field names to strings, got {self.sources!r}")
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
 
@@ -198,16 +233,24 @@ GPUS: Mapping[str, GPUSpec] = MappingProxyType({
 """The GPUs prediction knows by name; see each spec's ``sources``."""
 
 
+def _squash(name: str) -> str:
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
 def resolve_gpu(gpu: str | GPUSpec) -> GPUSpec:
-    """``gpu`` as a spec: a name of ``GPUS`` (case-insensitive) or a ``GPUSpec`` itself."""
+    """``gpu`` as a spec: a name of ``GPUS`` (case, ``-`` and ``_`` ignored: ``"H100_SXM"``, ``"h100sxm"``) or a
+    ``GPUSpec`` itself. An unknown name is refused with the names it may have meant: every known GPU whose name
+    contains it (``"h100"``: ``h100-sxm``, ``h100-pcie``), else the closest spellings."""
     if isinstance(gpu, GPUSpec):
         return gpu
     if isinstance(gpu, str):
-        key = gpu.strip().lower().replace("_", "-")
-        if key in GPUS:
-            return GPUS[key]
-        close = difflib.get_close_matches(key, list(GPUS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        key = _squash(gpu)
+        by_key = {_squash(n): n for n in GPUS}
+        if key in by_key:
+            return GPUS[by_key[key]]
+        close = [n for k, n in by_key.items() if key and key in k] or \
+            [by_key[k] for k in difflib.get_close_matches(key, list(by_key), n=2)]
+        hint = f" (did you mean {' or '.join(repr(n) for n in close)}?)" if close else ""
         raise ValueError(f"offload.predict: gpu={gpu!r} is not a known GPU{hint}. Known: {sorted(GPUS)}; "
                          "or pass a GPUSpec, e.g. dataclasses.replace(GPUS['h100-sxm'], memory_bytes=...)")
     raise TypeError(f"offload.predict: gpu must be a name of GPUS or a GPUSpec, got {type(gpu).__name__}")

@@ -153,6 +153,6 @@ def preset_step_fn(vocab_size: int, batch: int = 1) -> Callable[[nn.Module, int]
 
     def step_fn(model: nn.Module, seq: int) -> torch.Tensor:
         tokens = torch.randint(0, vocab_size, (batch, seq))
-        return model(input_ids=tokens, labels=tokens).loss
+        return model(input_ids=tokens, labels=tokens, use_cache=False).loss
 
     return step_fn

@@ -37,7 +37,7 @@ def toy():
     """The toy Llama's all-keep target plan (its cost model holds every predicted profile)."""
     torch.set_num_threads(1)
     model, step = make_model_and_step()
-    return model, step, offload.plan(model, step, budget_bytes=1 << 40, target="h100-sxm")
+    return model, step, offload.plan(model, step, budget_bytes="100%", target="h100-sxm")
 
 
 def _sweep(p):
@@ -57,7 +57,7 @@ def test_a_target_plan_measures_nothing_here_and_its_predicted_step_fits(make, n
     torch.set_num_threads(1)
     model, step = make()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    probe = offload.plan(model, step, budget_bytes=1 << 40, target="h100-sxm", verify=False)
+    probe = offload.plan(model, step, budget_bytes="100%", target="h100-sxm", verify=False)
     budget = (probe.min_peak_bytes + probe.unplanned_peak_bytes) // 2
     p = plan_from_cost(probe.cost, budget, model=model, device="cuda", unplanned_peak=probe.unplanned_peak_bytes,
                        unplanned_s=probe.unplanned_step_seconds, check=lambda q: _predict(model, step, q, SPEC).peak_bytes)
@@ -95,10 +95,57 @@ def test_a_tighter_budget_never_gives_fewer_non_keep_decisions(toy):
 
 
 def test_a_budget_below_the_minimum_is_refused_naming_the_target(toy):
-    """A budget no plan reaches raises the planner's OffloadError, naming budget_bytes and the target."""
-    model, step, probe = toy
-    with pytest.raises(OffloadError, match=r"budget_bytes=.*cannot be met.*PREDICTED for target='h100-sxm'"):
-        offload.plan(model, step, budget_bytes=probe.min_peak_bytes - 4096, target="h100-sxm")
+    """A budget no plan reaches (the parameters alone) raises the planner's OffloadError, naming budget_bytes and
+    the target, and advising a budget above the one refused (the lowest plan's predicted peak)."""
+    import re
+
+    model, step, _probe = toy
+    budget = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(OffloadError, match=r"budget_bytes=.*cannot be met.*PREDICTED for target='h100-sxm'") as e:
+        offload.plan(model, step, budget_bytes=budget, target="h100-sxm")
+    advised = int(re.search(r"Raise budget_bytes to at least (\d+)", str(e.value)).group(1))
+    assert advised > budget
+
+
+def test_a_budget_above_the_card_is_refused():
+    """A budget above the target's usable memory is refused, naming both (a plan within it need not fit)."""
+    model, step = make_model_and_step()
+    with pytest.raises(ValueError, match=r"above h100-sxm's usable memory \(78.65 GiB"):
+        offload.plan(model, step, budget_bytes=SPEC.usable_bytes + 1, target="h100-sxm")
+
+
+def test_batchnorm_blocks_get_a_plan_for_every_budget_a_plan_meets():
+    """With BatchNorm blocks (never recomputed) every budget between the lowest predicted plan's peak and the
+    step without a plan gets a plan whose prediction is within it, and a budget below is refused advising a
+    budget above the refused one (the cost model's bounds alone refused budgets its own plans met)."""
+    import re
+
+    from planner_testkit import BNNet, step_for
+
+    torch.manual_seed(0)
+    model = BNNet(d=256, n=3)
+    step = step_for(model, torch.randn(256, 256))
+    lowest = offload.plan(model, step, budget_bytes="100%", target="h100-sxm")
+    offload_all = {n: "offload" for n in lowest.decisions}
+    floor = _predict(model, step, dataclasses.replace(lowest, decisions=offload_all), SPEC).peak_bytes
+    for budget in (floor, (floor + lowest.unplanned_peak_bytes) // 2):
+        p = offload.plan(model, step, budget_bytes=budget, target="h100-sxm")
+        assert p.verified_peak_bytes <= budget, (budget, p.verified_peak_bytes, p.decisions)
+    with pytest.raises(OffloadError) as e:
+        offload.plan(model, step, budget_bytes=floor // 2, target="h100-sxm")
+    assert int(re.search(r"at least (\d+)", str(e.value)).group(1)) > floor // 2
+
+
+def test_mixed_precision_target_plan_is_planned_under_autocast():
+    """plan(target=, mixed_precision=bf16) profiles and verifies the step under bf16 autocast (its step without a
+    plan peaks lower than fp32's), and a measured plan refuses mixed_precision with the fix."""
+    model, step = make_model_and_step()
+    fp32 = offload.plan(model, step, budget_bytes="100%", target="h100-sxm", verify=False)
+    mixed = offload.plan(model, step, budget_bytes="100%", target="h100-sxm", verify=False,
+                         mixed_precision=torch.bfloat16)
+    assert mixed.unplanned_peak_bytes < fp32.unplanned_peak_bytes
+    with pytest.raises(ValueError, match="torch.autocast"):
+        offload.plan(model, step, budget_bytes=1 << 30, mixed_precision=torch.bfloat16)
 
 
 def test_target_typos_and_machine_arguments_are_refused(toy):

@@ -11,6 +11,7 @@ from torch import nn
 
 from offload import OffloadActivations
 from offload.modules import register_model
+from offload.regions import exclude_output_head
 from offload.predict import PredictError, predict_step
 from offload.predict._capture import NEVER, capture
 from offload.predict._memory import DeviceMemory, replay
@@ -67,6 +68,7 @@ def test_capture_harness_changes_no_decision():
         register_model(model)  # module names from the model's root, as the capture names them
         engine = OffloadActivations(device="cpu", virtual_memory_safe_pct=None)
         engine.attach(model)
+        exclude_output_head(engine, model)  # offload.predict's "offload" keeps the head, as the integrations do
         opt = adamw(model.parameters())
         for i in range(2):
             if i == 1:

@@ -37,7 +37,7 @@ def test_fake_long_context_run_is_the_real_run(name):
 
 def test_long_context_is_a_named_strategy_that_lowers_the_peak():
     """predict_step(strategy="long_context") on Llama-3-8B's shapes (2 blocks, 16K tokens): a lower predicted
-    peak than offload_ac, its tiles in the ledger, and less offloaded (the head's logits stay, in tiles)."""
+    peak than offload_ac, its tiles in the ledger, and no more offloaded (both keep the head on the device)."""
     presets = pytest.importorskip("offload.predict.presets")
     pytest.importorskip("transformers")
     model_fn = presets.preset_model_fn("llama3-8b", layers=2)
@@ -46,7 +46,7 @@ def test_long_context_is_a_named_strategy_that_lowers_the_peak():
     p = {s: predict_step(model_fn, lambda m: step_fn(m, 16384), gpu="h100-sxm", strategy=s, dtype=torch.bfloat16)
          for s in ("offload_ac", "long_context")}
     lc, oac = p["long_context"], p["offload_ac"]
-    assert lc.peak_bytes < oac.peak_bytes and lc.offloaded_bytes < oac.offloaded_bytes
+    assert lc.peak_bytes < oac.peak_bytes and lc.offloaded_bytes <= oac.offloaded_bytes
     tiling = lc.ledger_summary["tiling"]
     assert tiling["mlp"]["tiles"] == 2 * 4 and tiling["loss"]["calls"] == 1  # 16384 / 4096 tokens a tile
     assert tiling["mlp"]["bytes_not_saved"] == 2 * 4 * 16384 * 14336 * 2  # gate, act, up, product in bf16

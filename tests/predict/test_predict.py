@@ -92,3 +92,40 @@ def test_a_fake_tensor_is_classified_as_the_tensor_it_stands_for():
     for r, f in zip(real, fake):
         got = [_classify(t, dev, 64, False, {}, lambda p: "", None, storage_ptr(t), False) for t in (r, f)]
         assert got[0] == got[1], (r.shape, got)
+
+
+def _short_toy():
+    cfg = ToyLlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, max_seq_len=4096)
+
+    def step(model: nn.Module, seq: int) -> torch.Tensor:
+        tokens = torch.randint(0, 128, (1, seq))
+        return F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
+
+    return lambda: ToyLlama(cfg), step
+
+
+def test_max_context_logs_a_line_per_probe_and_says_how_it_was_found(caplog):
+    """Each probe of the search is an INFO line on the offload.predict logger (length, fits, predicted peak), and
+    the answer, an int, carries its probes and its time."""
+    import logging
+
+    model_fn, step = _short_toy()
+    gpu = dataclasses.replace(GPUS["h100-sxm"], memory_bytes=24 << 20, reserve_bytes=0)
+    with caplog.at_level(logging.INFO, logger="offload.predict"):
+        n = max_context(model_fn, step, gpu=gpu, strategy="none", start=256, multiple=128, limit=4096)
+    lines = [r.getMessage() for r in caplog.records if r.name == "offload.predict"]
+    assert isinstance(n, int) and n > 0 and n.seconds > 0
+    assert len(lines) == len(n.probes) >= 2
+    assert all("predicted peak" in line for line in lines)
+    assert (n, True) in {(s, f) for s, f, _ in n.probes}
+
+
+def test_max_context_answers_at_once_when_the_state_alone_does_not_fit():
+    """When the weights, gradients and optimizer state alone exceed the GPU, the search stops after its first
+    probe with 0 and a reason naming what the state needs."""
+    model_fn, step = _short_toy()
+    gpu = dataclasses.replace(GPUS["h100-sxm"], memory_bytes=1 << 20, reserve_bytes=0)
+    n = max_context(model_fn, step, gpu=gpu, strategy="none", optimizer=adamw, start=1024, multiple=128,
+                    limit=4096)
+    assert n == 0 and len(n.probes) == 1
+    assert "state alone" in n.reason and "GiB" in n.reason

@@ -185,3 +185,61 @@ def test_predict_without_transformers_names_the_extra(monkeypatch, capsys):
     assert command in (Path(__file__).resolve().parents[2] / "docs" / "predict.md").read_text()
     with pytest.raises(ImportError, match=r"offload\[hf\]"):
         presets.preset_config("llama3.1-8b")
+
+
+def _rows(tmp_path, *extra: str) -> list[dict]:
+    """The rows of one cheap --predict run (GPT-2 XL, 1 block, s=128) with ``extra`` arguments."""
+    out = tmp_path / ("_".join(extra) or "default")
+    args = ["--predict", "--model", "gpt2-xl", "--layers", "1", "--seq", "128", "--no-max-context", "--quiet",
+            "--out", str(out), *extra]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(args) == 0
+    (path,) = out.glob("*.json")
+    return json.loads(path.read_text())["rows"]
+
+
+def test_predict_cli_mixed_precision_keeps_fp32_state(tmp_path):
+    """--mixed-precision bf16 predicts fp32 parameters and AdamW state (twice the default bf16 run's) with the
+    compute in bf16, and every row names the regime."""
+    pure = {r["strategy"]: r for r in _rows(tmp_path)}
+    mixed = {r["strategy"]: r for r in _rows(tmp_path, "--mixed-precision", "bf16")}
+    for name, r in mixed.items():
+        assert "mixed bf16" in r["precision"] and "mixed" not in pure[name]["precision"]
+        for kind in ("parameter", "optimizer"):
+            assert r["state_bytes"][kind] == pytest.approx(2 * pure[name]["state_bytes"][kind], rel=1e-6)
+
+
+def test_predict_cli_lora_trains_the_adapters_only(tmp_path):
+    """--lora 4 predicts peft LoRA r=4 on the blocks' linear layers: AdamW state for the adapters only (a small
+    fraction of the full fine-tune's), the base frozen."""
+    pytest.importorskip("peft")
+    full = {r["strategy"]: r for r in _rows(tmp_path)}
+    lora = {r["strategy"]: r for r in _rows(tmp_path, "--lora", "4")}
+    for name, r in lora.items():
+        assert 0 < r["state_bytes"]["optimizer"] < 0.05 * full[name]["state_bytes"]["optimizer"]
+        assert 0 < r["state_bytes"]["gradient"] < 0.05 * full[name]["state_bytes"]["gradient"]
+
+
+def test_predict_cli_reads_gpu_spellings_and_refuses_unknown_ones(tmp_path, capsys):
+    """--gpu h100sxm is h100-sxm; --gpu h100 exits 2 naming both H100 variants (no traceback)."""
+    rows = _rows(tmp_path, "--gpu", "h100sxm")
+    assert all(r["gpu"] == "h100-sxm" for r in rows)
+    assert cli.main(["--predict", "--model", "gpt2-xl", "--gpu", "h100", "--no-write"]) == 2
+    err = capsys.readouterr().err
+    assert "'h100-sxm' or 'h100-pcie'" in err and "Traceback" not in err
+
+
+def test_predict_cli_longest_context_search_reports_progress_and_its_time(tmp_path, capsys):
+    """Each probe of the longest-context search is a progress line on stderr (not in the table on stdout), and
+    "prediction took" includes the search."""
+    out = tmp_path / "o"
+    with contextlib.redirect_stdout(io.StringIO()) as buf:
+        assert cli.main(["--predict", "--model", "gpt2-xl", "--layers", "1", "--seq", "512", "--gpu", "rtx-4090",
+                         "--full", "--out", str(out)]) == 0
+    rows = json.loads(next(out.glob("*.json")).read_text())["rows"]
+    err = capsys.readouterr().err
+    assert err.count("max_context on rtx-4090") >= len(rows) and "max_context on" not in buf.getvalue()
+    for r in rows:
+        took = float(next(line for line in buf.getvalue().splitlines() if line.startswith(f"| {r['strategy']} |"))
+                     .rstrip(" |").rsplit("|", 1)[1])
+        assert took >= r["max_context_seconds"] > 0
