@@ -111,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of strategies (of those run) that get one more step under torch.profiler after "
                         "their measured ones: the chrome trace is written beside the results "
                         "(trace_<run_id>_<strategy>.json.gz) and summarised in them: GPU idle time, the copies and "
-                        "where the exposed ones land (bench/trace_summary.py)")
+                        "where the exposed ones land (bench/trace_summary.py); with --predict: a PATH, as "
+                        "--predict-trace")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-probe", action="store_true", help="skip the copy-ceiling measurement")
     p.add_argument("--no-write", action="store_true",
@@ -138,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "hf extra: pip install -e '.[bench,hf]')")
     p.add_argument("--gpu", default="h100-sxm", help="--predict: a GPU of offload.predict.GPUS, or a comma list")
     p.add_argument("--predict-trace", default=None, metavar="PATH",
-                   help="--predict: write each strategy's predicted timeline there as a Chrome trace "
+                   help="--predict (or --predict --trace PATH): write each strategy's predicted timeline there as a Chrome trace "
                         "(PATH_<strategy>.json for several)")
     p.add_argument("--world-size", type=int, default=1,
                    help="--predict: one rank of FSDP2 over this many GPUs (1: a single GPU)")

@@ -370,15 +370,18 @@ def main_predict(args: argparse.Namespace, argv: list[str] | None) -> int:
         model_fn = lora_model_fn(model_fn, lora)
     step_fn = preset_step_fn(st["cfg"].vocab_size, batch=args.batch or 1)
     world_size = args.world_size
+    # --trace is the measured bench's strategies to profile; with --predict, a PATH as --predict-trace.
+    given = args.predict_trace if args.predict_trace is not None else (getattr(args, "trace", "") or None)
+    path = Path(given) if given is not None else None
     out = None
     for gpu in st["gpus"]:
         for seq in st["seqs"]:
             stem = (f"predict_{st['label']}_{gpu}_s{seq}" + (f"_x{world_size}" if world_size > 1 else "")
                     + (f"_mp{mixed}" if mixed else "") + (f"_lora{lora}" if lora is not None else ""))
             trace = None
-            if args.predict_trace is not None:  # one trace per GPU and length when several are asked for
-                trace = Path(args.predict_trace) if len(st["gpus"]) * len(st["seqs"]) == 1 else \
-                    Path(args.predict_trace).with_name(f"{Path(args.predict_trace).stem}_{gpu}_s{seq}{Path(args.predict_trace).suffix}")
+            if path is not None:  # one trace per GPU and length when several are asked for
+                trace = path if len(st["gpus"]) * len(st["seqs"]) == 1 else \
+                    path.with_name(f"{path.stem}_{gpu}_s{seq}{path.suffix}")
             try:
                 rows = predict_rows(model_fn, step_fn, gpu=gpu, seq=seq, dtype=dtype, strategies=st["strategies"],
                                     batch=args.batch or 1, progress=not args.quiet, world_size=world_size,

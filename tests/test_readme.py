@@ -501,8 +501,11 @@ def _copied_table(path: str) -> list[str]:
 
 
 def _per_rank_table(path: str) -> list[str]:
-    return [f"| {r['strategy']} | {r['peak_bytes'] / 2**30:.2f} | {'yes' if r['fits'] else 'no'} | "
-            f"{r['offloaded_bytes'] / 2**30:.2f} | {r['step_seconds']:.3f} |" for r in _results(path)["rows"]]
+    """The per-rank table: bf16 state (``path``) and mixed precision (its ``_mpbf16`` twin) side by side."""
+    mixed = {r["strategy"]: r for r in _results(path.replace(".json", "_mpbf16.json"))["rows"]}
+    return [f"| {r['strategy']} | {r['peak_bytes'] / 2**30:.2f} | {mixed[r['strategy']]['peak_bytes'] / 2**30:.2f} | "
+            f"{r['offloaded_bytes'] / 2**30:.2f} | {r['step_seconds']:.3f} / {mixed[r['strategy']]['step_seconds']:.3f} |"
+            for r in _results(path)["rows"]]
 
 
 _PLAN_FILES = [f"bench/results/cpu/plan_{m}_L4_s256_b2_float32.json" for m in ("tiny", "encoder", "hf_llama", "hf_gpt2")]
@@ -511,7 +514,8 @@ DOC_CLAIMS = {
     "docs/planner.md": dict.fromkeys(_PLAN_FILES, _planner_row),
     "docs/predict.md": {"bench/results/predicted/predict_llama3-8b_h100-sxm_s8192.md": _copied_table,
                         "bench/results/predicted/predict_llama3-8b_h100-sxm_s8192_x8.md":
-                            lambda p: _per_rank_table(p.replace(".md", ".json"))},
+                            lambda p: _per_rank_table(p.replace(".md", ".json")),
+                        "bench/results/predicted/predict_llama3-8b_h100-sxm_s8192_x8_mpbf16.md": lambda p: []},
 }
 """Pages of docs/ whose figures are checked against the files they cite (the tables)."""
 

@@ -87,7 +87,7 @@ def test_a_target_plan_with_adamw_fits_predict_step_with_the_same_optimizer(make
     torch.set_num_threads(1)
     model, step = make()
     opt = _adamw(model.parameters())
-    probe = offload.plan(model, step, budget_bytes=1 << 40, target="h100-sxm", optimizer=opt, verify=False)
+    probe = offload.plan(model, step, budget_bytes="100%", target="h100-sxm", optimizer=opt, verify=False)
     budget = _mid(probe)
     planned = offload.plan(model, step, budget_bytes=budget, target="h100-sxm", optimizer=opt)
     without = offload.plan(model, step, budget_bytes=budget, target="h100-sxm")
@@ -187,7 +187,7 @@ def test_a_budget_below_the_optimizer_step_is_refused_saying_to_lighten_it(targe
     step = lambda: model(x).square().mean()  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
     kw = {"target": target} if target else {"timed": 1}
-    probe = offload.plan(model, step, budget_bytes=1 << 40, optimizer=opt, verify=False, **kw)
+    probe = offload.plan(model, step, budget_bytes="100%" if target else 1 << 40, optimizer=opt, verify=False, **kw)
     with pytest.raises(OffloadError, match=r"AdamW step.*lighten the optimizer.*foreach=False"):
         offload.plan(model, step, budget_bytes=probe.min_peak_bytes - 1, optimizer=opt, **kw)
 

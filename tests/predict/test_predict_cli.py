@@ -135,15 +135,15 @@ def test_predict_cli_honours_strategies():
 
 
 def test_predict_cli_writes_a_chrome_trace_per_strategy(tmp_path):
-    """--predict-trace PATH writes the predicted timeline as a Chrome trace: at PATH for one strategy, at
-    PATH_<strategy>.json for several."""
+    """--predict-trace PATH (or --trace PATH with --predict) writes the predicted timeline as a Chrome trace: at
+    PATH for one strategy, at PATH_<strategy>.json for several."""
     base = ["--predict", "--model", "gpt2-xl", "--layers", "1", "--seq", "128", "--no-max-context", "--quiet",
             "--no-write"]
     one = tmp_path / "one.json"
     assert _run([*base, "--strategies", "offload", "--predict-trace", str(one)])[0] == 0
     events = json.loads(one.read_text())["traceEvents"]
     assert any(e.get("ph") == "X" for e in events)
-    assert _run([*base, "--strategies", "none,offload", "--predict-trace", str(tmp_path / "t.json")])[0] == 0
+    assert _run([*base, "--strategies", "none,offload", "--trace", str(tmp_path / "t.json")])[0] == 0
     assert {p.name for p in tmp_path.glob("t_*.json")} == {"t_none.json", "t_offload.json"}
 
 
