@@ -41,8 +41,9 @@ the pack and unpack hooks call it, and the predictor (``offload.predict``) and t
    headroom allows. The headroom is ``ceiling - allocated - reserve``: the ceiling is what the
    device held when the step last left the engine (the end of its forward: never an earlier step's
    peak, so offloading's cut stays; reloads fill only memory backward has freed below it), or the
-   budget when lower; the reserve (1/32 of the ceiling, at least twice the largest copy) leaves
-   room for the backward's own temporaries. Allocator statistics are read only when the last
+   budget when lower; the reserve (1/32 of the ceiling, at least twice the largest copy and at least
+   the largest save, whose gradient is backward's largest temporary: the logits' at the loss, made
+   above the forward's end) leaves room for the backward's own temporaries. Allocator statistics are read only when the last
    reading's allowance is spent and at most once every ``_READ_EVERY`` unpacks (a read costs
    tens of microseconds on CUDA). So an offloaded region's reloads overlap the backward of the
    blocks after it (TransformerEngine starts reloading layer i at the backward of layer
@@ -311,7 +312,9 @@ class _Schedule:
         if self.budget is not None:
             ceiling = min(ceiling, self.budget)
         p.ceiling = ceiling
-        p.reserve = max(2 * self.max_copy, ceiling // _RESERVE_FRACTION)
+        # (the largest save: its gradient is backward's largest temporary, e.g. the logits' at the loss,
+        # allocated above the forward's end while reloads would already fill the room below it)
+        p.reserve = max(2 * self.max_copy, ceiling // _RESERVE_FRACTION, self.max_save)
         p.allowance = ceiling - p.reserve - allocated
         p.next_read = p.unpacks + _READ_EVERY
 
