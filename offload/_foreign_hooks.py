@@ -55,8 +55,12 @@ _EXPECTED = ("torch.utils.checkpoint", "torch.distributed.algorithms._checkpoint
 
 
 def hooks_owner(pack_hook: Any) -> str:
-    """``module.QualName`` of what installed a pack hook (the bound method's class, else the function)."""
-    owner = getattr(pack_hook, "__self__", None)
+    """``module.QualName`` of what installed a pack hook (an engine entered on this thread, whose hook may be
+    the C++ one, bound to a tuple; else the bound method's class, else the function)."""
+    from ._observers import _engines
+
+    engine = next((e for e in _engines() if e._owns_pack_hook(pack_hook)), None)
+    owner = engine if engine is not None else getattr(pack_hook, "__self__", None)
     obj = type(owner) if owner is not None and not inspect.ismodule(owner) else pack_hook
     qualname = getattr(obj, "__qualname__", type(obj).__name__)
     # A closure made in a constructor: name its class (X.__init__.<locals>.pack -> X).

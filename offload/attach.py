@@ -40,7 +40,7 @@ from torch import nn
 from ._warn import warn_user
 from .errors import OffloadError
 from ._observers import active_engine
-from .modules import _running_calls
+from .modules import OUTPUT_OBSERVERS, _running_calls
 
 if TYPE_CHECKING:
     from .engine import OffloadActivations
@@ -137,9 +137,15 @@ class AttachHandle:
             return  # attached while this forward was already running
         st.depth -= 1
         if st.depth == 0:
+            exc = sys.exc_info()
+            if st.entered and exc[0] is None and OUTPUT_OBSERVERS:
+                # The model's output, as `with ctx:` shows it (its outermost call ran before the engine's
+                # module tracking opened, so the tracked call cannot): the KV-cache warning reads it.
+                for observe in OUTPUT_OBSERVERS:
+                    observe(module, output)
             # Inside torch's `except Exception` when forward raised: hand the
             # exception to the engine so it releases in-flight sources now.
-            self._leave(sys.exc_info())
+            self._leave(exc)
 
     def _leave(self, exc: tuple[Any, Any, Any]) -> None:
         st = self._state
