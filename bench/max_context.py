@@ -4,7 +4,8 @@
     python -m bench --predict --max-context --layers 4 --no-write    # a quick look: 4 of the 32 blocks
 
 For Llama-3.1-8B, full fine-tune in mixed precision (fp32 weights, gradients and AdamW state; the step
-under bf16 autocast) and LoRA (r=16 on every linear layer, bf16 base, AdamW on the adapters), per card
+computed in bf16: ``predict_step(mixed_precision=torch.bfloat16)``) and LoRA (peft, r=16 on every linear
+layer of the blocks, bf16 base, AdamW on the adapters), per card
 (``CARDS``) and strategy (``STRATEGIES``): the largest context that fits (a multiple of ``GRANULARITY``
 tokens, batch 1), the predicted step time there, the host memory its offloaded bytes need (pinned /
 pageable / disk, under ``HOSTS``' stated host of each card) and the link and disk rates that moves them
@@ -95,64 +96,25 @@ def _base_model_fn(layers: int | None) -> Callable[[], nn.Module]:
     return preset_model_fn(name, layers=layers)
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_BUILT: list[str] = []
-"""How each LoRA model of this process was built: "peft", or "stand-in" (see ``_LoRALinear``)."""
+LORA_RANK = 16
 
 
-class _LoRALinear(nn.Module):
-    """peft's LoRA layer as it computes with dropout 0: ``base(x) + B(A(x)) * alpha / r``, the base frozen.
-    The LoRA workload uses it where peft cannot build its model on fake tensors (peft moves each adapter
-    with ``Module.to``, which swaps parameters, and a fake parameter that the capture follows cannot be
-    swapped: "Couldn't swap Linear.weight")."""
+def _lora_model_fn(layers: int | None, fp32_adapters: bool = True) -> Callable[[], nn.Module]:
+    """peft's LoRA r=16 (alpha 32, dropout 0) on every linear layer of the blocks, the base in bf16 and frozen
+    (``bench.predict.lora_model_fn``, as ``--predict --lora 16`` builds it); the adapters in fp32 as peft makes
+    them by default, or in bf16."""
+    from bench.predict import lora_model_fn
 
-    def __init__(self, base: nn.Linear, r: int = 16, alpha: int = 32) -> None:
-        super().__init__()
-        self.base_layer = base.requires_grad_(False)
-        self.lora_A = nn.Linear(base.in_features, r, bias=False)
-        self.lora_B = nn.Linear(r, base.out_features, bias=False)
-        self.scaling = alpha / r
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
+    return lora_model_fn(_base_model_fn(layers), LORA_RANK, fp32_adapters=fp32_adapters)
 
 
-def _lora_stand_in(model: nn.Module) -> nn.Module:
-    model.requires_grad_(False)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if name in LORA_TARGETS and type(child) is nn.Linear:
-                setattr(parent, name, _LoRALinear(child))
-    return model
+def _lora_bf16_model_fn(layers: int | None) -> Callable[[], nn.Module]:
+    return _lora_model_fn(layers, fp32_adapters=False)
 
 
-def _lora_model_fn(layers: int | None) -> Callable[[], nn.Module]:
-    base = _base_model_fn(layers)
-
-    def model_fn() -> nn.Module:
-        import peft
-
-        config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
-        try:
-            model = peft.get_peft_model(base(), config)
-        except RuntimeError as e:  # peft on fake tensors (offload.predict's LoRA support not in yet)
-            if "Couldn't swap" not in str(e):
-                raise
-            LORA_BUILT.append("stand-in")
-            return _lora_stand_in(base())
-        LORA_BUILT.append("peft")
-        return model
-
-    return model_fn
-
-
-def _labels_step(mixed: bool) -> Callable[[nn.Module, int], torch.Tensor]:
-    def step_fn(model: nn.Module, seq: int) -> torch.Tensor:
-        tokens = torch.randint(0, 128256, (1, seq))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):  # the fake step runs on CPU tensors
-            return model(input_ids=tokens, labels=tokens, use_cache=False).loss
-
-    return step_fn
+def _labels_step(model: nn.Module, seq: int) -> torch.Tensor:
+    tokens = torch.randint(0, 128256, (1, seq))
+    return model(input_ids=tokens, labels=tokens, use_cache=False).loss
 
 
 @dataclass(frozen=True)
@@ -162,14 +124,19 @@ class Workload:
     model_fn: Callable[[int | None], Callable[[], nn.Module]]
     step_fn: Callable[[nn.Module, int], torch.Tensor]
     dtype: torch.dtype | None
-    """The parameters' dtype (None: as built, float32)."""
+    """The parameters' dtype (None: as built: float32, or the LoRA builder's bf16 base and fp32 adapters)."""
+    mixed_precision: torch.dtype | None = None
+    """``predict_step``'s: the compute dtype of a mixed-precision step (fp32 state)."""
 
 
 WORKLOADS: dict[str, Workload] = {
     "full": Workload("full", "Llama-3.1-8B full fine-tune, mixed precision (fp32 weights/grads/AdamW, bf16 "
-                     "autocast)", _base_model_fn, _labels_step(True), None),
-    "lora": Workload("lora", "Llama-3.1-8B LoRA r=16 on every linear, bf16 base, AdamW on the adapters",
-                     _lora_model_fn, _labels_step(False), torch.bfloat16),
+                     "compute)", _base_model_fn, _labels_step, None, torch.bfloat16),
+    "lora": Workload("lora", "Llama-3.1-8B LoRA r=16 (peft) on every linear of the blocks, bf16 base, AdamW on the "
+                     "adapters (fp32, peft's default)", _lora_model_fn, _labels_step, None),
+    "lora_bf16": Workload("lora_bf16", "Llama-3.1-8B LoRA r=16 (peft) on every linear of the blocks, bf16 base and "
+                          "bf16 adapters (autocast_adapter_dtype=False), AdamW on the adapters", _lora_bf16_model_fn,
+                          _labels_step, None),
 }
 
 
@@ -198,7 +165,8 @@ def _predict(w: Workload, strategy: str, seq: int, layers: int | None) -> Any:
     from offload.predict import predict_step
 
     return predict_step(w.model_fn(layers), lambda m: w.step_fn(m, seq), gpu="h100-sxm", strategy=strategy,
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-5), dtype=w.dtype)
+                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-5), dtype=w.dtype,
+                        mixed_precision=w.mixed_precision)
 
 
 @dataclass
@@ -352,9 +320,6 @@ def format_markdown(res: dict[str, Any]) -> str:
                 f"{v['seq']:,} tokens: peak {v['peak_bytes'] / _GiB:.2f} GiB (fitted {v['fitted_peak_bytes'] / _GiB:.2f}),"
                 f" {'fits' if v['fits'] else 'does NOT fit'} in {v['usable_bytes'] / _GiB:.2f} GiB; step "
                 f"{v['step_seconds']:.1f} s (fitted {v['fitted_step_seconds']:.1f}).", ""]
-    if "stand-in" in res.get("lora_built_with", ()):
-        out += ["LoRA built with `bench.max_context._LoRALinear` (peft's layer as it computes, dropout 0), not "
-                "peft: peft cannot build its model on fake tensors in this version of offload.predict.", ""]
     out += ["PREDICTED by offload.predict (fake tensors, no GPU), not measured; per card the spec of "
             "`offload.predict.GPUS` and the host of `bench.max_context.HOSTS`. " + res["method"], ""]
     out += [f"- {card}: {h}" for card, h in res["hosts"].items()]
@@ -387,7 +352,7 @@ def write_png(res: dict[str, Any], path: Path) -> bool:
             if not any(r["max_context"] for r in rows if r["card"] == c):
                 ax.annotate("does not fit", (j + 0.4 - width / 2, 0.02), xycoords=("data", "axes fraction"),
                             rotation=90, ha="center", va="bottom", fontsize=7, color="dimgray")
-        if wname == "lora":
+        if wname.startswith("lora"):
             for value, text in ((342_733, "Unsloth, published: 342,733 (QLoRA, H100 80GB)"),
                                 (500_000, "ALST, published: 500K (H100)")):
                 ax.axhline(value, color="gray", ls="--", lw=0.8)
@@ -457,7 +422,6 @@ def run_max_context(*, workloads: Sequence[str] = tuple(WORKLOADS), strategies: 
                        "need on the card's host and the step's lower bound from moving them through it. Llama-3.1's "
                        "trained positions end at 131,072; longer contexts run RoPE beyond them, as the published "
                        "long-context runs do."),
-            "lora_built_with": sorted(set(LORA_BUILT)) if "lora" in workloads else [],
             "fits": [asdict(f) for f in fits], "rows": rows, "verify": v,
             "seconds": round(time.perf_counter() - t0, 1)}
 

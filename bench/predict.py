@@ -282,10 +282,13 @@ def write_png(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
     return True
 
 
-def lora_model_fn(model_fn: Any, r: int, *, base_dtype: torch.dtype = torch.bfloat16) -> Any:
+def lora_model_fn(model_fn: Any, r: int, *, base_dtype: torch.dtype = torch.bfloat16,
+                  fp32_adapters: bool = True) -> Any:
     """``model_fn`` wrapped in peft: the base model cast to ``base_dtype`` and frozen, LoRA rank ``r`` (alpha
     2r, dropout 0) on every linear layer inside its blocks (``offload.planner.find_blocks``: the attention and
-    MLP projections of a transformer), the adapters as peft makes them (float32 by default). Needs ``peft``."""
+    MLP projections of a transformer), the adapters as peft makes them: float32 by default (each adapted
+    layer then casts its input to float32 for them, and autograd saves that copy), in ``base_dtype`` with
+    ``fp32_adapters=False`` (peft's ``autocast_adapter_dtype=False``). Needs ``peft``."""
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"bench --predict: --lora {r!r} must be a LoRA rank >= 1 (16 is common)")
 
@@ -300,7 +303,7 @@ def lora_model_fn(model_fn: Any, r: int, *, base_dtype: torch.dtype = torch.bflo
         if not names:
             raise ValueError("bench --predict --lora: the model's blocks hold no linear layer to adapt")
         config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=names)
-        return peft.get_peft_model(model, config)
+        return peft.get_peft_model(model, config, autocast_adapter_dtype=fp32_adapters)
 
     return build
 
