@@ -136,45 +136,37 @@ def warn_if_inside_foreign_hooks(engine: Any) -> None:
 # -- rule 3: contexts entered inside an engine, seen at module calls ---------------------------
 
 
-class _Watches(threading.local):
-    entered: "list[tuple[Any, Any]]"
-
-    def __init__(self) -> None:
-        self.entered = []  # (engine, the pack hook its enter pushed), outermost first
-
-
-_watches = _Watches()
-
-
 def watch_inner_hooks(engine: Any, hook: Any) -> Any:
-    """At an enter that pushed ``hook``: watch module calls for other hooks inside (rule 3). Returns the
-    token ``unwatch_inner_hooks`` takes at the matching exit."""
-    token = (engine, hook)
-    _watches.entered.append(token)
-    _rewatch()
-    return token
+    """At an enter that pushed ``hook`` (``engine`` is now innermost on this thread's engine stack): watch
+    module calls for other hooks inside (rule 3). Returns ``hook``, which the engine's thread state keeps
+    for this entry (``_ThreadState.watches``)."""
+    _watch(engine, hook)
+    return hook
 
 
-def unwatch_inner_hooks(token: Any) -> None:
-    """The exit matching ``token``'s enter: the innermost engine still entered is watched again. By identity,
-    not by restoring what the enter saw: after a misnested exit (rule 4) exits do not mirror enters, and a
-    restored watch would outlive its engine (and warn in its name inside a later engine)."""
-    entered = _watches.entered
-    for i in range(len(entered) - 1, -1, -1):
-        if entered[i] is token:
-            del entered[i]
-            break
-    _rewatch()
+def unwatch_inner_hooks() -> None:
+    """After an exit took its engine off the engine stack and its entry's hook off its thread state: watch
+    for the innermost engine still entered. Derived from those, not restored from what the enter saw: after
+    a misnested exit (rule 4) exits do not mirror enters, and a restored watch would outlive its engine (and
+    warn in its name inside a later engine)."""
+    from ._observers import _engines
 
-
-def _rewatch() -> None:
-    """Watch for the innermost engine entered on this thread, unless it already warned (once an engine)."""
-    entered = _watches.entered
-    if not entered or getattr(entered[-1][0], "_warned_inner_hooks", False):
+    engines = _engines()
+    if not engines:
         _module_tls.watch = None
         return
-    engine, hook = entered[-1]
-    _module_tls.watch = (hook, lambda top, module: _inner_hooks(engine, top, module))
+    engine = engines[-1]
+    hooks = engine._thread().watches
+    _watch(engine, hooks[-1] if hooks else None)
+
+
+def _watch(engine: Any, hook: Any) -> None:
+    """Watch module calls for hooks other than ``hook`` inside ``engine``, unless it already warned (once
+    an engine)."""
+    if hook is None or getattr(engine, "_warned_inner_hooks", False):
+        _module_tls.watch = None
+    else:
+        _module_tls.watch = (hook, lambda top, module: _inner_hooks(engine, top, module))
 
 
 def _inner_hooks(engine: Any, top: Any, module: Any) -> None:

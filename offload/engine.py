@@ -146,7 +146,7 @@ class _ThreadState:
         """The output head's forward finished in the current model call (Rule 8)."""
         self.enter_depth = 0
         self.modules_cms: list[Any] = []
-        self.watches: list[Any] = []  # per entry: the module-call watch to restore (NOTE [ Nested hooks ])
+        self.watches: list[Any] = []  # per entry: the pack hook it pushed (NOTE [ Nested hooks ])
         self.saved: tuple[int, int] = (0, 0)
         self.module_stack: list[nn.Module] | None = None
         """offload.modules' running-module stack of this thread while the engine is entered on it
@@ -476,7 +476,8 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             if st.modules_cms:
                 st.modules_cms.pop().__exit__(*exc)
             if st.watches:
-                unwatch_inner_hooks(st.watches.pop())
+                st.watches.pop()
+            unwatch_inner_hooks()
             if st.enter_depth == 0:
                 st.module_stack = None
                 # Undo region state an interrupted forward left behind (an
