@@ -341,8 +341,6 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--seq {over[0]} is beyond {name}'s {limit} positions (its max_position_embeddings)")
     if args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size} must be >= 1")
-    if args.lora is not None and args.lora < 1:
-        raise ValueError(f"--lora {args.lora} must be a LoRA rank >= 1 (16 is common)")
     return {"name": name, "label": model_label(name), "cfg": cfg, "gpus": gpus, "strategies": strategies,
             "seqs": seqs, "limit": limit}
 
@@ -366,11 +364,11 @@ def main_predict(args: argparse.Namespace, argv: list[str] | None) -> int:
         st = _settings(args)
         dtype = resolve_dtype(args.dtype) if args.dtype else (None if mixed or lora else torch.bfloat16)
         mixed_precision = resolve_dtype(mixed) if mixed else None
+        model_fn = config_model_fn(st["cfg"])
+        if lora is not None:
+            model_fn = lora_model_fn(model_fn, lora)  # (it refuses a rank below 1)
     except ValueError as e:
-        return _fail(str(e).removeprefix("bench: "))
-    model_fn = config_model_fn(st["cfg"])
-    if lora is not None:
-        model_fn = lora_model_fn(model_fn, lora)
+        return _fail(str(e).removeprefix("bench --predict: ").removeprefix("bench: "))
     step_fn = preset_step_fn(st["cfg"].vocab_size, batch=args.batch or 1)
     world_size = args.world_size
     # --trace is the measured bench's strategies to profile; with --predict, a PATH as --predict-trace.

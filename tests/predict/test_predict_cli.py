@@ -243,3 +243,10 @@ def test_predict_cli_longest_context_search_reports_progress_and_its_time(tmp_pa
         took = float(next(line for line in buf.getvalue().splitlines() if line.startswith(f"| {r['strategy']} |"))
                      .rstrip(" |").rsplit("|", 1)[1])
         assert took >= r["max_context_seconds"] > 0
+
+
+def test_predict_cli_refuses_a_lora_rank_below_one(capsys):
+    """--lora 0 exits 2 naming the argument and a usual rank, before any prediction (no traceback)."""
+    assert cli.main(["--predict", "--model", "gpt2-xl", "--lora", "0", "--no-write"]) == 2
+    err = capsys.readouterr().err
+    assert "--lora 0 must be a LoRA rank >= 1" in err and "Traceback" not in err
