@@ -123,20 +123,18 @@ class Workload:
     title: str
     model_fn: Callable[[int | None], Callable[[], nn.Module]]
     step_fn: Callable[[nn.Module, int], torch.Tensor]
-    dtype: torch.dtype | None
-    """The parameters' dtype (None: as built: float32, or the LoRA builder's bf16 base and fp32 adapters)."""
     mixed_precision: torch.dtype | None = None
     """``predict_step``'s: the compute dtype of a mixed-precision step (fp32 state)."""
 
 
 WORKLOADS: dict[str, Workload] = {
     "full": Workload("full", "Llama-3.1-8B full fine-tune, mixed precision (fp32 weights/grads/AdamW, bf16 "
-                     "compute)", _base_model_fn, _labels_step, None, torch.bfloat16),
+                     "compute)", _base_model_fn, _labels_step, torch.bfloat16),
     "lora": Workload("lora", "Llama-3.1-8B LoRA r=16 (peft) on every linear of the blocks, bf16 base, AdamW on the "
-                     "adapters (fp32, peft's default)", _lora_model_fn, _labels_step, None),
+                     "adapters (fp32, peft's default)", _lora_model_fn, _labels_step),
     "lora_bf16": Workload("lora_bf16", "Llama-3.1-8B LoRA r=16 (peft) on every linear of the blocks, bf16 base and "
                           "bf16 adapters (autocast_adapter_dtype=False), AdamW on the adapters", _lora_bf16_model_fn,
-                          _labels_step, None),
+                          _labels_step),
 }
 
 
@@ -165,7 +163,7 @@ def _predict(w: Workload, strategy: str, seq: int, layers: int | None) -> Any:
     from offload.predict import predict_step
 
     return predict_step(w.model_fn(layers), lambda m: w.step_fn(m, seq), gpu="h100-sxm", strategy=strategy,
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-5), dtype=w.dtype,
+                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-5),
                         mixed_precision=w.mixed_precision)
 
 

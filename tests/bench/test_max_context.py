@@ -31,7 +31,7 @@ def _tiny() -> mc.Workload:
         tokens = torch.randint(0, 2048, (1, seq))
         return model(input_ids=tokens, labels=tokens).loss
 
-    return mc.Workload("tiny", "tiny Llama", model_fn, step_fn, None)
+    return mc.Workload("tiny", "tiny Llama", model_fn, step_fn)
 
 
 @pytest.fixture
