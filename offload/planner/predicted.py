@@ -222,8 +222,8 @@ def _lowest_verified(cost: Any, budget: int, check: Callable[[Plan], int], model
     raise OffloadError(
         f"offload.plan: budget_bytes={budget} ({format_bytes(budget)}) cannot be met on {spec.name}: the plan with the "
         f"smallest peak ({p.decisions}) is predicted at {peak} B ({format_bytes(peak)}) by predict_step, at the "
-        f"{cost.where(p.decisions)} by the cost model (its bound: {format_bytes(p.predicted_peak_bytes)}). Raise "
-        f"budget_bytes to at least {peak}, or {refusal_hint(cost, cost.where(p.decisions))}. "
+        f"{p.binding} by the cost model (its bound: {format_bytes(p.predicted_peak_bytes)}). Raise "
+        f"budget_bytes to at least {peak}, or {refusal_hint(cost, p.binding)}. "
         f"(PREDICTED for target={spec.name!r}: {spec.describe()})")
 
 
