@@ -159,6 +159,8 @@ class _Backward:
             self._sched.consumed(entry)
             if p is not None:
                 self._load_ahead(h, p)  # the reloads after it start now, as after any unpack
+            if hc.gathered is not None:  # the gathered elements, dense: back into the view's size and stride
+                return _scattered(h.layout, src)
             return src  # (entry.src may be None by now: loading ahead polls the stash, which releases it)
         if hc.held is None and hc.prefetched is None:  # a new load (a peek: _device_bytes locks)
             base, copy = self._load(hc, h.rec)
@@ -242,6 +244,10 @@ class _Backward:
         """The saved tensor again, from the reloaded base: original size, stride and offset (Rule 5)."""
         shape, stride, offset, dtype, device, conj, neg = h.layout
         es = dtype.itemsize
+        if hc.gathered is not None:  # the view's elements, dense: scattered back into its size and stride
+            if copy.stream is not None:  # Rule 4: the reloaded base is read on the current stream
+                self._backend.record_consumer(base, copy, "record_stream")
+            return _scattered(h.layout, base.view(dtype).as_strided(shape, hc.gathered[1]))
         if hc.users > 1 and hc.nbytes % es == 0:
             # Views of one base share its version counter, so an in-place
             # write through one reloaded tensor is seen by the others (Rule 6).
@@ -327,3 +333,12 @@ class _Backward:
             for ts in list(self._threads):
                 self._compact(ts.order)
         self.close_step()
+
+
+def _scattered(layout: tuple, dense: torch.Tensor) -> torch.Tensor:
+    """A new tensor of ``layout``'s size and stride (Rule 5: what torch.compile's backward asserts) holding
+    ``dense``'s elements: a gathered copy's view again, on the current stream."""
+    shape, stride, _, dtype, device = layout[:5]
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    out.copy_(dense)
+    return out

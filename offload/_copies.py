@@ -75,8 +75,19 @@ class _Copies:
         copy is done (Rule 2)."""
         whole = rec.storage_nbytes
         whole_t = contiguous and lo_b == 0 and hi_b == whole and not lazy_bits  # t is its storage
-        if 2 * (hi_b - lo_b) >= whole:  # most of it: copy all, so sibling views (q, k, v) share it (Rule 7)
-            lo_b, hi_b = 0, whole
+        gathered = None
+        if 2 * rec.nbytes < hi_b - lo_b and not lazy_bits:
+            # A view spread over more than twice its bytes (v of a fused qkv, a strided slice): only its
+            # elements cross the link, gathered densely in its stride order on the compute stream (Rule 5's
+            # exception); unpack scatters them back into a tensor of its size and stride.
+            dense = torch.empty_like(t)
+            dense.copy_(_saved_alias(t))
+            gathered, source = ((t.storage_offset(), rec.shape, t.stride()), dense.stride()), dense
+            lo_b, hi_b, whole_t = 0, rec.nbytes, False
+        else:
+            source = t
+            if 2 * (hi_b - lo_b) >= whole:  # most of it: copy all, so sibling views (q, k, v) share it (Rule 7)
+                lo_b, hi_b = 0, whole
         nbytes = hi_b - lo_b
         tiers = self.tiers
         buf, tier, note = tiers.take(nbytes, rec.module)  # where the bytes go (Rule 9)
@@ -87,14 +98,15 @@ class _Copies:
         synchronous = backend.name == "sync"  # (never in flight when its handle dies: no release)
         hc = _HostCopy(buf, tiers.give_pool if tier == "pool" else tiers.give, lo_b, nbytes, tier, version,
                        base, synchronous, None if synchronous else backend.release_after)
+        hc.gathered = gathered
         if self._verify:  # on the compute stream, after the producer (NOTE [ Verified offload ])
-            hc.checksum = _verify.span_checksum(t.untyped_storage(), lo_b, nbytes, device)
+            hc.checksum = _verify.span_checksum(source.untyped_storage(), lo_b, nbytes, device)
         # A whole tensor goes into a typed view of the buffer (the one made for this range last
         # step comes back with it when the pool replays the step); anything else as bytes.
         dst = buf.cache if whole_t else None
         if whole_t and (dst is None or dst.dtype is not dtype or dst.shape != rec.shape):
             dst = _typed_view(buf, dtype, rec.shape)
-        src, dst = (t, dst) if dst is not None else _byte_view(t, buf, lo_b, nbytes, device)
+        src, dst = (t, dst) if dst is not None else _byte_view(source, buf, lo_b, nbytes, device)
         if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::d2h"):
                 copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
@@ -108,7 +120,7 @@ class _Copies:
             self.ledger.add_sync_copy(rec, "d2h", copy, nbytes)
             return hc, None
         self.ledger.add_copy_time(rec, "d2h", copy)
-        entry = hc.inflight = _StashEntry(_saved_alias(t), copy, nbytes)
+        entry = hc.inflight = _StashEntry(_saved_alias(t) if gathered is None else source, copy, nbytes)
         self._sched.push(entry)  # its source stays alive until the copy is done (NOTE [ Copy schedule ])
         return hc, entry
 

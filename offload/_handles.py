@@ -92,7 +92,8 @@ class _HostCopy:
     """
 
     __slots__ = ("buf", "give", "lo", "nbytes", "prefetched", "held", "users", "used",
-                 "version", "base_ref", "release", "synchronous", "checksum", "tier", "inflight", "__weakref__")
+                 "version", "base_ref", "release", "synchronous", "checksum", "tier", "inflight", "gathered",
+                 "__weakref__")
 
     def __init__(self, buf: "HostBuffer | DiskRecord", give: Callable[[Any], None], lo: int, nbytes: int,
                  tier: str, version: int, base: torch.Tensor, synchronous: bool,
@@ -123,6 +124,10 @@ class _HostCopy:
         # entry.src is set): a reload issued before the compute stream waited on that D2H waits
         # on it itself (NOTE [ Ordering faults ]: h2d_waits_d2h).
         self.inflight: _StashEntry | None = None
+        # A gathered copy (Rule 5's exception: a view spread over more than twice its bytes) holds only the
+        # view's elements, densely, in its stride order: (storage offset, shape, stride) of the view it
+        # holds, and the dense stride of its bytes; None for a span copy (bytes [lo, lo + nbytes)).
+        self.gathered: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], tuple[int, ...]] | None = None
 
     def __del__(self) -> None:
         try:

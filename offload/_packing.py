@@ -311,7 +311,7 @@ class _Packing:
                 rec.reason = policy.HOST_BUDGET
                 return (_saved_alias(t), version, step)
             hc, entry = made
-            if self.dedupe:
+            if self.dedupe and hc.gathered is None:  # (a gathered copy holds one view's elements: not shared)
                 self._dedupe[key] = weakref.ref(hc)
         h = _Offloaded()
         h.engine = self
@@ -320,7 +320,8 @@ class _Packing:
         hc.users += 1
         # Lazy conj/neg bits live on the view, not in the bytes (Rule 5). layout: (shape, stride,
         # offset in elements of the host copy, dtype, device, conj, neg), one tuple, not seven slots.
-        h.layout = (rec.shape, t.stride(), (lo_b - hc.lo) // es, dtype, device, conj, neg)
+        h.layout = (rec.shape, t.stride(), (lo_b - hc.lo) // es if hc.gathered is None else 0, dtype, device,
+                    conj, neg)
         # Rule 6: an empty alias sharing t's version counter, not its storage
         # (a weak reference where the tensor refuses one).
         h.version = version

@@ -25,9 +25,11 @@ the pack and unpack hooks call it, and the predictor (``offload.predict``) and t
      end, and the device never holds more before": a source may stay in flight only while the
      forward still has that many bytes to save and keep (the allocations its freed block can
      serve: the smallest of the last four steps' forwards, in the ledger's distinct saved bytes
-     less its offloaded bytes, less the largest save), and a few copies may always be in flight
-     (two of the largest size, up to four within 15% of the bytes offloaded: copies overlap compute,
-     and the last ones need not all be done by the forward's end). Blocks offloaded early (a plan's first blocks) then copy behind the
+     less its offloaded bytes, less the largest save), and the last copies may always be in flight
+     (1/8 of the bytes the forward offloads, at least two of the largest: copies overlap compute, and
+     the last ones need not all be done by the forward's end; where the forward is shorter than its
+     copies at the link's rate, they run on behind the loss and the first blocks' backward, and the
+     peak still falls by >= 7/8 of the bytes moved). Blocks offloaded early (a plan's first blocks) then copy behind the
      later blocks' compute and are released, with waits as late as that allows, before the
      forward's last allocations; a step that offloads everything releases each source as soon
      as the next copy is queued (its forward runs at the link's pace, as it must);
@@ -84,9 +86,9 @@ _FIRST_FORWARD_CAPS = (5, 1 << 30)
 """NOTE item 2: the bounds of a step with no history (copies, bytes in flight)."""
 _HISTORY = 4
 """Steps whose forwards' bytes the end-of-forward bound remembers (NOTE item 2)."""
-_WINDOW, _TAIL = 4, 0.15
-"""NOTE item 2: the copies that may always stay in flight: two of the largest size seen, up to four while
-they are within 15% of the bytes a forward offloads (so the peak still falls by >= 85% of them)."""
+_TAIL = 8
+"""NOTE item 2: the copies that may always stay in flight: 1/8 of the bytes a forward offloads (so the peak
+still falls by >= 7/8 of them), at least two of the largest size seen."""
 _READ_EVERY = 16
 """Unpacks between two reads of the allocator's statistics while reloads wait for room (NOTE item 3)."""
 _RESERVE_FRACTION = 32
@@ -206,7 +208,7 @@ class _Schedule:
             saved, moved = self.progress()
             # What the forward still saves and keeps (the allocations freed sources can serve), less
             # the largest save; at least two copies stay in flight so copies overlap compute.
-            window = max(2 * self.max_copy, min(_WINDOW * self.max_copy, int(_TAIL * min(self.moved))))
+            window = max(2 * self.max_copy, min(self.moved) // _TAIL)
             left = max(min(self.history) - (saved - moved) - self.max_save, window)
             while inflight and self.inflight_bytes > left:
                 self._release(inflight[0], wait=True)

@@ -25,7 +25,12 @@ Rule 4. Nothing the side stream writes is read by compute without an event
         into them; a consumer on another stream gets ``record_stream``.
 Rule 5. Unpack returns a tensor with the original size, stride, storage
         offset (relative to the bytes kept), dtype and device: the byte span
-        of the storage is copied, not a compacted clone.
+        of the storage is copied, not a compacted clone. A view spread over
+        more than twice its bytes (v of a fused qkv projection, a strided
+        slice) is the exception on the link only: its elements are gathered
+        densely before the copy and scattered back after the reload into a
+        new tensor of its size and stride (offset 0), so the link moves its
+        bytes, not its span's.
 Rule 6. Hooks bypass autograd's in-place check, so the engine does it: every
         handle follows its tensor's version counter through an empty tensor
         that shares the counter but not the storage (so the check works after
