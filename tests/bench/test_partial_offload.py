@@ -38,13 +38,14 @@ def test_more_blocks_offloaded_move_more_bytes_and_none_is_the_reference(small):
 
 def test_the_schedule_waits_no_longer_than_the_old_caps_and_cuts_as_much(small):
     """The engine's schedule (compute waits on a copy only as late as the memory needs) never takes longer
-    than the old caps at the same k, and its peak falls by at least as much (schedule properties of the
-    predicted timeline)."""
+    than the old caps at the same k, and its peak falls by at least as much, less the tail of copies it may
+    leave in flight at the forward's end (1/8 of the bytes offloaded: NOTE [ Copy schedule ] item 2)
+    (schedule properties of the predicted timeline)."""
     by = {(r["setting"], r["k"]): r for r in small["rows"]}
     for k in (1, 2, 6):
         new, old = by[(po.SCHEDULE, k)], by[(po.OLD_CAPS, k)]
         assert new["step_seconds"] <= old["step_seconds"] * (1 + 1e-9), (k, new, old)
-        assert new["peak_bytes"] <= old["peak_bytes"], (k, new, old)
+        assert new["peak_bytes"] <= old["peak_bytes"] + new["offloaded_bytes"] // 8, (k, new, old)
 
 
 def test_waits_buy_the_cut_and_never_raise_the_peak(small):
@@ -90,12 +91,19 @@ def test_cli_writes_predicted_files_and_refuses_bad_block_counts(tmp_path, capsy
 
 
 def test_cited_file_matches_a_fresh_prediction():
-    """The committed 8B file (docs/gpu-run.md) against a fresh run of two of its points: predictions are
-    deterministic (fake tensors, a simulated timeline), so every figure must be equal."""
+    """The committed 8B file (docs/gpu-run.md) against a fresh run of its points k = 6 and 8 (issue 40's
+    done-when): predictions are deterministic (fake tensors, a simulated timeline), so every figure must be
+    equal; and the engine's schedule puts both within 1.03x `none` with the peak down by >= 85% of the bytes
+    copied, and everything offloaded within 1.10x the link-bound time."""
     doc = json.loads(CITED.read_text())
     wl = PRESETS["8b"].replace(seq_len=doc["workload"]["seq_len"], n_layers=doc["workload"]["n_layers"])
     name = po.SCHEDULE
-    fresh = po.frontier(wl, doc["gpu"], [6], {name: po.SETTINGS[name]}, progress=False)
+    fresh = po.frontier(wl, doc["gpu"], [6, 8], {name: po.SETTINGS[name]}, progress=False)
     assert fresh["none"] == doc["none"]
-    old = next(r for r in doc["rows"] if r["setting"] == name and r["k"] == 6)
-    assert json.loads(json.dumps(fresh["rows"][0])) == old
+    for row in fresh["rows"]:
+        old = next(r for r in doc["rows"] if r["setting"] == name and r["k"] == row["k"])
+        assert json.loads(json.dumps(row)) == old
+        assert row["step_vs_none"] <= po.FRONTIER_RATIO and row["cut_of_moved"] >= po.FRONTIER_CUT, row
+    everything = next(r for r in doc["rows"] if r["setting"] == name and r["k"] == r["blocks"])
+    assert everything["step_vs_link_bound"] <= 1.10, everything
+    assert po.best_within(doc["rows"], name, cut=po.FRONTIER_CUT)["k"] >= 8
