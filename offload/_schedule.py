@@ -21,15 +21,15 @@ the pack and unpack hooks call it, and the predictor (``offload.predict``) and t
    - ``device_budget_bytes`` when set: the allocator's count plus the copy just issued stays within
      it (statistics read only when an estimate from the bytes saved since the last reading could
      cross it);
-   - else, from the second step on, "every offloaded byte is off the device by the forward's
-     end, and the device never holds more before": a source may stay in flight only while the
-     forward still has that many bytes to save and keep (the allocations its freed block can
-     serve: the smallest of the last four steps' forwards, in the ledger's distinct saved bytes
-     less its offloaded bytes, less the largest save), and the last copies may always be in flight
-     (1/8 of the bytes the forward offloads, at least two of the largest: copies overlap compute, and
-     the last ones need not all be done by the forward's end; where the forward is shorter than its
-     copies at the link's rate, they run on behind the loss and the first blocks' backward, and the
-     peak still falls by >= 7/8 of the bytes moved). Blocks offloaded early (a plan's first blocks) then copy behind the
+   - else, from the second step on, "every offloaded byte but a tail is off the device by the
+     forward's end, and the device never holds more before": the bytes in flight may exceed the tail
+     only by what the forward still saves and keeps (the allocations their freed blocks can serve:
+     the smallest of the last four steps' forwards, in the ledger's distinct saved bytes less its
+     offloaded bytes, less the largest save). The tail is 1/8 of the bytes the forward offloads, at
+     least two of the largest copies: copies overlap compute, and the last ones need not all be done
+     by the forward's end; where the forward is shorter than its copies at the link's rate, they run
+     on behind the loss and the first blocks' backward, and the peak still falls by >= 7/8 of the
+     bytes moved. Blocks offloaded early (a plan's first blocks) then copy behind the
      later blocks' compute and are released, with waits as late as that allows, before the
      forward's last allocations; a step that offloads everything releases each source as soon
      as the next copy is queued (its forward runs at the link's pace, as it must);
@@ -207,9 +207,9 @@ class _Schedule:
         elif self.history:
             saved, moved = self.progress()
             # What the forward still saves and keeps (the allocations freed sources can serve), less
-            # the largest save; at least two copies stay in flight so copies overlap compute.
+            # the largest save, plus the tail that may still be in flight when the forward ends.
             window = max(2 * self.max_copy, min(self.moved) // _TAIL)
-            left = max(min(self.history) - (saved - moved) - self.max_save, window)
+            left = max(min(self.history) - (saved - moved) - self.max_save, 0) + window
             while inflight and self.inflight_bytes > left:
                 self._release(inflight[0], wait=True)
 

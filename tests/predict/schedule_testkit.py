@@ -202,6 +202,19 @@ def _count_cap(orig: Callable) -> Callable:
     return bound
 
 
+def _tail_or_remaining(orig: Callable) -> Callable:
+    def bound(self, upcoming):  # the schedule before: in flight up to the larger of the two, not their sum
+        if self.budget is None and self.history and self.inflight and not (self.max_count or self.max_bytes):
+            saved, moved = self.progress()
+            window = max(2 * self.max_copy, min(self.moved) // 8)
+            left = max(min(self.history) - (saved - moved) - self.max_save, window)
+            while self.inflight and self.inflight_bytes > left:
+                self._release(self.inflight[0], wait=True)
+            return None
+        return orig(self, upcoming)
+    return bound
+
+
 def _window_of_two_copies(orig: Callable) -> Callable:
     return lambda self, p, nbytes: p.prefetched_bytes + nbytes <= 2 * self.max_copy
 
@@ -224,6 +237,7 @@ def mutant(name: str) -> contextlib.AbstractContextManager:
         "compute_waits_to_honour_a_count": [(sched, "_bound", _count_cap)],
         "kept_pack_does_not_poll": [(sched, "kept", _no_poll)],
         "reloads_windowed_by_two_copies": [(sched, "_room", _window_of_two_copies)],
+        "tail_or_remaining_forward": [(sched, "_bound", _tail_or_remaining)],
     }[name]
     for obj, attr, fn in patches:
         stack.enter_context(_patched(obj, attr, fn))
@@ -233,7 +247,7 @@ def mutant(name: str) -> contextlib.AbstractContextManager:
 MUTANTS = ("no_prefetch_in_backward", "sync_after_each_offload", "both_directions_one_stream",
            "reload_waited_at_issue", "offload_waited_at_pack", "per_tensor_pinned_allocation",
            "stash_released_at_forward_end", "kept_unpack_issues_no_reload", "compute_waits_to_honour_a_count",
-           "kept_pack_does_not_poll", "reloads_windowed_by_two_copies")
+           "kept_pack_does_not_poll", "reloads_windowed_by_two_copies", "tail_or_remaining_forward")
 
 
 # -- the independent reference schedule (the scarce-bandwidth bound) ----------------------------
@@ -401,9 +415,23 @@ NEVER_WAIT = 1 << 40
 """A ``device_budget_bytes`` no step reaches: compute may then never wait on a copy (NOTE item 2)."""
 
 
+TAIL_PAIRS, TAIL_KEPT = 64, 8
+"""The tail captures: a model of 72 Linear + ReLU pairs whose first 64 pairs are offloaded, the last 8 kept."""
+TAIL_LINK = gpu_at(0.4 * NEED)
+"""A link at which the offloaded region's copies outlast the forward, by less than 1/8 of them."""
+
+
+def forward_ns(res: TimelineResult) -> int:
+    """When the step's first backward kernel started: the forward's length on the timeline."""
+    sim = res._sim
+    return min(sim.start[i] for i, it in enumerate(res.trace.items) if type(it) is Kernel and it.phase == "backward")
+
+
 def schedule_captures() -> dict[str, Trace]:
     """The traces the schedule properties read (the engine's own schedule: no caps)."""
-    return {"no_wait": capture(True, gpu=POLLED, region=REGION, n_layers=REGION_LAYERS,
+    return {"tail": capture(True, gpu=TAIL_LINK, region=2 * TAIL_PAIRS, n_layers=TAIL_PAIRS + TAIL_KEPT),
+            "tail_none": capture(False, n_layers=TAIL_PAIRS + TAIL_KEPT),
+            "no_wait": capture(True, gpu=POLLED, region=REGION, n_layers=REGION_LAYERS,
                                device_budget_bytes=NEVER_WAIT),
             "at_once": capture(True, gpu=POLLED, region=REGION, n_layers=REGION_LAYERS, max_fwd_stash_size=1,
                                max_inflight_bytes=1),
@@ -450,6 +478,19 @@ def schedule_violations(traces: dict[str, Trace]) -> dict[str, str]:
     if polled > at_once:
         out["a finished copy's source is freed at the next pack"] = (
             f"forward holds {polled} B, {polled - at_once} B more than releasing at once")
+    tail, res, ref = traces["tail"], run(traces["tail"], TAIL_LINK), run(traces["tail_none"], TAIL_LINK)
+    moved, rate = offloaded_bytes(tail), TAIL_LINK.d2h_bytes_per_s
+    d2h_ns = sum(res._sim.end[i] - res._sim.start[i] for i, it in enumerate(tail.items)
+                 if type(it) is Copy and it.direction == "d2h")
+    overrun = max(0, d2h_ns - forward_ns(ref) - round(moved / 8 / rate * 1e9))
+    waited = sum(st.ns for st in res.stalls if st.cause == "wait on a free")
+    if waited > overrun + 2 * round(ACT_BYTES / rate * 1e9):
+        out["the tail hides the copies' overrun"] = (
+            f"compute waited {waited} ns on D2H copies; they outlast the forward by {overrun} ns beyond the tail")
+    peak = forward_peak_bytes(res)
+    bound = forward_peak_bytes(ref) - moved + moved // 8 + 2 * ACT_BYTES
+    if peak > bound:
+        out["the forward ends with no more than the tail in flight"] = f"{peak} B > {bound} B"
     exposed = reload_exposure_ns(run(region, OVERLAP))
     total = sum(1 for it in region.items if type(it) is Copy and it.direction == "h2d")
     if exposed or got < total:
