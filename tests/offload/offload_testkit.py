@@ -191,6 +191,26 @@ def assert_reconciles(s: dict) -> None:
     assert sum(s["kept_count_by_reason"].values()) == s["kept_count"], s
 
 
+class SaveView(torch.autograd.Function):
+    """y = 3x; saves ``make_view(x)`` and reports what backward gets back for it."""
+
+    @staticmethod
+    def forward(ctx, x, make_view, seen):
+        v = make_view(x)
+        ctx.save_for_backward(v)
+        ctx.seen = seen
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (v,) = ctx.saved_tensors
+        ctx.seen.append(
+            dict(size=v.size(), stride=v.stride(), dtype=v.dtype, device=v.device, value=v.detach().clone(),
+                 offset=v.storage_offset(), ptr=v.data_ptr())
+        )
+        return g * 3 + v.sum(), None, None
+
+
 class Recorder:
     """Observer that keeps (tensor id, shape, record) for every pack of one engine.
 

@@ -11,24 +11,7 @@ import torch
 
 from offload._spans import byte_span
 from offload.testing import EmulatedAccelerator
-from offload_testkit import Recorder, assert_same_grads, cpu_ctx, twin_of
-
-
-class _SaveView(torch.autograd.Function):
-    """y = 3x; saves ``make_view(x)``; backward records the saved view's layout and uses its values."""
-
-    @staticmethod
-    def forward(ctx, x, make_view, seen):
-        v = make_view(x)
-        ctx.save_for_backward(v)
-        ctx.seen = seen
-        return x * 3
-
-    @staticmethod
-    def backward(ctx, g):
-        (v,) = ctx.saved_tensors
-        ctx.seen.append((v.size(), v.stride(), v.detach().clone()))
-        return g * 3 + v.sum(), None, None
+from offload_testkit import Recorder, SaveView, assert_same_grads, cpu_ctx, twin_of
 
 
 def _fused_v(x: torch.Tensor) -> torch.Tensor:
@@ -63,18 +46,18 @@ def test_spread_view_moves_its_bytes_and_keeps_its_layout(name, dtype):
     ctx.add_observer(rec)
     seen: list = []
     with ctx:
-        y = _SaveView.apply(x, make_view, seen)
+        y = SaveView.apply(x, make_view, seen)
     y.sum().backward()
-    ((got_size, got_stride, got_value),) = seen
-    assert (got_size, got_stride) == (size, stride), f"{name}: came back as {got_size}/{got_stride}"
-    assert torch.equal(got_value, value), f"{name}: values changed on the round trip"
+    (got,) = seen
+    assert (got["size"], got["stride"]) == (size, stride), f"{name}: came back as {got['size']}/{got['stride']}"
+    assert torch.equal(got["value"], value), f"{name}: values changed on the round trip"
     (r,) = [r for r in rec.records if r.decision == "offloaded"]
     if 2 * nbytes < hi - lo:
         assert r.copy_bytes == nbytes, f"{name}: {r.copy_bytes} bytes copied for a {nbytes}-byte view"
     else:
         assert r.copy_bytes >= hi - lo, f"{name}: {r.copy_bytes} bytes copied, span {hi - lo}"
     x2 = base.clone().requires_grad_()
-    _SaveView.apply(x2, make_view, []).sum().backward()
+    SaveView.apply(x2, make_view, []).sum().backward()
     assert torch.equal(x.grad, x2.grad)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from offload_testkit import (
     Recorder,
+    SaveView,
     assert_really_offloaded,
     assert_same_grads,
     compiled_toy_reference,
@@ -22,26 +23,6 @@ from offload_testkit import (
     loss_of,
     twin_of,
 )
-
-
-class _SaveView(torch.autograd.Function):
-    """y = 3x; saves ``make_view(x)`` and reports what backward gets back for it."""
-
-    @staticmethod
-    def forward(ctx, x, make_view, seen):
-        v = make_view(x)
-        ctx.save_for_backward(v)
-        ctx.seen = seen
-        return x * 3
-
-    @staticmethod
-    def backward(ctx, g):
-        (v,) = ctx.saved_tensors
-        ctx.seen.append(
-            dict(size=v.size(), stride=v.stride(), dtype=v.dtype, device=v.device, value=v.detach().clone(),
-                 offset=v.storage_offset(), ptr=v.data_ptr())
-        )
-        return g * 3 + v.sum(), None, None
 
 
 VIEWS = {
@@ -73,7 +54,7 @@ def test_saved_view_round_trips_with_its_layout(name, dtype):
     ctx.add_observer(rec)
     seen: list[dict] = []
     with ctx:
-        y = _SaveView.apply(x, make_view, seen)
+        y = SaveView.apply(x, make_view, seen)
     y.sum().backward()
 
     (s,) = seen
@@ -86,7 +67,7 @@ def test_saved_view_round_trips_with_its_layout(name, dtype):
         assert s["ptr"] != expect.data_ptr(), f"{name}: offloaded but backward read the original memory"
     # The grad is the twin's, bit for bit.
     x2 = base.clone().requires_grad_()
-    _SaveView.apply(x2, make_view, []).sum().backward()
+    SaveView.apply(x2, make_view, []).sum().backward()
     assert torch.equal(x.grad, x2.grad)
 
 
