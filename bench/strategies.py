@@ -230,7 +230,7 @@ def offload_verify(env: BenchEnv) -> Prepared:
 
 PART_FRACTION = 3 / 16
 """``offload_part*`` offload the first ``max(1, round(PART_FRACTION x blocks))`` blocks (6 of 8B's 32): inside
-the predicted frontier on an H200 (6 blocks at 1.001x ``none``, 8 at 1.014x: the most within 1.03x;
+the predicted frontier on an H200 (6 blocks at 1.001x ``none``, 8 at 1.019x: the most within 1.03x;
 ``bench/results/predicted/partial_offload_8b_L32_s4096_h200.md``), with the GPU run's sweep measuring 8 and 10."""
 
 

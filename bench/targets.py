@@ -23,7 +23,7 @@ bytes over the link before the step's peak (at 8B width, 4096 tokens on an H200,
 21-25% can; ``python -m bench.partial_offload`` predicts the frontier for a card,
 ``bench/results/predicted/partial_offload_8b_L32_s4096_h200.md``). The bench's
 ``offload_part`` offloads the first 3/16 of the blocks, inside that frontier on the h200 spec
-(8 of 32 blocks, predicted 1.014x), and everything offloaded is judged against the time its copies need.
+(8 of 32 blocks, predicted 1.019x), and everything offloaded is judged against the time its copies need.
 """
 
 from __future__ import annotations

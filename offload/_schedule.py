@@ -25,11 +25,13 @@ the pack and unpack hooks call it, and the predictor (``offload.predict``) and t
      forward's end, and the device never holds more before": the bytes in flight may exceed the tail
      only by what the forward still saves and keeps (the allocations their freed blocks can serve:
      the smallest of the last four steps' forwards, in the ledger's distinct saved bytes less its
-     offloaded bytes, less the largest save). The tail is 1/8 of the bytes the forward offloads, at
-     least two of the largest copies: copies overlap compute, and the last ones need not all be done
-     by the forward's end; where the forward is shorter than its copies at the link's rate, they run
-     on behind the loss and the first blocks' backward, and the peak still falls by >= 7/8 of the
-     bytes moved. Blocks offloaded early (a plan's first blocks) then copy behind the
+     offloaded bytes, less the largest save). The tail is up to eight of the largest copies within
+     1/8 of the bytes the forward offloads, at least two: copies overlap compute, and the last ones
+     need not all be done by the forward's end; where the forward is shorter than its copies at the
+     link's rate, they run on behind the loss and the first blocks' backward, and the peak still falls
+     by >= 7/8 of the bytes moved. (Eight copies, not the whole 1/8: where everything is offloaded
+     the link is behind all forward long and the whole 1/8 would stay in flight, a larger peak for a
+     few percent of step time.) Blocks offloaded early (a plan's first blocks) then copy behind the
      later blocks' compute and are released, with waits as late as that allows, before the
      forward's last allocations; a step that offloads everything releases each source as soon
      as the next copy is queued (its forward runs at the link's pace, as it must);
@@ -86,9 +88,9 @@ _FIRST_FORWARD_CAPS = (5, 1 << 30)
 """NOTE item 2: the bounds of a step with no history (copies, bytes in flight)."""
 _HISTORY = 4
 """Steps whose forwards' bytes the end-of-forward bound remembers (NOTE item 2)."""
-_TAIL = 8
-"""NOTE item 2: the copies that may always stay in flight: 1/8 of the bytes a forward offloads (so the peak
-still falls by >= 7/8 of them), at least two of the largest size seen."""
+_WINDOW, _TAIL = 8, 8
+"""NOTE item 2: the copies that may stay in flight when the forward ends: up to eight of the largest size seen
+within 1/8 of the bytes a forward offloads (so the peak still falls by >= 7/8 of them), at least two."""
 _READ_EVERY = 16
 """Unpacks between two reads of the allocator's statistics while reloads wait for room (NOTE item 3)."""
 _RESERVE_FRACTION = 32
@@ -208,7 +210,7 @@ class _Schedule:
             saved, moved = self.progress()
             # What the forward still saves and keeps (the allocations freed sources can serve), less
             # the largest save, plus the tail that may still be in flight when the forward ends.
-            window = max(2 * self.max_copy, min(self.moved) // _TAIL)
+            window = max(2 * self.max_copy, min(_WINDOW * self.max_copy, min(self.moved) // _TAIL))
             left = max(min(self.history) - (saved - moved) - self.max_save, 0) + window
             while inflight and self.inflight_bytes > left:
                 self._release(inflight[0], wait=True)

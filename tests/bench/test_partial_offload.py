@@ -39,7 +39,7 @@ def test_more_blocks_offloaded_move_more_bytes_and_none_is_the_reference(small):
 def test_the_schedule_waits_no_longer_than_the_old_caps_and_cuts_as_much(small):
     """The engine's schedule (compute waits on a copy only as late as the memory needs) never takes longer
     than the old caps at the same k, and its peak falls by at least as much, less the tail of copies it may
-    leave in flight at the forward's end (1/8 of the bytes offloaded: NOTE [ Copy schedule ] item 2)
+    leave in flight at the forward's end (at most 1/8 of the bytes offloaded: NOTE [ Copy schedule ] item 2)
     (schedule properties of the predicted timeline)."""
     by = {(r["setting"], r["k"]): r for r in small["rows"]}
     for k in (1, 2, 6):

@@ -206,7 +206,7 @@ def _tail_or_remaining(orig: Callable) -> Callable:
     def bound(self, upcoming):  # the schedule before: in flight up to the larger of the two, not their sum
         if self.budget is None and self.history and self.inflight and not (self.max_count or self.max_bytes):
             saved, moved = self.progress()
-            window = max(2 * self.max_copy, min(self.moved) // 8)
+            window = max(2 * self.max_copy, min(8 * self.max_copy, min(self.moved) // 8))
             left = max(min(self.history) - (saved - moved) - self.max_save, window)
             while self.inflight and self.inflight_bytes > left:
                 self._release(self.inflight[0], wait=True)
@@ -418,7 +418,7 @@ NEVER_WAIT = 1 << 40
 TAIL_PAIRS, TAIL_KEPT = 64, 8
 """The tail captures: a model of 72 Linear + ReLU pairs whose first 64 pairs are offloaded, the last 8 kept."""
 TAIL_LINK = gpu_at(0.4 * NEED)
-"""A link at which the offloaded region's copies outlast the forward, by less than 1/8 of them."""
+"""A link at which the offloaded region's copies outlast the forward, by less than the tail (eight copies)."""
 
 
 def forward_ns(res: TimelineResult) -> int:
@@ -482,13 +482,14 @@ def schedule_violations(traces: dict[str, Trace]) -> dict[str, str]:
     moved, rate = offloaded_bytes(tail), TAIL_LINK.d2h_bytes_per_s
     d2h_ns = sum(res._sim.end[i] - res._sim.start[i] for i, it in enumerate(tail.items)
                  if type(it) is Copy and it.direction == "d2h")
-    overrun = max(0, d2h_ns - forward_ns(ref) - round(moved / 8 / rate * 1e9))
+    tail_bytes = min(8 * ACT_BYTES, moved // 8)  # NOTE [ Copy schedule ] item 2 (the largest copy: one activation)
+    overrun = max(0, d2h_ns - forward_ns(ref) - round(tail_bytes / rate * 1e9))
     waited = sum(st.ns for st in res.stalls if st.cause == "wait on a free")
     if waited > overrun + 2 * round(ACT_BYTES / rate * 1e9):
         out["the tail hides the copies' overrun"] = (
             f"compute waited {waited} ns on D2H copies; they outlast the forward by {overrun} ns beyond the tail")
     peak = forward_peak_bytes(res)
-    bound = forward_peak_bytes(ref) - moved + moved // 8 + 2 * ACT_BYTES
+    bound = forward_peak_bytes(ref) - moved + tail_bytes + 2 * ACT_BYTES
     if peak > bound:
         out["the forward ends with no more than the tail in flight"] = f"{peak} B > {bound} B"
     exposed = reload_exposure_ns(run(region, OVERLAP))

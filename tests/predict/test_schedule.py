@@ -140,7 +140,7 @@ def test_a_finished_copys_source_is_freed_at_the_next_pack(sched):
 
 def test_the_tail_hides_the_copies_overrun(sched):
     """Where the offloaded region's copies outlast the forward (the link slower than its compute), compute waits
-    on them only for what runs past the forward's end beyond the tail (1/8 of the bytes offloaded: NOTE
+    on them only for what runs past the forward's end beyond the tail (up to eight of the largest copies within 1/8 of the bytes offloaded: NOTE
     [ Copy schedule ] item 2), give or take two copies; and the forward ends with no more than that tail in
     flight beyond the no-offload peak less the bytes moved."""
     assert "the tail hides the copies' overrun" not in schedule_violations(sched)
