@@ -10,7 +10,9 @@ copied, and equals what the host pool received. They differ because the
 engine copies the storage span a view can touch (the whole storage when the
 view covers at least half of it, so sibling views such as q, k, v of one
 fused projection share one copy); later saves of that storage are kept with
-reason ``duplicate_storage`` and move nothing.
+reason ``duplicate_storage`` and move nothing. A view spread over more than
+twice its bytes (v alone of a fused projection) moves only its own bytes
+(Rule 5 in ``offload/engine.py``).
 
 NOTE [ Ledger logs ]
 The pack hook runs once per saved tensor on the thread that launches kernels,
