@@ -247,7 +247,7 @@ class _Backward:
         if hc.gathered is not None:  # the view's elements, dense: scattered back into its size and stride
             if copy.stream is not None:  # Rule 4: the reloaded base is read on the current stream
                 self._backend.record_consumer(base, copy, "record_stream")
-            return _scattered(h.layout, base.view(dtype).as_strided(shape, hc.gathered[1]))
+            return _scattered(h.layout, base.view(dtype).as_strided(shape, hc.gathered))
         if hc.users > 1 and hc.nbytes % es == 0:
             # Views of one base share its version counter, so an in-place
             # write through one reloaded tensor is seen by the others (Rule 6).

@@ -80,10 +80,10 @@ class _Copies:
             # A view spread over more than twice its bytes (v of a fused qkv, a strided slice): only its
             # elements cross the link, gathered densely in its stride order on the compute stream (Rule 5's
             # exception); unpack scatters them back into a tensor of its size and stride.
-            dense = torch.empty_like(t)
-            dense.copy_(_saved_alias(t))
-            gathered, source = ((t.storage_offset(), rec.shape, t.stride()), dense.stride()), dense
-            lo_b, hi_b, whole_t = 0, rec.nbytes, False
+            # (Never ``whole_t``: that tensor's bytes are its span.)
+            source = torch.empty_like(t)
+            source.copy_(_saved_alias(t))
+            gathered, lo_b, hi_b = source.stride(), 0, rec.nbytes
         else:
             source = t
             if 2 * (hi_b - lo_b) >= whole:  # most of it: copy all, so sibling views (q, k, v) share it (Rule 7)

@@ -125,9 +125,9 @@ class _HostCopy:
         # on it itself (NOTE [ Ordering faults ]: h2d_waits_d2h).
         self.inflight: _StashEntry | None = None
         # A gathered copy (Rule 5's exception: a view spread over more than twice its bytes) holds only the
-        # view's elements, densely, in its stride order: (storage offset, shape, stride) of the view it
-        # holds, and the dense stride of its bytes; None for a span copy (bytes [lo, lo + nbytes)).
-        self.gathered: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], tuple[int, ...]] | None = None
+        # view's elements, densely, in its stride order: the stride of those bytes (the view's own size and
+        # stride are its handle's layout); None for a span copy (bytes [lo, lo + nbytes)).
+        self.gathered: tuple[int, ...] | None = None
 
     def __del__(self) -> None:
         try:

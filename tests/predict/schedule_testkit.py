@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload import OffloadActivations
+from offload import OffloadActivations, _schedule
 from offload.predict import GPUS
 from offload.predict._cost import HostCost
 from offload.predict._record import Recorder
@@ -206,7 +206,8 @@ def _tail_or_remaining(orig: Callable) -> Callable:
     def bound(self, upcoming):  # the schedule before: in flight up to the larger of the two, not their sum
         if self.budget is None and self.history and self.inflight and not (self.max_count or self.max_bytes):
             saved, moved = self.progress()
-            window = max(2 * self.max_copy, min(8 * self.max_copy, min(self.moved) // 8))
+            tail = min(_schedule._WINDOW * self.max_copy, min(self.moved) // _schedule._TAIL)
+            window = max(2 * self.max_copy, tail)
             left = max(min(self.history) - (saved - moved) - self.max_save, window)
             while self.inflight and self.inflight_bytes > left:
                 self._release(self.inflight[0], wait=True)
@@ -221,7 +222,7 @@ def _window_of_two_copies(orig: Callable) -> Callable:
 
 def mutant(name: str) -> contextlib.AbstractContextManager:
     """The engine with one schedule bug (the issue's list, plus the D2H twin of an early wait)."""
-    from offload import _backward, _copies, _schedule, engine, pool, streams
+    from offload import _backward, _copies, engine, pool, streams
     stack = contextlib.ExitStack()
     sched = _schedule._Schedule
     patches = {
@@ -482,7 +483,8 @@ def schedule_violations(traces: dict[str, Trace]) -> dict[str, str]:
     moved, rate = offloaded_bytes(tail), TAIL_LINK.d2h_bytes_per_s
     d2h_ns = sum(res._sim.end[i] - res._sim.start[i] for i, it in enumerate(tail.items)
                  if type(it) is Copy and it.direction == "d2h")
-    tail_bytes = min(8 * ACT_BYTES, moved // 8)  # NOTE [ Copy schedule ] item 2 (the largest copy: one activation)
+    # NOTE [ Copy schedule ] item 2 (the largest copy: one activation)
+    tail_bytes = min(_schedule._WINDOW * ACT_BYTES, moved // _schedule._TAIL)
     overrun = max(0, d2h_ns - forward_ns(ref) - round(tail_bytes / rate * 1e9))
     waited = sum(st.ns for st in res.stalls if st.cause == "wait on a free")
     if waited > overrun + 2 * round(ACT_BYTES / rate * 1e9):
