@@ -301,11 +301,16 @@ def _tracked_call(self: nn.Module, *args, **kwargs):
         _name_outermost(self)
     stack.append(self)
     try:
-        out = _call(self, *args, **kwargs)
+        # (No **kwargs when there are none: unpacking an empty dict into the call costs ~40 ns.)
+        out = _call(self, *args, **kwargs) if kwargs else _call(self, *args)
     finally:
         # Back to this call's entry, also when an inner call raised (or its entry
-        # is gone: the scope closed meanwhile and the stack was dropped).
-        if len(stack) > i and stack[i] is self:
+        # is gone: the scope closed meanwhile and the stack was dropped). Most
+        # often this call is on top: one pop, not a slice deletion.
+        n = len(stack)
+        if n == i + 1 and stack[i] is self:
+            stack.pop()
+        elif n > i and stack[i] is self:
             del stack[i:]
     if not i and OUTPUT_OBSERVERS:
         for observe in OUTPUT_OBSERVERS:
