@@ -88,9 +88,11 @@ on the Python keep path in two runs (bench/results/cpu/hook_cost.json, ours_keep
 per pack in 4.9 us; its "before": 31,754 in 10.9 us): the assumption is the slower end."""
 _PACK_IR, _UNPACK_IR = 67_639, 39_860
 """Instructions per offloading pack / per reloading unpack of the engine's hooks:
-bench/results/cpu/hook_cost.json (commit 99b153a, ``python -m bench.hook_cost --rounds 20``),
+bench/results/cpu/hook_cost.json as committed at 99b153a (``python -m bench.hook_cost --rounds 20``),
 ``instructions.variants.ours_offload`` (the Python hook; the C++ hook's offload path,
-``ours_offload_native``, is 66,144 / 40,510); callgrind counts, deterministic within ~0.1%."""
+``ours_offload_native``, is 66,144 / 40,510); callgrind counts, deterministic within ~0.1%. The file
+regenerated at 72d0367 reads 67,875 / 42,219 (C++: 66,476 / 42,930): within 6 %, so the predicted
+files keep these (a re-fit moves a predicted step only where the host is its critical path)."""
 HOOK_COST = {"pack hook": _PACK_IR / _HOST_IPS, "unpack hook": _UNPACK_IR / _HOST_IPS}
 """Host seconds per engine hook call (offload path), from the instruction counts above."""
 
