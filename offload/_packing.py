@@ -178,15 +178,7 @@ class _Packing:
         # -- record
         ledger._open_used = True
         if spanned:
-            # _record_span's first case, inlined (most saves): a storage not seen this step, or seen
-            # through a saver now dead (its address reused).
-            seen = self._seen.entries
-            entry = seen.get(key)
-            if ptr and hi_b > lo_b and (entry is None or (type(entry) is tuple and entry[0]() is None)):
-                seen[key] = (weakref.ref(t if base is None else base), lo_b, hi_b)
-                ledger.unique_log.append(hi_b - lo_b)
-            else:
-                self._record_span(t, base, key, lo_b, hi_b)
+            self._record_span(t, base, key, lo_b, hi_b)
         if _observer_count[0] and (self._observers or _tls.__dict__.get("observers")):
             self._record_observed(t, rec)
         else:
