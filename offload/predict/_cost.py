@@ -83,16 +83,15 @@ def device_seconds(item: Item, gpu: GPUSpec) -> float:
 
 _HOST_IPS = 3e9
 """Assumption: a host core retires ~3e9 instructions/s in the engine's Python hooks (~3 GHz at
-~1 instruction per cycle). A 2-core machine shared with other jobs measured 2.9 and 6.6 instructions/ns
-on the Python keep path in two runs (bench/results/cpu/hook_cost.json, ours_keep: 32,084 instructions
-per pack in 4.9 us; its "before": 31,754 in 10.9 us): the assumption is the slower end."""
-_PACK_IR, _UNPACK_IR = 67_639, 39_860
+~1 instruction per cycle). This project's 2-core machine measured 2.9 to 7.8 instructions/ns on the
+Python keep path over three runs (bench/results/cpu/hook_cost.json at 7b6d721, ours_keep: 32,251
+instructions per pack in 4.1 us, idle; at 99b153a, shared with other jobs: 32,084 in 4.9 us, and its
+"before" 31,754 in 10.9 us): the assumption is the slower end."""
+_PACK_IR, _UNPACK_IR = 68_433, 42_235
 """Instructions per offloading pack / per reloading unpack of the engine's hooks:
-bench/results/cpu/hook_cost.json as committed at 99b153a (``python -m bench.hook_cost --rounds 20``),
+bench/results/cpu/hook_cost.json (commit 7b6d721, ``python -m bench.hook_cost --rounds 20``),
 ``instructions.variants.ours_offload`` (the Python hook; the C++ hook's offload path,
-``ours_offload_native``, is 66,144 / 40,510); callgrind counts, deterministic within ~0.1%. The file
-regenerated at 72d0367 reads 67,875 / 42,219 (C++: 66,476 / 42,930): within 6 %, so the predicted
-files keep these (a re-fit moves a predicted step only where the host is its critical path)."""
+``ours_offload_native``, is 67,055 / 42,922); callgrind counts, deterministic within ~0.1%."""
 HOOK_COST = {"pack hook": _PACK_IR / _HOST_IPS, "unpack hook": _UNPACK_IR / _HOST_IPS}
 """Host seconds per engine hook call (offload path), from the instruction counts above."""
 
