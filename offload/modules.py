@@ -308,10 +308,11 @@ def _tracked_call(self: nn.Module, *args, **kwargs):
         # is gone: the scope closed meanwhile and the stack was dropped). Most
         # often this call is on top: one pop, not a slice deletion.
         n = len(stack)
-        if n == i + 1 and stack[i] is self:
-            stack.pop()
-        elif n > i and stack[i] is self:
-            del stack[i:]
+        if n > i and stack[i] is self:
+            if n == i + 1:
+                stack.pop()
+            else:
+                del stack[i:]
     if not i and OUTPUT_OBSERVERS:
         for observe in OUTPUT_OBSERVERS:
             observe(self, out)
