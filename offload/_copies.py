@@ -44,13 +44,14 @@ def _byte_view(t: torch.Tensor, buf: Any, lo: int, nbytes: int,
 
 
 def _typed_view(buf: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """``buf`` as a ``dtype`` tensor of ``shape``, kept as ``buf.cache`` (the pool hands it back with the
-    range when it replays the step); None where a dtype view refuses."""
+    """``buf`` as a ``dtype`` tensor of ``shape`` (None where a dtype view refuses), kept in ``buf.cache``
+    as ``(dtype, shape, view)``: the pool hands it back with the range when it replays the step, and
+    ``_copy_out`` uses it again while the dtype and shape are the same."""
     try:
         dst = buf.tensor.view(dtype).view(shape)
     except RuntimeError:
         dst = None
-    buf.cache = dst
+    buf.cache = (dtype, shape, dst)
     return dst
 
 
@@ -103,9 +104,11 @@ class _Copies:
             hc.checksum = _verify.span_checksum(source.untyped_storage(), lo_b, nbytes, device)
         # A whole tensor goes into a typed view of the buffer (the one made for this range last
         # step comes back with it when the pool replays the step); anything else as bytes.
-        dst = buf.cache if whole_t else None
-        if whole_t and (dst is None or dst.dtype is not dtype or dst.shape != rec.shape):
-            dst = _typed_view(buf, dtype, rec.shape)
+        cached = buf.cache if whole_t else None
+        if cached is not None and cached[0] is dtype and cached[1] == rec.shape:
+            dst = cached[2]
+        else:
+            dst = _typed_view(buf, dtype, rec.shape) if whole_t else None
         src, dst = (t, dst) if dst is not None else _byte_view(source, buf, lo_b, nbytes, device)
         if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::d2h"):

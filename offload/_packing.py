@@ -6,7 +6,8 @@ asks ``policy.classify`` (the one Python statement of the rules), then acts
 its storage was copied already this step, Rule 7, else a new copy through
 ``_Copies._copy_out``) and records the decision in the ledger's logs (NOTE
 [ Ledger logs ]) and for the observers. ``offload/_native/pack.cpp`` restates
-the keep path in C++ (``native_hooks=True``); ``tests/offload/test_native.py``
+the keep path in C++ (``native_hooks``), and for an offload candidate makes the
+same ``_offload`` / ``_log_offload`` calls with the facts it read; ``tests/offload/test_native.py``
 compares the two record by record. A mixin of ``OffloadActivations``.
 """
 
@@ -286,15 +287,21 @@ class _Packing:
 
     def _offload(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int], ts: "_ThreadState",
                  step: _Step, dtype: torch.dtype, device: torch.device, base: torch.Tensor | None, es: int,
-                 contiguous: bool, lo_b: int, hi_b: int) -> Any:
+                 contiguous: bool, lo_b: int, hi_b: int, read: tuple[Any, int, bool, bool] | None = None) -> Any:
         """The handle of an offload candidate: its storage's host copy of this step (Rule 7) or a
         new one; kept (reason ``host_budget``) when the host has no room (Rule 9). The caller's
         facts come as arguments: ``base`` (``t._base``), ``es`` (its item size), ``contiguous``
-        and the bytes ``[lo_b, hi_b)`` of its storage ``t`` can touch."""
+        and the bytes ``[lo_b, hi_b)`` of its storage ``t`` can touch; ``read``: ``(version tracker
+        or None, t._version, t.is_conj(), t.is_neg())`` when the caller read them (the C++ hook),
+        else read here."""
         if base is None:
             base = t
-        version = t._version
-        conj, neg = t.is_conj(), t.is_neg()
+        if read is None:
+            tracker = None
+            version = t._version
+            conj, neg = t.is_conj(), t.is_neg()
+        else:
+            tracker, version, conj, neg = read
         ref = self._dedupe.get(key) if self.dedupe else None
         hc = ref() if ref is not None else None
         if hc is not None:  # (a dead first saver is a reused address, not a shared storage: no call)
@@ -325,7 +332,8 @@ class _Packing:
         # Rule 6: an empty alias sharing t's version counter, not its storage
         # (a weak reference where the tensor refuses one).
         h.version = version
-        tracker = _torch_private.version_tracker(t, device)
+        if tracker is None:
+            tracker = _torch_private.version_tracker(t, device)
         h.tracker = tracker if tracker is not None else policy._weak(t)
         h.rec = rec
         h.stash = entry

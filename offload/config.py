@@ -196,7 +196,7 @@ class OffloadConfig:
     pin_allocator: str = "caching"
     """Pinned host memory: "caching" (torch's allocator) or "exact" (cudaHostRegister)."""
     native_hooks: bool | str = "auto"
-    """Pack hook's keep path in C++: "auto" where it builds (in the background), True: now or raise, False: never."""
+    """Pack hook in C++ (keep path; offload decision and records): "auto" where it builds, True: now or raise."""
     verify: bool = False
     """Checksum offloaded bytes at pack and check them when backward reads them (debugging; one sync per reload)."""
 

@@ -216,8 +216,9 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         pin_allocator: "caching" (default: torch's pinned allocator, which rounds
             each block up to a power of two) or "exact" (CUDA: exact-size buffers
             registered with cudaHostRegister; not yet validated on a GPU).
-        native_hooks: run the pack hook's keep path in C++ (``offload._native``):
-            the same decisions and records for less CPU per kept tensor. "auto" (the
+        native_hooks: run the pack hook in C++ (``offload._native``): the keep path
+            whole, and the offload path's decision and records (its copy stays the
+            engine's): the same decisions and records for less CPU per saved tensor. "auto" (the
             default): where it is built, or once it has built in the background (a
             C++ compiler and ninja; the Python hook runs meanwhile); True: built now
             (~20 s once), raises when it cannot be; False: the Python hook.

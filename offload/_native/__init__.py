@@ -1,10 +1,11 @@
-"""The pack hook's keep path in C++ (``OffloadConfig.native_hooks``: "auto", the default, or True).
+"""The pack hook in C++ (``OffloadConfig.native_hooks``: "auto", the default, or True).
 
-``pack.cpp`` decides and records, for a tensor the engine keeps, exactly what
-``OffloadActivations._pack`` (``offload/_packing.py``) would; it hands every other tensor (offload
-candidates, subclasses, anything unusual, packs on another thread than the
-one that entered the engine, every pack an observer would see) to ``_pack``
-before doing anything. The Python hook stays the
+``pack.cpp`` decides and records, for a plain tensor, exactly what
+``OffloadActivations._pack`` (``offload/_packing.py``) would: a kept one all in C++; for an offload
+candidate it calls the engine's own offload step (``_offload``, ``_log_offload``) with the facts it
+read. It hands every other tensor (subclasses, anything unusual, leaves whose owner must be asked,
+packs on another thread than the one that entered the engine, every pack an observer would see) to
+``_pack`` before doing anything. The Python hook stays the
 reference: ``tests/offload/test_native.py`` compares the two record by record.
 
 Built with ``torch.utils.cpp_extension.load`` (a C++ compiler and ``ninja`` are needed; about 20 s
@@ -320,7 +321,7 @@ def _constants() -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from .. import _handles, _observers, _spans, ledger, modules, policy
+    from .. import _handles, _observers, _packing, _spans, ledger, modules, policy
 
     return {
         "tensor_type": torch.Tensor, "parameter_type": nn.Parameter,
@@ -332,4 +333,6 @@ def _constants() -> dict[str, Any]:
         "observer_count": _observers._observer_count, "observer_tls": _observers._tls,
         "step_type": _handles._Step,
         "byte_span": _spans.byte_span,
+        "pack_record": ledger.PackRecord, "dtype_names": policy._DTYPE_NAMES, "dtype_name": policy.dtype_name,
+        "log_offload": _packing._log_offload,
     }

@@ -1,4 +1,5 @@
-// The keep path of OffloadActivations._pack, in C++ (config: native_hooks=True).
+// OffloadActivations._pack in C++ (config: native_hooks): the keep path, and the decision and records
+// of the offload path.
 //
 // Why: the pack hook runs once per saved tensor on the thread that launches
 // kernels, so its CPU time is step time (`python -m bench.hook_cost`). In
@@ -7,9 +8,12 @@
 //
 // What: `pack(t)` (a builtin bound to the engine and this thread's state by
 // `hook_for`, pushed as the pack hook by __enter__) decides and records exactly what the Python
-// `_pack` decides and records for a tensor it KEEPS. Everything else, and any
+// `_pack` decides and records for a tensor it KEEPS. For an offload candidate it
+// makes the same calls as `_pack`'s offload branch (`engine._offload`, which owns
+// the copy, and `_log_offload`) with the facts read here, then records the span
+// and the record as for a kept one. Everything else, and any
 // case this file does not know, is handed to `engine._pack(t)` BEFORE any
-// side effect: offload candidates, tensor subclasses, tensors that are not a
+// side effect: leaves big enough to move (their owner is asked in Python), tensor subclasses, tensors that are not a
 // plain strided TensorImpl (sparse, nested, quantized, functorch wrappers,
 // efficient zeros, meta), tensors on another device, packs on a thread other
 // than the one that entered the engine, and every pack an observer would see
@@ -34,6 +38,7 @@
 #include <structmember.h>
 
 #include <typeinfo>
+#include <unordered_map>
 
 
 namespace {
@@ -78,6 +83,10 @@ struct Consts {
   PyObject* observer_tls = nullptr;     // engine._tls (add_pack_observer's per-thread observers)
   PyObject* step_type = nullptr;        // engine._Step
   PyObject* byte_span = nullptr;        // _spans.byte_span
+  PyObject* pack_record = nullptr;      // ledger.PackRecord (an offload candidate's record)
+  PyObject* dtype_names = nullptr;      // policy._DTYPE_NAMES (dtype -> name)
+  PyObject* dtype_name = nullptr;       // policy.dtype_name (a dtype not in it)
+  PyObject* log_offload = nullptr;      // _packing._log_offload
   PyObject* empty = nullptr;            // ""
 } C;
 
@@ -88,7 +97,7 @@ PyObject *s_pack, *s_device, *s_device_name, *s_min_offload_size,
     *s_static_ptrs, *s_excluded_depth, *s_after_head, *s_module_stack, *s_ledger, *s_step_ref,
     *s_seq, *s_current_step, *s_kept_log, *s_open_used, *s_seen, *s_entries, *s_add_span,
     *s_unique_log, *s_records_log, *s_is_param_attr, *s_append, *s_observers,
-    *s_observers_attr, *s_inflight, *s_sched, *s_kept_m;
+    *s_observers_attr, *s_inflight, *s_sched, *s_kept_m, *s_offload;
 
 bool intern_all() {
   struct { PyObject** slot; const char* name; } names[] = {
@@ -102,7 +111,7 @@ bool intern_all() {
       {&s_add_span, "add_span"}, {&s_unique_log, "unique_log"}, {&s_records_log, "records_log"},
       {&s_is_param_attr, "_is_param"}, {&s_append, "append"},
       {&s_observers, "observers"}, {&s_observers_attr, "_observers"},
-      {&s_inflight, "_inflight"}, {&s_sched, "_sched"}, {&s_kept_m, "kept"},
+      {&s_inflight, "_inflight"}, {&s_sched, "_sched"}, {&s_kept_m, "kept"}, {&s_offload, "_offload"},
   };
   for (auto& n : names) {
     *n.slot = PyUnicode_InternFromString(n.name);
@@ -276,6 +285,24 @@ void untrack(PyObject* o) {
   if (PyObject_GC_IsTracked(o)) PyObject_GC_UnTrack(o);
 }
 
+// _torch_private.version_tracker in C++: an empty tensor sharing t's version counter but not its
+// storage (a detached alias whose data is then set to an empty tensor, which keeps the counter). An
+// offloaded handle checks its version through it at unpack (Rule 6). None where t refuses (the
+// caller then holds t weakly, as for the Python tracker).
+PyObject* version_tracker(const at::Tensor& t) {
+  // One empty tensor per device, shared by every tracker (the GIL serialises the map); never freed.
+  static auto* empties = new std::unordered_map<c10::Device, at::Tensor>();
+  try {
+    auto it = empties->find(t.device());
+    if (it == empties->end()) it = empties->emplace(t.device(), at::empty({0}, at::TensorOptions().device(t.device()))).first;
+    at::Tensor tracker = t.detach();
+    tracker.set_data(it->second);
+    return THPVariable_Wrap(std::move(tracker));
+  } catch (const std::exception&) {
+    Py_RETURN_NONE;
+  }
+}
+
 PyObject* pack_impl(PyObject* state, PyObject* obj) {
   PyObject* engine = PyTuple_GET_ITEM(state, H_ENGINE);
   PyTypeObject* cls = Py_TYPE(obj);
@@ -387,13 +414,15 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
       }
     }
   }
-  if (!reason) return python_pack(engine, obj);  // an offload candidate: nothing done yet
+  // No reason to keep it: an offload candidate. Its record and handle come from the Python
+  // engine's own offload step (_offload and _log_offload, the same calls _pack makes), with the
+  // facts read here; the decision, the record's fields and the span bookkeeping are this file's.
+  const bool candidate = reason == nullptr;
 
-  // -- kept: record it (no Python fallback past this line) --------------------
-  // The copy schedule's poll of in-flight D2H copies, as in _pack's kept branch (NOTE [ Copy schedule ]
-  // items 1, 2): finished copies free their sources here, and the end-of-forward bound is kept. One
-  // length test when nothing is in flight.
-  {
+  if (!candidate) {
+    // The copy schedule's poll of in-flight D2H copies, as in _pack's kept branch (NOTE [ Copy schedule ]
+    // items 1, 2): finished copies free their sources here, and the end-of-forward bound is kept. One
+    // length test when nothing is in flight.
     Ref hold;
     PyObject* inflight = attr(engine, s_inflight, -1, engine_dict, hold);
     if (!inflight) return nullptr;
@@ -454,31 +483,28 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
     }
   }
   PyObject* dev = PyTuple_GET_ITEM(state, H_DEV_NAME);
-
-  // The handle (alias, version, step): a leaf is held as is; a tensor with
-  // history through an alias sharing its storage and version counter but no
-  // grad_fn (Rule 10), what autograd itself saves for an output.
-  Ref alias;
-  if (leaf) {
-    Py_INCREF(obj);
-    alias = Ref(obj);
-  } else {
-    alias = Ref(THPVariable_Wrap(t.tensor_data()));
-    if (!alias) return nullptr;
+  const bool spanned = reason != C.parameter && reason != C.buffer;
+  // The bytes [lo, hi) of its storage the tensor can touch (what the span set records, and what an
+  // offload copies), and the storage's key (device name, address).
+  const int64_t lo = f.lo;
+  int64_t hi = lo + nbytes;
+  Ref ident;
+  if (spanned) {
+    if (!f.contiguous) {
+      Ref span(PyObject_CallOneArg(C.byte_span, obj));
+      if (!span) return nullptr;
+      Ref hi_obj(PySequence_GetItem(span.get(), 1));
+      if (!hi_obj) return nullptr;
+      hi = PyLong_AsLongLong(hi_obj.get());
+      if (hi == -1 && PyErr_Occurred()) return nullptr;
+    }
+    ident = Ref(PyTuple_Pack(2, dev, ptr_obj.get()));
+    if (!ident) return nullptr;
+    untrack(ident.get());  // (device name, address)
   }
-  PyObject* version = PyLong_FromLongLong(f.version);
-  if (!version) return nullptr;
-  Ref handle(PyTuple_New(3));
-  if (!handle) return Py_DECREF(version), nullptr;
-  PyTuple_SET_ITEM(handle.get(), 0, alias.release());
-  PyTuple_SET_ITEM(handle.get(), 1, version);
-  PyTuple_SET_ITEM(handle.get(), 2, step.release());
-  // Only autograd's saved variable holds the handle (C++, unseen by the collector), and nothing in it
-  // reaches back to it: no cycle to find, so no traversal at every young collection.
-  untrack(handle.get());
+
   PyObject *records_append, *kept_log, *unique_log;  // borrowed
   if (!ledger_logs(state, &records_append, &kept_log, &unique_log)) return nullptr;
-
   Ref seq(PyIter_Next(PyTuple_GET_ITEM(state, H_SEQ)));
   if (!seq) return PyErr_Occurred() ? nullptr : (PyErr_SetString(PyExc_RuntimeError, "engine._seq ended"), nullptr);
   Ref cur;
@@ -495,11 +521,73 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));  // borrowed
   Ref st_nbytes(PyLong_FromSize_t(f.storage_nbytes));
   if (!nb || !shape || !st_nbytes) return nullptr;
-  Ref rec(PyTuple_Pack(11, seq.get(), cur.get(), nb.get(), shape.get(), dtype, dev, module.get(),
-                       C.kept, reason, ptr_obj.get(), st_nbytes.get()));
-  if (!rec) return nullptr;
-  untrack(rec.get());  // atoms only (its shape is a tuple of ints)
-  {
+
+  Ref handle, rec;
+  if (candidate) {
+    // rec = PackRecord(seq, step, nbytes, shape, dtype name, device, module, KEPT, "", ptr, storage bytes);
+    // handle = engine._offload(t, rec, key, ts, step, dtype, device, base, itemsize, contiguous, lo, hi,
+    //                         (its version tracker, version, conj bit, neg bit));
+    // _log_offload(ledger, rec, nbytes): _pack's offload branch, argument for argument.
+    Ref dtype_name;
+    {
+      PyObject* name = PyDict_GetItemWithError(C.dtype_names, dtype);  // borrowed
+      if (name && PyObject_IsTrue(name) > 0) {
+        Py_INCREF(name);
+        dtype_name = Ref(name);
+      } else {
+        if (PyErr_Occurred()) return nullptr;
+        dtype_name = Ref(PyObject_CallOneArg(C.dtype_name, dtype));
+        if (!dtype_name) return nullptr;
+      }
+    }
+    PyObject* rec_args[] = {seq.get(), cur.get(), nb.get(), shape.get(), dtype_name.get(), dev, module.get(),
+                            C.kept, C.empty, ptr_obj.get(), st_nbytes.get()};
+    rec = Ref(PyObject_Vectorcall(C.pack_record, rec_args, 11, nullptr));
+    if (!rec) return nullptr;
+    Ref itemsize_obj(PyLong_FromLongLong(itemsize));
+    Ref lo_obj(PyLong_FromLongLong(lo));
+    Ref hi_obj(PyLong_FromLongLong(hi));
+    if (!itemsize_obj || !lo_obj || !hi_obj) return nullptr;
+    Ref tracker(version_tracker(t));
+    Ref version(PyLong_FromLongLong(f.version));
+    if (!tracker || !version) return nullptr;
+    Ref read(PyTuple_Pack(4, tracker.get(), version.get(), t.is_conj() ? Py_True : Py_False,
+                          t.is_neg() ? Py_True : Py_False));
+    if (!read) return nullptr;
+    PyObject* offload_args[] = {engine, obj, rec.get(), ident.get(), ts, step.get(), dtype,
+                                PyTuple_GET_ITEM(state, H_DEVICE), base ? base.get() : Py_None,
+                                itemsize_obj.get(), f.contiguous ? Py_True : Py_False, lo_obj.get(), hi_obj.get(),
+                                read.get()};
+    handle = Ref(PyObject_VectorcallMethod(s_offload, offload_args, 14, nullptr));
+    if (!handle) return nullptr;
+    Ref logged(PyObject_CallFunctionObjArgs(C.log_offload, ledger, rec.get(), nb.get(), nullptr));
+    if (!logged) return nullptr;
+  } else {
+    // The handle (alias, version, step): a leaf is held as is; a tensor with
+    // history through an alias sharing its storage and version counter but no
+    // grad_fn (Rule 10), what autograd itself saves for an output.
+    Ref alias;
+    if (leaf) {
+      Py_INCREF(obj);
+      alias = Ref(obj);
+    } else {
+      alias = Ref(THPVariable_Wrap(t.tensor_data()));
+      if (!alias) return nullptr;
+    }
+    PyObject* version = PyLong_FromLongLong(f.version);
+    if (!version) return nullptr;
+    handle = Ref(PyTuple_New(3));
+    if (!handle) return Py_DECREF(version), nullptr;
+    PyTuple_SET_ITEM(handle.get(), 0, alias.release());
+    PyTuple_SET_ITEM(handle.get(), 1, version);
+    PyTuple_SET_ITEM(handle.get(), 2, step.release());
+    // Only autograd's saved variable holds the handle (C++, unseen by the collector), and nothing in it
+    // reaches back to it: no cycle to find, so no traversal at every young collection.
+    untrack(handle.get());
+    rec = Ref(PyTuple_Pack(11, seq.get(), cur.get(), nb.get(), shape.get(), dtype, dev, module.get(),
+                           C.kept, reason, ptr_obj.get(), st_nbytes.get()));
+    if (!rec) return nullptr;
+    untrack(rec.get());  // atoms only (its shape is a tuple of ints)
     PyObject* log = PyDict_GetItemWithError(kept_log, reason);  // every reason has its list (Ledger.reset)
     if (!log) {
       if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "offload._native: kept_log has no list for %R", reason);
@@ -519,30 +607,16 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
     }
   }
 
-  if (reason != C.parameter && reason != C.buffer) {
+  if (spanned) {
     // The bytes this save's span adds to the step's union of saved spans.
     PyObject* seen = PyTuple_GET_ITEM(state, H_SEEN);
     Ref unique;
     if (ptr) {
-      const int64_t lo = f.lo;
-      int64_t hi;
-      if (f.contiguous) {
-        hi = lo + nbytes;
-      } else {
-        Ref span(PyObject_CallOneArg(C.byte_span, obj));
-        if (!span) return nullptr;
-        Ref hi_obj(PySequence_GetItem(span.get(), 1));
-        if (!hi_obj) return nullptr;
-        hi = PyLong_AsLongLong(hi_obj.get());
-        if (hi == -1 && PyErr_Occurred()) return nullptr;
-      }
-      Ref ident(PyTuple_Pack(2, dev, ptr_obj.get()));
       PyObject* entries = PyTuple_GET_ITEM(state, H_ENTRIES);
       Ref lo_obj(PyLong_FromLongLong(lo));
       // [0, nbytes): the whole tensor from the start of its storage (most saves) is nb itself
       Ref hi_obj(lo == 0 && hi == nbytes ? (Py_INCREF(nb.get()), nb.get()) : PyLong_FromLongLong(hi));
-      if (!ident || !lo_obj || !hi_obj) return nullptr;
-      untrack(ident.get());  // (device name, address)
+      if (!lo_obj || !hi_obj) return nullptr;
       // A storage not seen this step (most saves) gets its entry in one dict lookup: setdefault.
       Ref entry;
       PyObject* had = nullptr;  // borrowed
@@ -554,6 +628,13 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
         untrack(entry.get());  // a weak reference and two ints: nothing in it reaches back
         had = PyDict_SetDefault(entries, ident.get(), entry.get());
         if (!had) return nullptr;
+        if (had != entry.get() && PyTuple_CheckExact(had) && PyTuple_GET_SIZE(had) > 0 &&
+            PyWeakref_CheckRef(PyTuple_GET_ITEM(had, 0)) && PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(had, 0)) == Py_None) {
+          // Seen through a saver now dead (its address reused: an offloaded source freed this step):
+          // a new storage, as _record_span has it.
+          if (PyDict_SetItem(entries, ident.get(), entry.get()) < 0) return nullptr;
+          had = entry.get();
+        }
       }
       if (had && had == entry.get()) {
         unique = Ref(lo == 0 ? (Py_INCREF(hi_obj.get()), hi_obj.get()) : PyLong_FromLongLong(hi - lo));
@@ -565,10 +646,10 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
       Ref id_obj(PyLong_FromVoidPtr(obj));
       Ref id_str(PyUnicode_FromString("id"));
       if (!id_obj || !id_str) return nullptr;
-      Ref ident(PyTuple_Pack(2, id_str.get(), id_obj.get()));
+      Ref id_ident(PyTuple_Pack(2, id_str.get(), id_obj.get()));
       Ref zero(PyLong_FromLong(0));
-      if (!ident || !zero) return nullptr;
-      unique = Ref(PyObject_CallMethodObjArgs(seen, s_add_span, obj, ident.get(), zero.get(), nb.get(),
+      if (!id_ident || !zero) return nullptr;
+      unique = Ref(PyObject_CallMethodObjArgs(seen, s_add_span, obj, id_ident.get(), zero.get(), nb.get(),
                                               nullptr));
     }
     if (!unique) return nullptr;
@@ -680,6 +761,8 @@ PyObject* configure(PyObject*, PyObject* kwargs) {
       {&C.is_param, "is_param"}, {&C.module_names, "module_names"},
       {&C.current_module_name, "current_module_name"}, {&C.observer_count, "observer_count"},
       {&C.step_type, "step_type"}, {&C.byte_span, "byte_span"}, {&C.observer_tls, "observer_tls"},
+      {&C.pack_record, "pack_record"}, {&C.dtype_names, "dtype_names"}, {&C.dtype_name, "dtype_name"},
+      {&C.log_offload, "log_offload"},
   };
   for (auto& it : items) {
     PyObject* v = PyDict_GetItemString(kwargs, it.key);  // borrowed
@@ -690,8 +773,9 @@ PyObject* configure(PyObject*, PyObject* kwargs) {
     Py_INCREF(v);
     Py_XSETREF(*it.slot, v);
   }
-  if (!PyDict_Check(C.module_names) || !PyList_Check(C.observer_count) || PyList_GET_SIZE(C.observer_count) < 1) {
-    PyErr_SetString(PyExc_TypeError, "offload._native.configure: module_names must be a dict, "
+  if (!PyDict_Check(C.module_names) || !PyDict_Check(C.dtype_names) || !PyList_Check(C.observer_count) ||
+      PyList_GET_SIZE(C.observer_count) < 1) {
+    PyErr_SetString(PyExc_TypeError, "offload._native.configure: module_names and dtype_names must be dicts, "
                                      "observer_count a one-item list");
     return nullptr;
   }

@@ -298,6 +298,10 @@ def saved_tensor_cases(p: nn.Parameter, frozen: nn.Parameter, n: int, dtype: tor
         "nested": nested,
         "quantized": quantized,
         "sparse": torch.randn(4, 4).to_sparse(),
+        # Lazy bits on the view, not in the bytes (Rule 5): a conjugate view of a complex activation,
+        # and a negative view of a real one.
+        "conj_view": (torch.randn(n, dtype=torch.cfloat, requires_grad=True) * 2).conj(),
+        "neg_view": torch._neg_view(act),
     }
 
 

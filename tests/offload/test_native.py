@@ -58,9 +58,10 @@ def _timing_free(summary: dict) -> dict:
 @given(**pack_case_strategies())
 def test_native_pack_decides_and_records_as_the_general_path(kinds, min_size, excluded, after_head, with_model,
                                                            dtype, in_backward):
-    """For random mixes of 23 kinds of saved tensors (activations and their views, leaves, weights,
+    """For random mixes of 25 kinds of saved tensors (activations and their views, leaves, weights,
     frozen weights and views of both, aliases, flagged tensors, empty, scalar, meta, nested, quantized,
-    sparse, a running module's buffer), under every size / region / head / in-backward state: the C++
+    sparse, conjugate and negative views, a running module's buffer), under every size / region / head /
+    in-backward state (offload candidates included: min_size 0 and 16): the C++
     hook's records, totals, unique bytes and unpacked values are the general path's."""
     assert_pack_matches_general(kinds, min_size, excluded, after_head, with_model, dtype, in_backward, native=True)
 
@@ -149,6 +150,43 @@ def test_native_kept_tensor_modified_in_place_raises_autograd_error():
     x.masked_fill_(a > 0, 0.5)
     with pytest.raises(RuntimeError, match=INPLACE):
         out.backward()
+
+
+def test_native_offloaded_tensor_modified_in_place_raises_autograd_error():
+    """Rule 6 on the C++ hook's offload path: the version tracker it makes shares the saved tensor's
+    version counter, so an in-place write after the save is caught at backward even though the
+    offloaded tensor itself is gone."""
+    a = torch.randn(64, requires_grad=True)
+    with OffloadActivations(device="cpu", native_hooks=True, min_offload_size=0) as ctx:
+        x = a.exp()
+        out = (x * x).sum()
+    assert ctx.ledger.summary()["offloaded_bytes"] > 0
+    x.masked_fill_(a > 0, 0.5)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        out.backward()
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "strided_view"])
+def test_native_offload_handle_tracks_the_version_and_holds_no_storage(kind):
+    """The handle of a tensor the C++ hook offloads: its version tracker is an empty tensor (the source's
+    bytes can be freed) that follows the source's version; its host copy holds the source's bytes;
+    the record is the Python hook's."""
+    base = torch.randn(4, 64, requires_grad=True) * 2
+    t = base if kind == "contiguous" else base[:, ::2]
+    engines = [OffloadActivations(device="cpu", native_hooks=native, min_offload_size=0) for native in (True, False)]
+    with engines[0], engines[1]:
+        hooks = (engines[0]._native.hook_for(engines[0], engines[0]._thread()), engines[1]._pack)
+        handles = [hook(t) for hook in hooks]
+    for h in handles:
+        assert type(h) is _handles._Offloaded
+        assert type(h.tracker) is torch.Tensor and h.tracker.untyped_storage().nbytes() == 0
+        assert h.tracker._version == t._version
+        assert (h.version, h.layout) == (handles[1].version, handles[1].layout)
+    recs = [e.ledger.records[-1] for e in engines]
+    assert {f: getattr(recs[0], f) for f in RECORD_FIELDS} == {f: getattr(recs[1], f) for f in RECORD_FIELDS}
+    with torch.no_grad():
+        t.mul_(3)
+    assert all(h.tracker._version == t._version != h.version for h in handles)
 
 
 def test_native_hands_observed_and_foreign_thread_packs_to_python():
