@@ -74,7 +74,12 @@ Two measures, in one run:
     runs agree within ~0.1 %), so it is the measure to compare across machines
     and commits (files before ``warmup_steps`` was recorded used one warm-up
     step; files before ``gauge_frozen`` was recorded let the gauge re-read by
-    time, which made identical runs differ by up to 5 %).
+    time, which made identical runs differ by up to 5 %). For ``identity`` and the
+    C++ hook's keep and offload variants, ``breakdown_per_pack_ir`` splits the
+    forward by function (``callgrind_annotate``, inclusive, per pack): torch's
+    own lookup of the Python hooks at every save (``torch_get_default_hooks``),
+    the C++ hook (``native_pack``) and its calls into Python
+    (``native_pack_python``: the offload step, ``engine._offload``).
 
 Plus the cycle collector's share (``--gc-steps``): each keep variant runs that many
 steps in a row with no forced collection (the CPU-time rounds collect before each
@@ -103,6 +108,7 @@ import gc
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -581,6 +587,57 @@ def _callgrind_child(lib: Path, layers: int, width: int, steps: int, variants: t
             _step(model, x, ctx(), clock)
 
 
+_BREAKDOWN_VARIANTS = ("identity", "ours_keep_native", "ours_offload_native")
+"""Variants whose forward is broken down by function (``breakdown_per_pack_ir``)."""
+_BREAKDOWN = {
+    "torch_get_default_hooks": "torch::autograd::SavedVariable::get_default_hooks()",
+    "native_pack": "(anonymous namespace)::pack_impl(",
+}
+"""Functions whose inclusive instructions are reported per pack: torch's per-save lookup of the Python
+hooks (a GIL acquire, an incref and a decref of each hook), and the C++ pack hook (offload/_native)."""
+_PYTHON_FROM_NATIVE = "PyObject_VectorcallMethod"
+"""What ``native_pack`` calls into Python through (``engine._offload``, an offload candidate's copy)."""
+
+
+_ANNOTATE_LINE = re.compile(r"^\s*([\d,]+)\s+\(\s*[\d.]+%\)\s+([*>])\s+(.*)$")
+"""A ``callgrind_annotate --tree=calling`` line: inclusive Ir, "(pct%)", "*" (the function) or ">" (a callee)."""
+
+
+def parse_annotate(text: str) -> dict[str, int]:
+    """Inclusive instructions of each ``_BREAKDOWN`` function, and of ``native_pack``'s calls into Python
+    (``native_pack_python``), from ``callgrind_annotate --inclusive=yes --tree=calling`` output."""
+    out = {k: 0 for k in (*_BREAKDOWN, "native_pack_python")}
+    block, python = None, 0  # the function whose callee lines ("  >") follow; native_pack's calls into Python
+    for line in text.splitlines():
+        m = _ANNOTATE_LINE.match(line)
+        if m is None:
+            continue
+        ir, marker, what = int(m[1].replace(",", "")), m[2], m[3]
+        if marker == "*":  # a function's own line, then its callees (a function may be listed twice: the max)
+            block, python = next((k for k, fn in _BREAKDOWN.items() if fn in what), None), 0
+            if block is not None:
+                out[block] = max(out[block], ir)
+        elif block == "native_pack" and _PYTHON_FROM_NATIVE in what:
+            python += ir
+            out["native_pack_python"] = max(out["native_pack_python"], python)
+    return out
+
+
+def _breakdown(files: list[Path], steps: int, saves: int) -> dict[str, float] | None:
+    """``parse_annotate`` of each forward dump in ``files``, summed, per pack; None without callgrind_annotate."""
+    if shutil.which("callgrind_annotate") is None:
+        return None
+    total: dict[str, int] = {}
+    for f in files:
+        proc = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--tree=calling", "--threshold=100", str(f)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            return None
+        for k, v in parse_annotate(proc.stdout).items():
+            total[k] = total.get(k, 0) + v
+    return {k: round(v / steps / saves) for k, v in total.items()}
+
+
 def measure_instructions(layers: int, width: int, steps: int,
                          variants: tuple[str, ...] = VARIANTS, warmup: int = 3) -> dict[str, Any]:
     """Per-pack / per-unpack instruction counts (Ir) from a callgrind child process."""
@@ -601,6 +658,7 @@ def measure_instructions(layers: int, width: int, steps: int,
         if proc.returncode != 0:
             return {"skipped": f"callgrind child failed: {proc.stderr[-2000:]}"}
         totals: dict[str, dict[str, int]] = {}
+        forward_dumps: dict[str, list[Path]] = {}
         for f in tmp.glob("cg.*"):
             what, ir = None, None
             for line in f.read_text(errors="replace").splitlines():
@@ -611,6 +669,9 @@ def measure_instructions(layers: int, width: int, steps: int,
             if what and "|" in what and ir is not None:
                 v, phase = what.split("|")
                 totals.setdefault(v, {"fwd": 0, "bwd": 0})[phase] += ir
+                if phase == "fwd" and v in _BREAKDOWN_VARIANTS:
+                    forward_dumps.setdefault(v, []).append(f)
+        breakdown = {v: _breakdown(files, steps, saves) for v, files in sorted(forward_dumps.items())}
     out: dict[str, Any] = {"steps": steps, "warmup_steps": warmup, "gauge_frozen": True, "saves_per_step": saves,
                            "module_calls_per_step": layers + 1, "variants": {}}
     base = totals.get("none")
@@ -626,6 +687,9 @@ def measure_instructions(layers: int, width: int, steps: int,
                     row["per_pack_net_of_module_hooks_ir"] = round(
                         (t["fwd"] - totals["modules_only"]["fwd"]) / steps / saves)
         out["variants"][name] = row
+    # Where a pack's instructions go, by function (callgrind_annotate, inclusive): torch's own lookup of the
+    # hooks at every save, the C++ hook, and the part of it spent in the Python offload step it calls.
+    out["breakdown_per_pack_ir"] = {v: b for v, b in breakdown.items() if b is not None}
     out["ratios_per_pack"] = _ratios({n: r.get("per_pack_ir") for n, r in out["variants"].items()})
     out["ratios_per_pack_net_of_module_hooks"] = _ratios(
         {n: r.get("per_pack_net_of_module_hooks_ir", r.get("per_pack_ir")) for n, r in out["variants"].items()})

@@ -287,21 +287,22 @@ class _Packing:
 
     def _offload(self, t: torch.Tensor, rec: PackRecord, key: tuple[str, int], ts: "_ThreadState",
                  step: _Step, dtype: torch.dtype, device: torch.device, base: torch.Tensor | None, es: int,
-                 contiguous: bool, lo_b: int, hi_b: int, read: tuple[Any, int, bool, bool] | None = None) -> Any:
+                 contiguous: bool, lo_b: int, hi_b: int, read: tuple[Any, int, bool, bool, tuple] | None = None) -> Any:
         """The handle of an offload candidate: its storage's host copy of this step (Rule 7) or a
         new one; kept (reason ``host_budget``) when the host has no room (Rule 9). The caller's
         facts come as arguments: ``base`` (``t._base``), ``es`` (its item size), ``contiguous``
         and the bytes ``[lo_b, hi_b)`` of its storage ``t`` can touch; ``read``: ``(version tracker
-        or None, t._version, t.is_conj(), t.is_neg())`` when the caller read them (the C++ hook),
-        else read here."""
+        or None, t._version, t.is_conj(), t.is_neg(), t.stride())`` when the caller read them (the
+        C++ hook), else read here."""
         if base is None:
             base = t
         if read is None:
             tracker = None
             version = t._version
             conj, neg = t.is_conj(), t.is_neg()
+            stride = None
         else:
-            tracker, version, conj, neg = read
+            tracker, version, conj, neg, stride = read
         ref = self._dedupe.get(key) if self.dedupe else None
         hc = ref() if ref is not None else None
         if hc is not None:  # (a dead first saver is a reused address, not a shared storage: no call)
@@ -327,8 +328,8 @@ class _Packing:
         hc.users += 1
         # Lazy conj/neg bits live on the view, not in the bytes (Rule 5). layout: (shape, stride,
         # offset in elements of the host copy, dtype, device, conj, neg), one tuple, not seven slots.
-        h.layout = (rec.shape, t.stride(), (lo_b - hc.lo) // es if hc.gathered is None else 0, dtype, device,
-                    conj, neg)
+        h.layout = (rec.shape, stride or t.stride(), (lo_b - hc.lo) // es if hc.gathered is None else 0, dtype,
+                    device, conj, neg)
         # Rule 6: an empty alias sharing t's version counter, not its storage
         # (a weak reference where the tensor refuses one).
         h.version = version

@@ -317,6 +317,19 @@ def _remove_stale(path: Path, why: str) -> None:
         _log.warning("offload: removed %s, left by a build of the native pack hook that was killed (%s)", path, why)
 
 
+def _record_fields(cls: type) -> tuple[tuple[str, Any], ...] | None:
+    """``(name, default)`` of each field of the dataclass ``cls``, in order (None for a field without a
+    plain default); None when a field has a default factory (the C++ hook then calls the class)."""
+    import dataclasses
+
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING:
+            return None
+        out.append((f.name, None if f.default is dataclasses.MISSING else f.default))
+    return tuple(out)
+
+
 def _constants() -> dict[str, Any]:
     import torch
     from torch import nn
@@ -328,11 +341,12 @@ def _constants() -> dict[str, Any]:
         "parameter": policy.PARAMETER, "buffer": policy.BUFFER,
         "excluded_region": policy.EXCLUDED_REGION, "too_small": policy.TOO_SMALL,
         "in_backward": policy.IN_BACKWARD, "after_head": policy.AFTER_HEAD,
-        "kept": ledger.KEPT, "is_param": policy._is_param,
+        "kept": ledger.KEPT, "offloaded": ledger.OFFLOADED, "is_param": policy._is_param,
         "module_names": modules._names, "current_module_name": modules.current_module_name,
         "observer_count": _observers._observer_count, "observer_tls": _observers._tls,
         "step_type": _handles._Step,
         "byte_span": _spans.byte_span,
-        "pack_record": ledger.PackRecord, "dtype_names": policy._DTYPE_NAMES, "dtype_name": policy.dtype_name,
+        "pack_record": ledger.PackRecord, "pack_record_fields": _record_fields(ledger.PackRecord),
+        "dtype_names": policy._DTYPE_NAMES, "dtype_name": policy.dtype_name,
         "log_offload": _packing._log_offload,
     }

@@ -9,11 +9,15 @@
 // What: `pack(t)` (a builtin bound to the engine and this thread's state by
 // `hook_for`, pushed as the pack hook by __enter__) decides and records exactly what the Python
 // `_pack` decides and records for a tensor it KEEPS. For an offload candidate it
-// makes the same calls as `_pack`'s offload branch (`engine._offload`, which owns
-// the copy, and `_log_offload`) with the facts read here, then records the span
-// and the record as for a kept one. Everything else, and any
+// makes `_pack`'s offload branch: the PackRecord (filled slot by slot, the
+// dataclass's defaults read at configure()), `engine._offload` (which owns the
+// copy, the host tiers and the handle) called with the facts read here (the
+// version tracker, version, lazy bits and stride included), the ledger's offload
+// logs (`_log_offload`'s common case; any other goes to it), then the span and the
+// record as for a kept tensor. Everything else, and any
 // case this file does not know, is handed to `engine._pack(t)` BEFORE any
-// side effect: leaves big enough to move (their owner is asked in Python), tensor subclasses, tensors that are not a
+// side effect: leaves big enough to move (their owner is asked in Python), tensor
+// subclasses, tensors that are not a
 // plain strided TensorImpl (sparse, nested, quantized, functorch wrappers,
 // efficient zeros, meta), tensors on another device, packs on a thread other
 // than the one that entered the engine, and every pack an observer would see
@@ -76,6 +80,7 @@ struct Consts {
   PyObject* in_backward = nullptr;
   PyObject* after_head = nullptr;
   PyObject* kept = nullptr;             // ledger.KEPT
+  PyObject* offloaded = nullptr;        // ledger.OFFLOADED
   PyObject* is_param = nullptr;         // policy._is_param
   PyObject* module_names = nullptr;     // offload.modules._names (dict: id -> name)
   PyObject* current_module_name = nullptr;
@@ -97,7 +102,8 @@ PyObject *s_pack, *s_device, *s_device_name, *s_min_offload_size,
     *s_static_ptrs, *s_excluded_depth, *s_after_head, *s_module_stack, *s_ledger, *s_step_ref,
     *s_seq, *s_current_step, *s_kept_log, *s_open_used, *s_seen, *s_entries, *s_add_span,
     *s_unique_log, *s_records_log, *s_is_param_attr, *s_append, *s_observers,
-    *s_observers_attr, *s_inflight, *s_sched, *s_kept_m, *s_offload;
+    *s_observers_attr, *s_inflight, *s_sched, *s_kept_m, *s_offload, *s_decision, *s_offloaded_log,
+    *s_tier_log, *s_tier, *s_copy_bytes;
 
 bool intern_all() {
   struct { PyObject** slot; const char* name; } names[] = {
@@ -112,6 +118,8 @@ bool intern_all() {
       {&s_is_param_attr, "_is_param"}, {&s_append, "append"},
       {&s_observers, "observers"}, {&s_observers_attr, "_observers"},
       {&s_inflight, "_inflight"}, {&s_sched, "_sched"}, {&s_kept_m, "kept"}, {&s_offload, "_offload"},
+      {&s_decision, "decision"}, {&s_offloaded_log, "offloaded_log"}, {&s_tier_log, "tier_log"},
+      {&s_tier, "tier"}, {&s_copy_bytes, "copy_bytes"},
   };
   for (auto& n : names) {
     *n.slot = PyUnicode_InternFromString(n.name);
@@ -238,6 +246,63 @@ Py_ssize_t slot_offset(PyTypeObject* type, PyObject* name) {
   return (m->type == T_OBJECT_EX || m->type == T_OBJECT) && !(m->flags & READONLY) ? m->offset : -1;
 }
 
+// An offload candidate's PackRecord (a slots dataclass), made without running its generated __init__:
+// allocated, then every field stored at its slot, the first 11 from the caller, the rest from the
+// dataclass's own defaults (configure() reads them from dataclasses.fields). Where the class is not
+// what this expects (a field that is not a plain slot, __post_init__, its own __new__) the record is
+// made by calling the class.
+constexpr int kRecordPositional = 11;
+constexpr int kRecordMaxFields = 32;
+struct RecordLayout {
+  bool direct = false;
+  int n = 0;
+  Py_ssize_t offset[kRecordMaxFields];
+  PyObject* defaults = nullptr;  // a tuple, one per field (positional ones: None, unused)
+} RL;
+
+PyObject* new_record(PyObject* const* args) {
+  if (!RL.direct) return PyObject_Vectorcall(C.pack_record, args, kRecordPositional, nullptr);
+  PyTypeObject* type = reinterpret_cast<PyTypeObject*>(C.pack_record);
+  PyObject* rec = type->tp_alloc(type, 0);
+  if (!rec) return nullptr;
+  for (int i = 0; i < RL.n; ++i) {
+    PyObject* v = i < kRecordPositional ? args[i] : PyTuple_GET_ITEM(RL.defaults, i);
+    Py_INCREF(v);
+    *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(rec) + RL.offset[i]) = v;
+  }
+  return rec;
+}
+
+// RL from configure()'s "pack_record_fields": ((name, default), ...) in the dataclass's order.
+bool record_layout(PyObject* fields) {
+  RL.direct = false;
+  PyTypeObject* type = reinterpret_cast<PyTypeObject*>(C.pack_record);
+  if (!PyType_Check(C.pack_record) || !PyTuple_Check(fields)) return true;
+  Py_ssize_t n = PyTuple_GET_SIZE(fields);
+  Ref post_init(PyUnicode_InternFromString("__post_init__"));
+  if (!post_init) return false;
+  if (n < kRecordPositional || n > kRecordMaxFields || type->tp_new != PyBaseObject_Type.tp_new ||
+      _PyType_Lookup(type, post_init.get()) != nullptr)
+    return true;
+  Ref defaults(PyTuple_New(n));
+  if (!defaults) return false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(fields, i);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(item, 0)))
+      return true;
+    Py_ssize_t off = slot_offset(type, PyTuple_GET_ITEM(item, 0));
+    if (off < 0) return true;
+    RL.offset[i] = off;
+    PyObject* d = PyTuple_GET_ITEM(item, 1);
+    Py_INCREF(d);
+    PyTuple_SET_ITEM(defaults.get(), i, d);
+  }
+  Py_XSETREF(RL.defaults, defaults.release());
+  RL.n = static_cast<int>(n);
+  RL.direct = true;
+  return true;
+}
+
 // H_LOGS: a list caching the ledger's logs the hook appends to, [records_log, its append, kept_log,
 // unique_log]. The ledger replaces them all together, only in reset(), and records_log with them:
 // one attribute read of records_log per pack tells whether the cache still holds.
@@ -286,17 +351,19 @@ void untrack(PyObject* o) {
 }
 
 // _torch_private.version_tracker in C++: an empty tensor sharing t's version counter but not its
-// storage (a detached alias whose data is then set to an empty tensor, which keeps the counter). An
-// offloaded handle checks its version through it at unpack (Rule 6). None where t refuses (the
-// caller then holds t weakly, as for the Python tracker).
+// storage. The Python one detaches t and sets the alias's data to an empty tensor (which keeps the
+// counter); here the empty tensor's TensorImpl is shallow-copied with t's counter in one step, what
+// detach itself does, without the dispatcher. An offloaded handle checks its version through it at
+// unpack (Rule 6). None where t refuses (the caller then holds t weakly, as for the Python tracker).
 PyObject* version_tracker(const at::Tensor& t) {
-  // One empty tensor per device, shared by every tracker (the GIL serialises the map); never freed.
+  // One empty tensor per device, the template of every tracker (the GIL serialises the map); never freed.
   static auto* empties = new std::unordered_map<c10::Device, at::Tensor>();
   try {
     auto it = empties->find(t.device());
     if (it == empties->end()) it = empties->emplace(t.device(), at::empty({0}, at::TensorOptions().device(t.device()))).first;
-    at::Tensor tracker = t.detach();
-    tracker.set_data(it->second);
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    at::Tensor tracker(it->second.unsafeGetTensorImpl()->shallow_copy_and_detach(
+        /*version_counter=*/impl->version_counter(), /*allow_tensor_metadata_change=*/true));
     return THPVariable_Wrap(std::move(tracker));
   } catch (const std::exception&) {
     Py_RETURN_NONE;
@@ -526,7 +593,7 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
   if (candidate) {
     // rec = PackRecord(seq, step, nbytes, shape, dtype name, device, module, KEPT, "", ptr, storage bytes);
     // handle = engine._offload(t, rec, key, ts, step, dtype, device, base, itemsize, contiguous, lo, hi,
-    //                         (its version tracker, version, conj bit, neg bit));
+    //                         (its version tracker, version, conj bit, neg bit, stride));
     // _log_offload(ledger, rec, nbytes): _pack's offload branch, argument for argument.
     Ref dtype_name;
     {
@@ -542,8 +609,11 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
     }
     PyObject* rec_args[] = {seq.get(), cur.get(), nb.get(), shape.get(), dtype_name.get(), dev, module.get(),
                             C.kept, C.empty, ptr_obj.get(), st_nbytes.get()};
-    rec = Ref(PyObject_Vectorcall(C.pack_record, rec_args, 11, nullptr));
+    rec = Ref(new_record(rec_args));
     if (!rec) return nullptr;
+    // Atoms only, now and after the engine fills its copy fields: no cycle to find (records live in
+    // the ledger's ring and on their handles from the forward to the backward).
+    untrack(rec.get());
     Ref itemsize_obj(PyLong_FromLongLong(itemsize));
     Ref lo_obj(PyLong_FromLongLong(lo));
     Ref hi_obj(PyLong_FromLongLong(hi));
@@ -551,8 +621,16 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
     Ref tracker(version_tracker(t));
     Ref version(PyLong_FromLongLong(f.version));
     if (!tracker || !version) return nullptr;
-    Ref read(PyTuple_Pack(4, tracker.get(), version.get(), t.is_conj() ? Py_True : Py_False,
-                          t.is_neg() ? Py_True : Py_False));
+    Ref stride(PyTuple_New(static_cast<Py_ssize_t>(t.dim())));
+    if (!stride) return nullptr;
+    for (int64_t i = 0; i < t.dim(); ++i) {
+      PyObject* v = PyLong_FromLongLong(t.strides()[i]);
+      if (!v) return nullptr;
+      PyTuple_SET_ITEM(stride.get(), static_cast<Py_ssize_t>(i), v);
+    }
+    untrack(stride.get());  // ints only
+    Ref read(PyTuple_Pack(5, tracker.get(), version.get(), t.is_conj() ? Py_True : Py_False,
+                          t.is_neg() ? Py_True : Py_False, stride.get()));
     if (!read) return nullptr;
     PyObject* offload_args[] = {engine, obj, rec.get(), ident.get(), ts, step.get(), dtype,
                                 PyTuple_GET_ITEM(state, H_DEVICE), base ? base.get() : Py_None,
@@ -560,8 +638,30 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
                                 read.get()};
     handle = Ref(PyObject_VectorcallMethod(s_offload, offload_args, 14, nullptr));
     if (!handle) return nullptr;
-    Ref logged(PyObject_CallFunctionObjArgs(C.log_offload, ledger, rec.get(), nb.get(), nullptr));
-    if (!logged) return nullptr;
+    // _log_offload(ledger, rec, nbytes): its copied case here (two appends), any other in Python.
+    Ref decision(PyObject_GetAttr(rec.get(), s_decision));
+    if (!decision) return nullptr;
+    int copied = PyObject_RichCompareBool(decision.get(), C.offloaded, Py_EQ);
+    if (copied < 0) return nullptr;
+    PyObject* ledger_dict = PyTuple_GET_ITEM(state, H_LEDGER_DICT);
+    Ref hold_off, hold_tiers;
+    PyObject* offloaded_log = copied ? attr(ledger, s_offloaded_log, -1, ledger_dict, hold_off) : nullptr;
+    PyObject* tier_log = copied ? attr(ledger, s_tier_log, -1, ledger_dict, hold_tiers) : nullptr;
+    if (copied && offloaded_log && tier_log && PyList_CheckExact(offloaded_log) && PyDict_CheckExact(tier_log)) {
+      Ref tier(PyObject_GetAttr(rec.get(), s_tier));
+      Ref copy_bytes(PyObject_GetAttr(rec.get(), s_copy_bytes));
+      if (!tier || !copy_bytes) return nullptr;
+      PyObject* log = PyDict_GetItemWithError(tier_log, tier.get());  // borrowed
+      if (!log) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "offload._native: tier_log has no list for %R", tier.get());
+        return nullptr;
+      }
+      if (PyList_Append(offloaded_log, nb.get()) < 0 || append(log, copy_bytes.get()) < 0) return nullptr;
+    } else {
+      if (PyErr_Occurred()) return nullptr;
+      Ref logged(PyObject_CallFunctionObjArgs(C.log_offload, ledger, rec.get(), nb.get(), nullptr));
+      if (!logged) return nullptr;
+    }
   } else {
     // The handle (alias, version, step): a leaf is held as is; a tensor with
     // history through an alias sharing its storage and version counter but no
@@ -758,6 +858,7 @@ PyObject* configure(PyObject*, PyObject* kwargs) {
       {&C.tensor_type, "tensor_type"}, {&C.parameter_type, "parameter_type"}, {&C.parameter, "parameter"},
       {&C.buffer, "buffer"}, {&C.excluded_region, "excluded_region"}, {&C.too_small, "too_small"},
       {&C.in_backward, "in_backward"}, {&C.after_head, "after_head"}, {&C.kept, "kept"},
+      {&C.offloaded, "offloaded"},
       {&C.is_param, "is_param"}, {&C.module_names, "module_names"},
       {&C.current_module_name, "current_module_name"}, {&C.observer_count, "observer_count"},
       {&C.step_type, "step_type"}, {&C.byte_span, "byte_span"}, {&C.observer_tls, "observer_tls"},
@@ -780,9 +881,19 @@ PyObject* configure(PyObject*, PyObject* kwargs) {
     return nullptr;
   }
   if (!C.empty && !(C.empty = PyUnicode_InternFromString(""))) return nullptr;
+  {
+    PyObject* fields = PyDict_GetItemString(kwargs, "pack_record_fields");  // borrowed
+    if (!fields) {
+      PyErr_SetString(PyExc_KeyError, "offload._native.configure: missing pack_record_fields");
+      return nullptr;
+    }
+    if (!record_layout(fields)) return nullptr;
+  }
   configured = true;
   Py_RETURN_NONE;
 }
+
+PyObject* records_made_directly(PyObject*, PyObject*) { return PyBool_FromLong(RL.direct); }
 
 PyMethodDef methods[] = {
     {"configure", configure, METH_O, "Hand over the engine module's constants (once, at load)."},
@@ -790,6 +901,8 @@ PyMethodDef methods[] = {
      "hook_for(engine, thread_state): the pack hook __enter__ pushes on this thread."},
     {"is_hook_of", reinterpret_cast<PyCFunction>(is_hook_of), METH_FASTCALL,
      "Whether fn is the hook hook_for(engine) made."},
+    {"records_made_directly", records_made_directly, METH_NOARGS,
+     "Whether an offload candidate's PackRecord is filled slot by slot (else the class is called)."},
     {nullptr, nullptr, 0, nullptr}};
 
 #define OFFLOAD_STR_(x) #x

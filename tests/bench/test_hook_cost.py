@@ -62,3 +62,30 @@ def test_keep_peers_round_trip(make):
     got = [p.grad for p in model.parameters()] + [x.grad]
     want = [p.grad for p in ref_model.parameters()] + [ref_x.grad]
     assert all(torch.equal(p, q) for p, q in zip(got, want, strict=True))
+
+
+def test_parse_annotate_reads_inclusive_costs_and_the_native_hooks_calls_into_python():
+    """The breakdown's parser: a function's own "*" line (its inclusive cost, whatever the spacing of the
+    percentage), and of the C++ hook's callees only its calls into Python; a function listed twice
+    counts once (the larger)."""
+    text = "\n".join([
+        "--------------------------------------------------------------------------------",
+        " 40,872,391 (64.58%)  >   ???:(anonymous namespace)::pack_impl(_object*, _object*) (5,010x) [x.so]",
+        "",
+        "  4,297,228 ( 7.54%)  *  ???:torch::autograd::SavedVariable::get_default_hooks() [libtorch_cpu.so]",
+        "    911,214 ( 1.44%)  >   ???:PyGILState_Ensure (6,012x) [libtorch_python.so]",
+        "",
+        " 40,872,391 (64.58%)  *  ???:(anonymous namespace)::pack_impl(_object*, _object*) [x.so]",
+        " 31,458,234 (49.71%)  >   /tmp/Python-3.11.7/Objects/call.c:PyObject_VectorcallMethod (3,340x)",
+        "  2,057,152 ( 3.25%)  >   /tmp/Python-3.11.7/Objects/call.c:PyObject_Vectorcall'2 (3,335x)",
+        "    100,000 ( 0.16%)  >   /tmp/Python-3.11.7/Objects/call.c:PyObject_VectorcallMethod (1x)",
+        "",
+        " 40,000,000 (60.00%)  *  python.c:(anonymous namespace)::pack_impl(_object*, _object*) [x.so]",
+        " 30,000,000 (45.00%)  >   /tmp/Python-3.11.7/Objects/call.c:PyObject_VectorcallMethod (3,340x)",
+        "",
+        "  9,999,999 (15.00%)  *  ???:some_other_function [y.so]",
+        "  8,888,888 (14.00%)  >   /tmp/Python-3.11.7/Objects/call.c:PyObject_VectorcallMethod (10x)",
+    ])
+    assert hook_cost.parse_annotate(text) == {"torch_get_default_hooks": 4_297_228, "native_pack": 40_872_391,
+                                              "native_pack_python": 31_558_234}
+    assert hook_cost.parse_annotate("") == {"torch_get_default_hooks": 0, "native_pack": 0, "native_pack_python": 0}

@@ -7,6 +7,7 @@ reason, except in CI (``CI=true``), where that is a failure: CI must test it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import weakref
@@ -18,6 +19,7 @@ from torch import nn
 
 from offload import OffloadActivations, OffloadConfig, OffloadError, _native, add_pack_observer
 from offload import _handles, _observers, _packing
+from offload.ledger import PackRecord
 from offload import get_act_offloading_ctx_manager
 
 from offload_testkit import (
@@ -460,6 +462,52 @@ def test_native_kept_records_are_untracked_at_once():
     assert len(logged) >= 2 and not any(gc.is_tracked(r) or gc.is_tracked(r[3]) for r in logged)
     assert all(type(r[3]) is tuple for r in logged)
     y.backward()
+
+
+def test_native_offload_records_are_every_field_the_python_hooks_and_untracked():
+    """An offload candidate's PackRecord, filled slot by slot by the C++ hook (no generated __init__),
+    has every field the Python hook's record has, defaults included, before and after backward, and
+    is off the cycle collector's lists (its fields are atoms)."""
+    import dataclasses
+    import gc
+
+    assert _native.load().records_made_directly()
+    a = torch.randn(4, 64, requires_grad=True)
+    engines = [OffloadActivations(device="cpu", native_hooks=native, min_offload_size=0) for native in (True, False)]
+    outs = []
+    for ctx in engines:
+        with ctx:
+            # exp and tanh save their outputs; sin a strided view of a fresh storage (a gathered copy)
+            outs.append(a.exp().tanh().sum() + (a * 2)[:, ::4].sin().sum())
+    timing = {"seq", "d2h_s", "h2d_s", "storage_key"}  # (two runs: their own order, clocks and addresses)
+    fields = [f.name for f in dataclasses.fields(PackRecord) if f.name not in timing]
+
+    def offloaded(ctx):
+        return [r for r in ctx.ledger.records if r.decision == "offloaded"]
+
+    for when in ("forward", "backward"):
+        recs = [offloaded(ctx) for ctx in engines]
+        assert len(recs[0]) == len(recs[1]) >= 2
+        for a_rec, b_rec in zip(*recs):
+            assert type(a_rec) is type(b_rec) is PackRecord
+            assert {f: getattr(a_rec, f) for f in fields} == {f: getattr(b_rec, f) for f in fields}, when
+            assert (a_rec.d2h_s is None) == (b_rec.d2h_s is None) and (a_rec.h2d_s is None) == (b_rec.h2d_s is None)
+        assert not any(gc.is_tracked(r) for r in recs[0])
+        if when == "forward":
+            for out in outs:
+                out.backward()
+
+
+def test_native_record_layout_falls_back_to_calling_the_class():
+    """Where the record class is not a plain slots dataclass (a default factory, too few fields, a
+    __post_init__), the C++ hook is told to call the class instead of filling slots."""
+    assert _native._record_fields(PackRecord) is not None
+
+    @dataclasses.dataclass
+    class WithFactory:
+        x: list = dataclasses.field(default_factory=list)
+
+    assert _native._record_fields(WithFactory) is None
 
 
 def test_native_build_failure_is_remembered_and_names_the_compiler_error(monkeypatch):
