@@ -207,7 +207,7 @@ class OffloadConfig:
             _check_bool(name, getattr(self, name))
         if not isinstance(self.native_hooks, bool) and self.native_hooks != "auto":
             _fail("native_hooks", self.native_hooks, "'auto', True or False",
-                  "'auto' (the default) uses the C++ keep path wherever it builds, True requires it, False never "
+                  "'auto' (the default) uses the C++ pack hook wherever it builds, True requires it, False never "
                   "uses it.", TypeError)
         _check_int("max_fwd_stash_size", self.max_fwd_stash_size, 1,
                    "it caps how many tensors may have a device-to-host copy in flight; None = no cap",

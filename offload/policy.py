@@ -310,7 +310,7 @@ def classify(
     """Return "" to offload ``t`` or the reason to keep it on its device.
 
     The one statement of the rules for a saved tensor (the engine's pack hook
-    calls it; ``offload/_native/pack.cpp`` restates its keep path in C++ and
+    calls it; ``offload/_native/pack.cpp`` restates it in C++ for plain tensors and
     ``tests/offload/test_native.py`` keeps the two equal). Order matters: what a
     tensor *is* (parameter, unsupported type, wrong device) wins over where it
     was saved (excluded region), which wins over how big it is; a tensor the

@@ -16,7 +16,7 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 def pytest_addoption(parser):
     parser.addoption(
         "--native-hooks", action="store_true", default=False,
-        help="run every engine built in the tests with native_hooks=True (the C++ keep path, built now) by default",
+        help="run every engine built in the tests with native_hooks=True (the C++ pack hook, built now) by default",
     )
     parser.addoption(
         "--python-hooks", action="store_true", default=False,
@@ -42,7 +42,7 @@ def hooks(request) -> str:
 @pytest.fixture(autouse=True, scope="session")
 def _native_hooks_default(request):
     """--native-hooks / --python-hooks: the engine's and OffloadConfig's default for native_hooks becomes True
-    / False, so the whole suite runs through the C++ keep path / the Python hook (tests that pass
+    / False, so the whole suite runs through the C++ pack hook / the Python hook (tests that pass
     native_hooks explicitly keep theirs). Without either, the default stays "auto", and the extension is
     loaded (built if needed, ~20 s once) before the first test, so that every engine of the run uses the same
     hook rather than whichever a background build had reached (NOTE [ Native build ])."""

@@ -9,7 +9,7 @@ soft-capping (Gemma 2), encoder-decoder with relative position buckets (T5,
 BART), encoders (BERT, RoBERTa, ViT) and a state-space model (Mamba). A
 language model's head must be found and excluded; a classifier has none.
 With ``checkpointing`` on (non-reentrant), the engine sees the checkpoints'
-inputs. CI's first pass runs all of it through the C++ keep path (``native_hooks="auto"``), its
+inputs. CI's first pass runs all of it through the C++ pack hook (``native_hooks="auto"``), its
 ``--python-hooks`` pass through the Python hook.
 """
 

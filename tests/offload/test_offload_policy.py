@@ -99,7 +99,7 @@ class _WithBuffer(nn.Module):
 def test_buffers_kept(pass_model):
     """Rule 7: a registered buffer saved for backward stays on its device, recorded as "buffer".
 
-    No observer: the ledger's records, so that the C++ keep path (the default, ``native_hooks="auto"``)
+    No observer: the ledger's records, so that the C++ pack hook (the default, ``native_hooks="auto"``)
     decides too (it hands observed packs to Python).
     """
     m = _WithBuffer()
