@@ -121,8 +121,8 @@ class HostBuffer:
     serial: int = field(default=-1, repr=False)
     """The pool's take number (to record the step's requests for re-layout and trim)."""
     cache: Any = field(default=None, repr=False)
-    """The user's own object for this range (the engine's typed view of it), handed back
-    with the range when a replayed take gets the same range again; None after a carve."""
+    """The user's own object for this range (the engine's typed view of it, with its dtype and shape),
+    handed back with the range when a replayed take gets the same range again; None after a carve."""
 
 
 class HostPool:

@@ -588,6 +588,14 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));  // borrowed
   Ref st_nbytes(PyLong_FromSize_t(f.storage_nbytes));
   if (!nb || !shape || !st_nbytes) return nullptr;
+  // The span's ends as ints, for the offload step and the span entry ([0, nbytes), the whole tensor from
+  // the start of its storage, as most saves are: nb itself).
+  Ref lo_obj, hi_obj;
+  if (spanned) {
+    lo_obj = Ref(PyLong_FromLongLong(lo));
+    hi_obj = Ref(lo == 0 && hi == nbytes ? (Py_INCREF(nb.get()), nb.get()) : PyLong_FromLongLong(hi));
+    if (!lo_obj || !hi_obj) return nullptr;
+  }
 
   Ref handle, rec;
   if (candidate) {
@@ -615,9 +623,7 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
     // the ledger's ring and on their handles from the forward to the backward).
     untrack(rec.get());
     Ref itemsize_obj(PyLong_FromLongLong(itemsize));
-    Ref lo_obj(PyLong_FromLongLong(lo));
-    Ref hi_obj(PyLong_FromLongLong(hi));
-    if (!itemsize_obj || !lo_obj || !hi_obj) return nullptr;
+    if (!itemsize_obj) return nullptr;
     Ref tracker(version_tracker(t));
     Ref version(PyLong_FromLongLong(f.version));
     if (!tracker || !version) return nullptr;
@@ -713,10 +719,6 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
     Ref unique;
     if (ptr) {
       PyObject* entries = PyTuple_GET_ITEM(state, H_ENTRIES);
-      Ref lo_obj(PyLong_FromLongLong(lo));
-      // [0, nbytes): the whole tensor from the start of its storage (most saves) is nb itself
-      Ref hi_obj(lo == 0 && hi == nbytes ? (Py_INCREF(nb.get()), nb.get()) : PyLong_FromLongLong(hi));
-      if (!lo_obj || !hi_obj) return nullptr;
       // A storage not seen this step (most saves) gets its entry in one dict lookup: setdefault.
       Ref entry;
       PyObject* had = nullptr;  // borrowed

@@ -500,7 +500,9 @@ def test_native_offload_records_are_every_field_the_python_hooks_and_untracked()
 
 def test_native_record_layout_falls_back_to_calling_the_class():
     """Where the record class is not a plain slots dataclass (a default factory, too few fields, a
-    __post_init__), the C++ hook is told to call the class instead of filling slots."""
+    __post_init__), the C++ hook is told to call the class instead of filling slots: the class's own
+    __init__ (and its __post_init__) then makes every offload candidate's record."""
+    module = _native.load()
     assert _native._record_fields(PackRecord) is not None
 
     @dataclasses.dataclass
@@ -508,6 +510,27 @@ def test_native_record_layout_falls_back_to_calling_the_class():
         x: list = dataclasses.field(default_factory=list)
 
     assert _native._record_fields(WithFactory) is None
+
+    @dataclasses.dataclass(slots=True, eq=False)
+    class Posted(PackRecord):
+        def __post_init__(self) -> None:
+            self.h2d_s = -1.0  # (set by nothing else before backward)
+
+    consts = _native._constants()
+    try:
+        module.configure({**consts, "pack_record_fields": consts["pack_record_fields"][:5]})
+        assert not module.records_made_directly()
+        module.configure({**consts, "pack_record": Posted, "pack_record_fields": _native._record_fields(Posted)})
+        assert not module.records_made_directly()
+        ctx = OffloadActivations(device="cpu", native_hooks=True, min_offload_size=0)
+        a = torch.randn(64, requires_grad=True)
+        with ctx:
+            a.exp().sum()
+        recs = [r for r in ctx.ledger.records if r.decision == "offloaded"]
+        assert recs and all(type(r) is Posted and r.h2d_s == -1.0 for r in recs)
+    finally:
+        module.configure(consts)
+    assert module.records_made_directly()
 
 
 def test_native_build_failure_is_remembered_and_names_the_compiler_error(monkeypatch):
