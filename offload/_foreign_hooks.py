@@ -42,7 +42,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _torch_private
+from . import _native, _torch_private
 from ._warn import warn_user
 from .errors import OffloadError
 from .modules import _tls as _module_tls
@@ -166,7 +166,9 @@ def _watch(engine: Any, hook: Any) -> None:
     if hook is None or getattr(engine, "_warned_inner_hooks", False):
         _module_tls.watch = None
     else:
-        _module_tls.watch = (hook, lambda top, module: _inner_hooks(engine, top, module))
+        native = _native.loaded()  # its C read of the innermost pack hook, where some engine loaded it
+        _module_tls.watch = (hook, lambda top, module: _inner_hooks(engine, top, module),
+                             None if native is None else native.innermost_pack_hook)
 
 
 def _inner_hooks(engine: Any, top: Any, module: Any) -> None:

@@ -99,18 +99,43 @@ check of ``offload._kv_cache``): the one place that sees a model's output withou
 
 
 class _Local(threading.local):
-    """This thread's module tracking; the class attributes are the defaults of a thread that never tracked."""
+    """This thread's module tracking; the class attributes are the defaults of a thread that never tracked.
 
-    stack: "list[nn.Module] | None" = None
-    """The running modules, outermost first, while a scope is open on this thread; else None."""
+    ``scope`` is the one thread-local read a module call makes (a ``threading.local`` read costs
+    about as much as the rest of the push and pop): ``stack`` and ``watch`` are views of it, and
+    setting either sets it.
+    """
+
+    scope: "tuple[list[nn.Module], tuple | None] | None" = None
+    """(``stack``, ``watch``) while a scope is open on this thread; else None."""
     depth = 0
     """``track_modules`` scopes open on this thread."""
-    watch: "tuple[object, Callable[[object, nn.Module], None]] | None" = None
-    """(the pack hook the innermost engine entered on this thread pushed, what to call with the
-    innermost hooks and the module about to run when they are not that hook): set by the engine while entered
-    (NOTE [ Nested hooks ] in offload/_foreign_hooks.py)."""
+    _watch: "tuple[object, Callable[[object, nn.Module], None], Callable[[], object] | None] | None" = None
 
+    @property
+    def stack(self) -> "list[nn.Module] | None":
+        """The running modules, outermost first, while a scope is open on this thread; else None."""
+        scope = self.scope
+        return None if scope is None else scope[0]
 
+    @stack.setter
+    def stack(self, stack: "list[nn.Module] | None") -> None:
+        self.scope = None if stack is None else (stack, self._watch)
+
+    @property
+    def watch(self) -> "tuple | None":
+        """(the pack hook the innermost engine entered on this thread pushed, what to call with the
+        innermost hooks and the module about to run when they are not that hook, and what returns the
+        innermost pack hook alone where the C++ extension is loaded, else None): set by the engine while
+        entered (NOTE [ Nested hooks ] in offload/_foreign_hooks.py)."""
+        return self._watch
+
+    @watch.setter
+    def watch(self, watch: "tuple | None") -> None:
+        self._watch = watch
+        scope = self.scope
+        if scope is not None:
+            self.scope = (scope[0], watch)
 _tls = _Local()
 
 _WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -288,14 +313,18 @@ def _tracked_call(self: nn.Module, *args, **kwargs):
     # Dynamo folds the first test to True, so it never traces the thread-local read.
     if _is_dynamo_compiling() or _compiler._is_compiling_flag:
         return _call(self, *args, **kwargs)
-    stack = _tls.stack
-    if stack is None:  # no scope open on this thread
+    scope = _tls.scope
+    if scope is None:  # no scope open on this thread
         return _call(self, *args, **kwargs)
-    watch = _tls.watch
+    stack, watch = scope
     if watch is not None:  # an engine is entered: are its hooks still the innermost?
-        top = _top_hooks()
-        if top is None or top[0] is not watch[0]:
-            watch[1](top, self)
+        innermost = watch[2]
+        if innermost is None:
+            top = _top_hooks()
+            if top is None or top[0] is not watch[0]:
+                watch[1](top, self)
+        elif innermost() is not watch[0]:  # the C read (a tenth of torch's call: no pair copied)
+            watch[1](_top_hooks(), self)
     i = len(stack)
     if not i and id(self) not in _names:
         _name_outermost(self)

@@ -33,7 +33,9 @@
 
 #include <Python.h>
 #include <torch/extension.h>
+#include <ATen/SavedTensorHooks.h>
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -83,6 +85,7 @@ struct Consts {
   PyObject* offloaded = nullptr;        // ledger.OFFLOADED
   PyObject* is_param = nullptr;         // policy._is_param
   PyObject* module_names = nullptr;     // offload.modules._names (dict: id -> name)
+  PyObject* module_generation = nullptr;  // offload.modules._generation (a one-item list; _names is emptied at each bump)
   PyObject* current_module_name = nullptr;
   PyObject* observer_count = nullptr;   // engine._observer_count (a one-item list)
   PyObject* observer_tls = nullptr;     // engine._tls (add_pack_observer's per-thread observers)
@@ -220,6 +223,17 @@ enum { H_ENGINE, H_TS, H_THREAD, H_LEDGER, H_SEEN, H_ENTRIES, H_SEQ, H_DEVICE, H
 // read directly, with PyObject_GetAttr as the fallback for anything else.
 struct Slots {
   Py_ssize_t excluded_depth = -1, after_head = -1, module_stack = -1;  // -1: not a slot, use getattr
+  // The last module name found in offload.modules._names, for the module at `module` (an address) while
+  // the naming generation was `generation`: the next pack inside the same module call (most are) reuses it
+  // without a dict read. Valid while the generation object is the same: _names only grows within a
+  // generation (an entry once there is never rewritten), and a named module's death bumps it.
+  uintptr_t module = 0;
+  PyObject* generation = nullptr;  // owned
+  PyObject* name = nullptr;        // owned
+  ~Slots() {
+    Py_XDECREF(generation);
+    Py_XDECREF(name);
+  }
 };
 
 // A borrowed reference to attribute `name` of `o`: the slot at `offset` when there is one, else an
@@ -394,7 +408,7 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
     return python_pack(engine, obj);
   PyObject* ts = PyTuple_GET_ITEM(state, H_TS);  // borrowed, as are the captured objects below
   PyObject* engine_dict = PyTuple_GET_ITEM(state, H_ENGINE_DICT);
-  const Slots& slots = *static_cast<Slots*>(PyCapsule_GetPointer(PyTuple_GET_ITEM(state, H_SLOTS), nullptr));
+  Slots& slots = *static_cast<Slots*>(PyCapsule_GetPointer(PyTuple_GET_ITEM(state, H_SLOTS), nullptr));
 
   const int64_t itemsize = f.itemsize;
   const int64_t nbytes = f.nbytes;
@@ -531,18 +545,27 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
     int has = PyList_CheckExact(stack) ? PyList_GET_SIZE(stack) > 0 : PyObject_IsTrue(stack);
     if (has < 0) return nullptr;
     if (has) {
-      Ref top(PySequence_GetItem(stack, -1));
+      Ref top(PyList_CheckExact(stack) ? Py_NewRef(PyList_GET_ITEM(stack, PyList_GET_SIZE(stack) - 1))
+                                       : PySequence_GetItem(stack, -1));
       if (!top) return nullptr;
-      Ref key(PyLong_FromVoidPtr(top.get()));  // id()
-      if (!key) return nullptr;
-      PyObject* name = PyDict_GetItemWithError(C.module_names, key.get());  // borrowed
-      if (name) {
-        Py_INCREF(name);
-        module = Ref(name);
+      PyObject* generation = PyList_GET_ITEM(C.module_generation, 0);
+      Slots& cache = slots;
+      if (cache.name && cache.module == reinterpret_cast<uintptr_t>(top.get()) && cache.generation == generation) {
+        module = Ref(Py_NewRef(cache.name));
       } else {
-        if (PyErr_Occurred()) return nullptr;
-        module = Ref(PyObject_CallNoArgs(C.current_module_name));
-        if (!module) return nullptr;
+        Ref key(PyLong_FromVoidPtr(top.get()));  // id()
+        if (!key) return nullptr;
+        PyObject* name = PyDict_GetItemWithError(C.module_names, key.get());  // borrowed
+        if (name) {
+          module = Ref(Py_NewRef(name));
+          cache.module = reinterpret_cast<uintptr_t>(top.get());
+          Py_XSETREF(cache.generation, Py_NewRef(generation));
+          Py_XSETREF(cache.name, Py_NewRef(name));
+        } else {
+          if (PyErr_Occurred()) return nullptr;
+          module = Ref(PyObject_CallNoArgs(C.current_module_name));
+          if (!module) return nullptr;
+        }
       }
     } else {
       Py_INCREF(C.empty);
@@ -861,7 +884,7 @@ PyObject* configure(PyObject*, PyObject* kwargs) {
       {&C.buffer, "buffer"}, {&C.excluded_region, "excluded_region"}, {&C.too_small, "too_small"},
       {&C.in_backward, "in_backward"}, {&C.after_head, "after_head"}, {&C.kept, "kept"},
       {&C.offloaded, "offloaded"},
-      {&C.is_param, "is_param"}, {&C.module_names, "module_names"},
+      {&C.is_param, "is_param"}, {&C.module_names, "module_names"}, {&C.module_generation, "module_generation"},
       {&C.current_module_name, "current_module_name"}, {&C.observer_count, "observer_count"},
       {&C.step_type, "step_type"}, {&C.byte_span, "byte_span"}, {&C.observer_tls, "observer_tls"},
       {&C.pack_record, "pack_record"}, {&C.dtype_names, "dtype_names"}, {&C.dtype_name, "dtype_name"},
@@ -877,9 +900,10 @@ PyObject* configure(PyObject*, PyObject* kwargs) {
     Py_XSETREF(*it.slot, v);
   }
   if (!PyDict_Check(C.module_names) || !PyDict_Check(C.dtype_names) || !PyList_Check(C.observer_count) ||
-      PyList_GET_SIZE(C.observer_count) < 1) {
+      PyList_GET_SIZE(C.observer_count) < 1 || !PyList_CheckExact(C.module_generation) ||
+      PyList_GET_SIZE(C.module_generation) < 1) {
     PyErr_SetString(PyExc_TypeError, "offload._native.configure: module_names and dtype_names must be dicts, "
-                                     "observer_count a one-item list");
+                                     "observer_count and module_generation one-item lists");
     return nullptr;
   }
   if (!C.empty && !(C.empty = PyUnicode_InternFromString(""))) return nullptr;
@@ -897,6 +921,18 @@ PyObject* configure(PyObject*, PyObject* kwargs) {
 
 PyObject* records_made_directly(PyObject*, PyObject*) { return PyBool_FromLong(RL.direct); }
 
+// innermost_pack_hook(): this thread's innermost saved-tensors pack hook, or None; what
+// torch._C._autograd._top_saved_tensors_default_hooks(False) returns first, read in place: no pair of
+// hooks copied (two increfs and decrefs through torch's interpreter table) and no tuple converted.
+// offload.modules asks it at every module call while an engine is entered (NOTE [ Nested hooks ]).
+PyObject* innermost_pack_hook(PyObject*, PyObject*) {
+  const auto& tls = at::SavedTensorDefaultHooks::get_tls_state();
+  if (tls.stack.empty() || tls.is_tracing) Py_RETURN_NONE;  // get_hooks(false)'s nullopt cases
+  PyObject* pack = tls.stack.top().first.ptr(getPyInterpreter());
+  Py_INCREF(pack);
+  return pack;
+}
+
 PyMethodDef methods[] = {
     {"configure", configure, METH_O, "Hand over the engine module's constants (once, at load)."},
     {"hook_for", reinterpret_cast<PyCFunction>(hook_for), METH_FASTCALL,
@@ -905,6 +941,8 @@ PyMethodDef methods[] = {
      "Whether fn is the hook hook_for(engine) made."},
     {"records_made_directly", records_made_directly, METH_NOARGS,
      "Whether an offload candidate's PackRecord is filled slot by slot (else the class is called)."},
+    {"innermost_pack_hook", innermost_pack_hook, METH_NOARGS,
+     "This thread's innermost saved-tensors pack hook, or None (the first of torch's top pair)."},
     {nullptr, nullptr, 0, nullptr}};
 
 #define OFFLOAD_STR_(x) #x

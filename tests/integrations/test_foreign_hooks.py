@@ -3,6 +3,7 @@ TRL's flag works with this engine behind it (offload.compat.trl.patch_sft_traine
 
 from __future__ import annotations
 
+import os
 import warnings
 from unittest import mock
 
@@ -97,22 +98,51 @@ def _inside_engine(inner_factory, engine, model):
     return [str(w.message) for w in caught if "inside this engine" in str(w.message)]
 
 
-def test_save_on_cpu_inside_the_engine_warns_once():
+@pytest.fixture(params=["c_read", "python_read"])
+def innermost_read(request, monkeypatch):
+    """How module calls read the innermost hooks (NOTE [ Nested hooks ] rule 3): the C++ extension's read
+    where it is loaded, torch's call where it is not (``native_hooks=False`` in a process that never loaded
+    it)."""
+    from offload import _native
+
+    if request.param == "c_read":
+        try:
+            _native.load(announce=False)
+        except _native.NativeUnavailable as e:
+            if os.environ.get("CI"):
+                pytest.fail(f"CI must build offload's native pack hook: {e}")
+            pytest.skip(f"offload's native pack hook cannot be built here: {e}")
+        return {}
+    monkeypatch.setattr(_native, "_module", None)
+    return {"native_hooks": False}
+
+
+def _check_read(engine: OffloadActivations, kw: dict) -> None:
+    from offload.modules import _tls
+
+    with engine:
+        assert (_tls.watch[2] is None) == ("native_hooks" in kw), _tls.watch
+
+
+def test_save_on_cpu_inside_the_engine_warns_once(innermost_read):
     """save_on_cpu entered inside the engine takes what is saved inside it away from the engine (not
-    offloaded by it, not in its ledger): one warning, at the first module call under it (it was silent)."""
-    engine, model = OffloadActivations(device="cpu", min_offload_size=0), _model()
+    offloaded by it, not in its ledger): one warning, at the first module call under it (it was silent),
+    with either read of the innermost hooks."""
+    engine, model = OffloadActivations(device="cpu", min_offload_size=0, **innermost_read), _model()
+    _check_read(engine, innermost_read)
     msgs = _inside_engine(torch.autograd.graph.save_on_cpu, engine, model)
     assert len(msgs) == 1 and "save_on_cpu" in msgs[0] and "Sequential" in msgs[0], msgs
     assert engine.ledger.summary()["packed_count"] == 0
 
 
 @pytest.mark.parametrize("inner", ["checkpoint", "noop_manager", "tracker", "same_engine"])
-def test_contexts_inside_the_engine_that_lose_nothing_do_not_warn(inner):
+def test_contexts_inside_the_engine_that_lose_nothing_do_not_warn(inner, innermost_read):
     """Checkpointing, NoOpManager, a tracker (observes, installs no hooks) and the same engine again,
-    inside the engine: no warning."""
+    inside the engine: no warning, with either read of the innermost hooks."""
     from offload.profiling import PackedBytesTracker
 
-    engine, model = OffloadActivations(device="cpu", min_offload_size=0), _model()
+    engine, model = OffloadActivations(device="cpu", min_offload_size=0, **innermost_read), _model()
+    _check_read(engine, innermost_read)
     if inner == "checkpoint":
         def run(x):
             return checkpoint.checkpoint(model, x, use_reentrant=False)

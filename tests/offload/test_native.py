@@ -608,3 +608,104 @@ def test_native_hook_follows_a_ledger_reset_and_new_steps_inside_one_with():
         recs = [(r.step, r.decision, r.reason, r.nbytes, r.shape, r.dtype) for r in ctx.ledger.records]
         got.append((recs, _timing_free(ctx.ledger.summary()), [s.kept_count for s in ctx.ledger.step_totals]))
     assert got[0] == got[1] and got[0][0]
+
+
+def test_native_module_names_follow_renames_and_deaths_inside_one_with():
+    """The C++ hook reuses the last module name it found while the naming generation stands: a model
+    registered mid-entry (which renames a module already named) and a named module's death (a new module
+    may land on its address) inside one ``with`` give every record the Python hook's module name."""
+    import gc
+
+    from offload import modules as om
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            return (x * self.w).sin() * self.w
+
+    class Other(Block):
+        pass
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+    x = torch.randn(8, requires_grad=True)
+    got = []
+    for native in (True, False):
+        inner, names = Block(), []
+        ctx = OffloadActivations(device="cpu", native_hooks=native, min_offload_size=1 << 30)
+        with ctx:
+            if native:
+                assert _native.loaded().is_hook_of(_top_pack_hook(), ctx)
+            inner(x).sum().backward()  # its own root: "Block"
+            inner(x).sum().backward()  # (the cached name)
+            outer = Wrapper(inner)
+            om.register_model(outer)  # renamed "Wrapper.inner" inside the same entry
+            inner(x).sum().backward()
+            doomed = Block()
+            doomed(x).sum().backward()
+            old = id(doomed)
+            del doomed
+            gc.collect()
+            for _ in range(500):  # CPython reuses freed memory: a new module on the dead one's address
+                fresh = Other()
+                if id(fresh) == old:
+                    fresh(x).sum().backward()
+                    names.append("found")
+                    break
+                del fresh
+        got.append(([(r.step, r.module) for r in ctx.ledger.records], names))
+        del outer
+    assert got[0] == got[1]
+    recs, found = got[0]
+    by_step: dict[int, set[str]] = {}
+    for step, module in recs:
+        by_step.setdefault(step, set()).add(module)
+    assert [by_step[s] for s in sorted(by_step)][:4] == [{"Block"}, {"Block"}, {"Wrapper.inner"}, {"Block"}]
+    if found:  # (where the allocator gave the address back)
+        assert by_step[max(by_step)] == {"Other"} and len(by_step) == 5
+
+
+def test_native_innermost_pack_hook_is_torchs_top_pack_hook():
+    """``innermost_pack_hook`` (module calls' check of NOTE [ Nested hooks ] rule 3) returns what
+    ``torch._C._autograd._top_saved_tensors_default_hooks(False)`` returns first: None with no hooks and
+    while the hooks are deferred for tracing, else the innermost pack hook, through nesting and unwinding,
+    on each thread its own; no reference is leaked."""
+    import sys
+
+    read = _native.load().innermost_pack_hook
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+
+    def agrees() -> bool:
+        t = top(False)
+        return read() is (None if t is None else t[0])
+
+    assert read() is None and agrees()
+    packs = [lambda t: t for _ in range(3)]
+    with torch.autograd.graph.saved_tensors_hooks(packs[0], lambda t: t):
+        assert read() is packs[0] and agrees()
+        with torch.autograd.graph.saved_tensors_hooks(packs[1], lambda t: t):
+            assert read() is packs[1] and agrees()
+            tracing = torch._C._autograd._saved_tensors_hooks_set_tracing(True)
+            try:
+                assert read() is None and agrees()
+            finally:
+                torch._C._autograd._saved_tensors_hooks_set_tracing(tracing)
+            other: list = []
+            thread = threading.Thread(target=lambda: other.append(read()))
+            thread.start()
+            thread.join()
+            assert other == [None]
+            counts = []
+            for n in (1, 100):
+                for _ in range(n):
+                    read()
+                counts.append(sys.getrefcount(packs[1]))
+            assert counts[0] == counts[1], counts
+        assert read() is packs[0] and agrees()
+    assert read() is None
