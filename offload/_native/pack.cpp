@@ -34,6 +34,7 @@
 #include <Python.h>
 #include <torch/extension.h>
 #include <ATen/SavedTensorHooks.h>
+#include <c10/core/SafePyObject.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -925,12 +926,15 @@ PyObject* records_made_directly(PyObject*, PyObject*) { return PyBool_FromLong(R
 // torch._C._autograd._top_saved_tensors_default_hooks(False) returns first, read in place: no pair of
 // hooks copied (two increfs and decrefs through torch's interpreter table) and no tuple converted.
 // offload.modules asks it at every module call while an engine is entered (NOTE [ Nested hooks ]).
+// A hook on torch's stack: a c10::SafePyObject in recent torch, a plain PyObject* in older releases
+// (pyproject allows torch>=2.4; the device machine runs 2.11).
+PyObject* hook_object(PyObject* hook) { return hook; }
+PyObject* hook_object(const c10::SafePyObject& hook) { return hook.ptr(getPyInterpreter()); }
+
 PyObject* innermost_pack_hook(PyObject*, PyObject*) {
   const auto& tls = at::SavedTensorDefaultHooks::get_tls_state();
   if (tls.stack.empty() || tls.is_tracing) Py_RETURN_NONE;  // get_hooks(false)'s nullopt cases
-  PyObject* pack = tls.stack.top().first.ptr(getPyInterpreter());
-  Py_INCREF(pack);
-  return pack;
+  return Py_NewRef(hook_object(tls.stack.top().first));
 }
 
 PyMethodDef methods[] = {
