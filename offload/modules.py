@@ -136,6 +136,8 @@ class _Local(threading.local):
         scope = self.scope
         if scope is not None:
             self.scope = (scope[0], watch)
+
+
 _tls = _Local()
 
 _WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -323,7 +325,7 @@ def _tracked_call(self: nn.Module, *args, **kwargs):
             top = _top_hooks()
             if top is None or top[0] is not watch[0]:
                 watch[1](top, self)
-        elif innermost() is not watch[0]:  # the C read (a tenth of torch's call: no pair copied)
+        elif innermost() is not watch[0]:  # the C read: no pair of hooks copied, no tuple made
             watch[1](_top_hooks(), self)
     i = len(stack)
     if not i and id(self) not in _names:

@@ -550,18 +550,17 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
                                        : PySequence_GetItem(stack, -1));
       if (!top) return nullptr;
       PyObject* generation = PyList_GET_ITEM(C.module_generation, 0);
-      Slots& cache = slots;
-      if (cache.name && cache.module == reinterpret_cast<uintptr_t>(top.get()) && cache.generation == generation) {
-        module = Ref(Py_NewRef(cache.name));
+      if (slots.name && slots.module == reinterpret_cast<uintptr_t>(top.get()) && slots.generation == generation) {
+        module = Ref(Py_NewRef(slots.name));
       } else {
         Ref key(PyLong_FromVoidPtr(top.get()));  // id()
         if (!key) return nullptr;
         PyObject* name = PyDict_GetItemWithError(C.module_names, key.get());  // borrowed
         if (name) {
           module = Ref(Py_NewRef(name));
-          cache.module = reinterpret_cast<uintptr_t>(top.get());
-          Py_XSETREF(cache.generation, Py_NewRef(generation));
-          Py_XSETREF(cache.name, Py_NewRef(name));
+          slots.module = reinterpret_cast<uintptr_t>(top.get());
+          Py_XSETREF(slots.generation, Py_NewRef(generation));
+          Py_XSETREF(slots.name, Py_NewRef(name));
         } else {
           if (PyErr_Occurred()) return nullptr;
           module = Ref(PyObject_CallNoArgs(C.current_module_name));
