@@ -63,6 +63,28 @@ installed and removed once per step:
 
 Installed with no scope open on the calling thread, the wrapper costs one
 Python frame per module call (~0.25 us on CPython 3.11).
+
+# NOTE [ Module tracking in C ]
+Where the C++ extension is loaded (``offload._native``: the engines' pack hook, built in the background
+under ``native_hooks="auto"``), the wrapper installed is its ``module_call``, which does what
+``_tracked_call`` does at about a tenth of the instructions per module call (``bench.hook_cost``'s
+``modules_only``). Two things make it safe:
+
+- It is installed only in a process that never installed ``_tracked_call``: the extension is attached
+  before the first scope opens (an extension already built loads when the engine is made), or this
+  process keeps ``_tracked_call``. Two reasons. Its view of this thread's scope is a mirror:
+  ``_tls.scope`` stays the one source, and setting it (``stack`` or ``watch``) also sets the thread
+  state's entry the C wrapper reads (``set_scope``), so a scope opened before the extension was
+  attached has none. And torch.profiler's Python tracer reads ``nn.Module.__call__.__code__`` once, at
+  its first start, to find module calls among frames: read while ``_tracked_call`` was installed, only
+  its frames count, and under the C wrapper no module would be named. The C wrapper's ``__code__`` is
+  the wrapped call's, whose frames run under either wrapper and under none.
+- Dynamo cannot trace C code: the switch imports ``torch._dynamo`` (once) and registers a polyfill
+  for the wrapper (``substitute_in_graph``) that is the plain call, what ``_tracked_call`` is under
+  Dynamo. ``_compiler._is_compiling_flag`` (AOT tracing, export) is read by the C wrapper itself.
+- The wrapper is a method descriptor of ``object``: it binds to any module like a function and reads
+  back from the class as itself, so code that saves and restores ``nn.Module.__call__`` around its
+  own patch (``torch.fx``'s symbolic tracing) puts back the same object.
 """
 
 from __future__ import annotations
@@ -71,6 +93,7 @@ import logging
 import sys
 import threading
 import weakref
+from typing import Any
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -120,7 +143,7 @@ class _Local(threading.local):
 
     @stack.setter
     def stack(self, stack: "list[nn.Module] | None") -> None:
-        self.scope = None if stack is None else (stack, self._watch)
+        self._set_scope(None if stack is None else (stack, self._watch))
 
     @property
     def watch(self) -> "tuple | None":
@@ -135,7 +158,12 @@ class _Local(threading.local):
         self._watch = watch
         scope = self.scope
         if scope is not None:
-            self.scope = (scope[0], watch)
+            self._set_scope((scope[0], watch))
+
+    def _set_scope(self, scope: "tuple | None") -> None:
+        self.scope = scope
+        if _native_scope is not None:  # the C wrapper's mirror (NOTE [ Module tracking in C ])
+            _native_scope(scope)
 
 
 _tls = _Local()
@@ -368,15 +396,71 @@ def _remember(module: nn.Module, name: str, gen: int) -> None:
 
 _call = nn.Module.__call__
 """The ``__call__`` that ``_tracked_call`` wraps (set again each time tracking starts)."""
+_native_call: object = None
+"""The C wrapper to install (``offload._native``'s ``module_call``), once the extension is attached."""
+_native_ext: Any = None
+_native_scope: "Callable[[tuple | None], None] | None" = None
+"""The extension's ``set_scope`` once attached: the mirror of ``_tls.scope`` the C wrapper reads."""
+_polyfilled = False
+_python_wrapper_used = False
+"""Whether this process ever installed ``_tracked_call`` (then it never installs the C wrapper)."""
+
+
+def attach_native(ext: Any) -> None:
+    """Called by ``offload._native`` once the extension is loaded: configure its wrapper, which later
+    installs replace ``_tracked_call`` with (NOTE [ Module tracking in C ])."""
+    global _native_call, _native_ext, _native_scope
+    if not hasattr(torch.compiler, "_is_compiling_flag"):
+        return  # (a torch without the flag: the Python wrapper, which asks torch.compiler.is_compiling())
+    from ._torch_private import top_saved_tensors_hooks_c
+
+    with _lock:
+        if _native_ext is not None:
+            return
+        _native_call = ext.configure_tracking({
+            "call": _call, "compiler_dict": vars(torch.compiler), "flag_name": "_is_compiling_flag",
+            "scope_key": f"{__name__}._tls.scope", "names": _names, "name_outermost": _name_outermost,
+            "observers": OUTPUT_OBSERVERS, "top_hooks": top_saved_tensors_hooks_c,
+        })
+        _native_ext, _native_scope = ext, ext.set_scope
+        _native_scope(_tls.scope)  # this thread's; other threads' open scopes are not (hence the switch rule)
+
+
+def _installed() -> object:
+    """What ``nn.Module`` holds as ``__call__``."""
+    return vars(nn.Module).get("__call__")
+
+
+def _register_polyfill() -> None:
+    """Dynamo traces the plain call where the C wrapper is installed (it cannot trace a builtin)."""
+    global _polyfilled
+    if _polyfilled:
+        return
+    import torch._dynamo
+
+    def _traced_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _call(self, *args, **kwargs)
+
+    torch._dynamo.substitute_in_graph(nn.Module.__call__, skip_signature_check=True)(_traced_call)
+    _polyfilled = True
 
 
 def _install() -> None:
-    """Route ``nn.Module.__call__`` through ``_tracked_call`` (lock held)."""
-    global _call, _installs
-    current = nn.Module.__call__
-    if current is not _tracked_call:
-        _call = current
-        nn.Module.__call__ = _tracked_call
+    """Route ``nn.Module.__call__`` through ``_tracked_call``, or the C wrapper where the extension is
+    attached and ``_tracked_call`` was never installed (lock held; NOTE [ Module tracking in C ])."""
+    global _call, _installs, _python_wrapper_used
+    current = _installed()
+    want = _tracked_call if _native_call is None or _python_wrapper_used else _native_call
+    if current is not want:
+        if current is not _tracked_call and current is not _native_call:
+            _call = nn.Module.__call__
+        if want is _native_call:
+            _native_ext.set_call(_call)
+            nn.Module.__call__ = want
+            _register_polyfill()
+        else:
+            nn.Module.__call__ = want
+            _python_wrapper_used = True
         _installs += 1
         if _installs == _STICKY_AFTER:
             _log.info(
@@ -388,7 +472,7 @@ def _install() -> None:
 
 def _uninstall() -> None:
     """Restore ``nn.Module.__call__`` unless someone replaced it since (lock held)."""
-    if nn.Module.__call__ is _tracked_call:
+    if _installed() in (_tracked_call, _native_call):
         nn.Module.__call__ = _call
 
 

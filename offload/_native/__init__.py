@@ -238,6 +238,9 @@ def _build(announce: bool) -> ModuleType:
         module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
                                     build_directory=str(where), is_python_module=True, verbose=False)
     module.configure(_constants())
+    from .. import modules
+
+    modules.attach_native(module)  # module tracking's C wrapper (NOTE [ Module tracking in C ])
     return module
 
 

@@ -44,8 +44,10 @@
 
 #include <structmember.h>
 
+#include <cstddef>
 #include <typeinfo>
 #include <unordered_map>
+#include <vector>
 
 
 namespace {
@@ -936,6 +938,216 @@ PyObject* innermost_pack_hook(PyObject*, PyObject*) {
   return Py_NewRef(hook_object(tls.stack.top().first));
 }
 
+// -- Module tracking's call wrapper: offload.modules._tracked_call in C ------------------------------
+//
+// nn.Module.__call__ while module tracking is installed and this extension is loaded (offload.modules
+// switches to it; NOTE [ Module tracking in C ] there). A module call costs ~4k instructions through the
+// Python wrapper's frame and ~0.3-0.6k here. It does what _tracked_call does: the plain call while a
+// compilation runs or no scope is open on this thread; else the watch check (NOTE [ Nested hooks ]
+// rule 3), outermost naming, push, the wrapped call, the pop back to this call's entry (also when it
+// raised), and the output observers after an outermost call. This thread's scope, (stack, watch), is
+// the one offload.modules keeps in its thread-local and mirrors here (set_scope) into the thread state's
+// dict: one dict read, where a threading.local read costs ~500 instructions.
+
+struct Tracking {
+  PyObject* call = nullptr;            // the nn.Module.__call__ it wraps (offload.modules._call)
+  PyObject* compiler_dict = nullptr;   // vars(torch.compiler): its _is_compiling_flag
+  PyObject* flag_name = nullptr;       // "_is_compiling_flag"
+  PyObject* scope_key = nullptr;       // this thread's scope in the thread state's dict
+  PyObject* names = nullptr;           // offload.modules._names (id -> name)
+  PyObject* name_outermost = nullptr;  // offload.modules._name_outermost
+  PyObject* observers = nullptr;       // offload.modules.OUTPUT_OBSERVERS (a list)
+  PyObject* top_hooks = nullptr;       // torch's (pack, unpack) pair, for the watch's callback
+} T;
+
+// The pop back to a call's entry: `mod` at index i and everything above it, when still there.
+void unwind(PyObject* stack, Py_ssize_t i, PyObject* mod) {
+  Py_ssize_t n = PyList_GET_SIZE(stack);
+  if (n <= i || PyList_GET_ITEM(stack, i) != mod) return;
+  if (n == i + 1) {  // most often this call is on top: list.pop() without its call (the list keeps its room)
+    Py_SET_SIZE(reinterpret_cast<PyVarObject*>(stack), i);
+    Py_DECREF(mod);
+    return;
+  }
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);  // (a pending error of the call is kept as it is)
+  if (PyList_SetSlice(stack, i, n, nullptr) < 0) PyErr_Clear();
+  PyErr_Restore(type, value, tb);
+}
+
+// module_call(module, *args, **kwargs): the body of the wrapper below.
+PyObject* module_call(PyObject* mod, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  // The wrapped call's arguments: the module first (a copy of a few pointers).
+  const Py_ssize_t total = 1 + nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+  PyObject* small[8];
+  std::vector<PyObject*> big;
+  PyObject** full = small;
+  if (total > 8) {
+    big.resize(static_cast<size_t>(total));
+    full = big.data();
+  }
+  full[0] = mod;
+  for (Py_ssize_t k = 1; k < total; ++k) full[k] = args[k - 1];
+  const size_t call_nargs = static_cast<size_t>(1 + nargs);
+  PyObject* flag = PyDict_GetItemWithError(T.compiler_dict, T.flag_name);  // borrowed
+  PyObject* scope = nullptr;
+  if (flag != Py_True && !PyErr_Occurred()) {
+    PyObject* tdict = PyThreadState_GetDict();  // borrowed
+    scope = tdict ? PyDict_GetItemWithError(tdict, T.scope_key) : nullptr;
+  }
+  if (PyErr_Occurred()) return nullptr;
+  if (!scope || !PyTuple_CheckExact(scope) || PyTuple_GET_SIZE(scope) != 2 ||
+      !PyList_CheckExact(PyTuple_GET_ITEM(scope, 0)))
+    return PyObject_Vectorcall(T.call, full, call_nargs, kwnames);  // no scope open on this thread
+  Ref hold(Py_NewRef(scope));  // (the scope may be replaced while the call runs)
+  PyObject* stack = PyTuple_GET_ITEM(scope, 0);
+  PyObject* watch = PyTuple_GET_ITEM(scope, 1);
+  if (watch != Py_None) {  // an engine is entered: are its hooks still the innermost?
+    const auto& tls = at::SavedTensorDefaultHooks::get_tls_state();
+    PyObject* top = tls.stack.empty() || tls.is_tracing ? Py_None : hook_object(tls.stack.top().first);
+    if (!PyTuple_CheckExact(watch) || PyTuple_GET_SIZE(watch) < 2 || top != PyTuple_GET_ITEM(watch, 0)) {
+      Ref pair(PyObject_CallNoArgs(T.top_hooks));
+      if (!pair) return nullptr;
+      Ref done(PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(watch, 1), pair.get(), mod, nullptr));
+      if (!done) return nullptr;
+    }
+  }
+  const Py_ssize_t i = PyList_GET_SIZE(stack);
+  if (i == 0) {  // outermost: name it first (it may be a new implicit root, which renames the ones below)
+    Ref key(PyLong_FromVoidPtr(mod));
+    if (!key) return nullptr;
+    int named = PyDict_Contains(T.names, key.get());
+    if (named < 0) return nullptr;
+    if (!named) {
+      Ref done(PyObject_CallOneArg(T.name_outermost, mod));
+      if (!done) return nullptr;
+    }
+  }
+  if (PyList_Append(stack, mod) < 0) return nullptr;
+  PyObject* out = PyObject_Vectorcall(T.call, full, call_nargs, kwnames);
+  unwind(stack, i, mod);
+  if (out && i == 0 && PyList_GET_SIZE(T.observers) > 0) {
+    Ref observers(PySequence_List(T.observers));  // (a copy: an observer may remove itself)
+    if (!observers) return Py_DECREF(out), nullptr;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(observers.get()); ++k) {
+      Ref done(PyObject_CallFunctionObjArgs(PyList_GET_ITEM(observers.get(), k), mod, out, nullptr));
+      if (!done) return Py_DECREF(out), nullptr;
+    }
+  }
+  return out;
+}
+
+// The class attribute (ModuleCall): a descriptor that
+// - binds to any module like a function, and is called unbound by the interpreter (the type is a
+//   Py_TPFLAGS_METHOD_DESCRIPTOR with vectorcall: no bound method made per module call);
+// - reads back from the class as itself, so code that saves and restores nn.Module.__call__ around its
+//   own patch (torch.fx's symbolic tracing) puts back this object;
+// - has the wrapped call's __code__: torch.profiler's Python tracer reads nn.Module.__call__.__code__ (once,
+//   at its first start) to find module calls among frames, and the wrapped call's frames are those;
+// - says its __class__ is method_descriptor, which is what Dynamo's substitute_in_graph accepts (it
+//   registers its polyfill by the object's identity; offload.modules registers the plain call).
+struct ModuleCall {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+};
+
+PyObject* module_call_vectorcall(PyObject*, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "nn.Module.__call__ (offload's module tracking): no module given");
+    return nullptr;
+  }
+  return module_call(args[0], args + 1, nargs - 1, kwnames);
+}
+
+PyObject* module_call_get(PyObject* self, PyObject* obj, PyObject*) {
+  if (!obj) return Py_NewRef(self);
+  return PyMethod_New(self, obj);
+}
+
+PyObject* module_call_code(PyObject*, void*) { return PyObject_GetAttrString(T.call, "__code__"); }
+PyObject* module_call_class(PyObject*, void*) { return Py_NewRef(reinterpret_cast<PyObject*>(&PyMethodDescr_Type)); }
+PyObject* module_call_name(PyObject*, void*) { return PyUnicode_FromString("__call__"); }
+PyObject* module_call_qualname(PyObject*, void*) { return PyUnicode_FromString("Module.__call__"); }
+
+PyGetSetDef module_call_getset[] = {
+    {"__code__", module_call_code, nullptr, "The wrapped call's code (what torch.profiler looks for).", nullptr},
+    {"__class__", module_call_class, nullptr, "method_descriptor (what Dynamo's substitute_in_graph takes).", nullptr},
+    {"__name__", module_call_name, nullptr, nullptr, nullptr},
+    {"__qualname__", module_call_qualname, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyTypeObject ModuleCallType = {PyVarObject_HEAD_INIT(nullptr, 0) "offload._native.ModuleCall"};
+
+// configure_tracking(dict): offload.modules' objects (once); returns the class attribute to install.
+PyObject* configure_tracking(PyObject*, PyObject* kwargs) {
+  if (!PyDict_Check(kwargs)) {
+    PyErr_SetString(PyExc_TypeError, "configure_tracking(dict)");
+    return nullptr;
+  }
+  struct { PyObject** slot; const char* key; } items[] = {
+      {&T.call, "call"}, {&T.compiler_dict, "compiler_dict"}, {&T.flag_name, "flag_name"},
+      {&T.scope_key, "scope_key"}, {&T.names, "names"}, {&T.name_outermost, "name_outermost"},
+      {&T.observers, "observers"}, {&T.top_hooks, "top_hooks"},
+  };
+  for (auto& it : items) {
+    PyObject* v = PyDict_GetItemString(kwargs, it.key);  // borrowed
+    if (!v) {
+      PyErr_Format(PyExc_KeyError, "offload._native.configure_tracking: missing %s", it.key);
+      return nullptr;
+    }
+    Py_XSETREF(*it.slot, Py_NewRef(v));
+  }
+  if (PyUnicode_CheckExact(T.flag_name)) PyUnicode_InternInPlace(&T.flag_name);  // (the module dict's own key)
+  if (!PyDict_Check(T.compiler_dict) || !PyDict_Check(T.names) || !PyList_CheckExact(T.observers)) {
+    PyErr_SetString(PyExc_TypeError, "offload._native.configure_tracking: compiler_dict and names must be "
+                                     "dicts, observers a list");
+    return nullptr;
+  }
+  if (!(ModuleCallType.tp_flags & Py_TPFLAGS_READY)) {
+    ModuleCallType.tp_basicsize = sizeof(ModuleCall);
+    ModuleCallType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR;
+    ModuleCallType.tp_vectorcall_offset = offsetof(ModuleCall, vectorcall);
+    ModuleCallType.tp_call = PyVectorcall_Call;
+    ModuleCallType.tp_descr_get = module_call_get;
+    ModuleCallType.tp_getset = module_call_getset;
+    ModuleCallType.tp_doc = "nn.Module.__call__ with offload's module tracking (offload/_native/pack.cpp).";
+    if (PyType_Ready(&ModuleCallType) < 0) return nullptr;
+  }
+  ModuleCall* wrapper = PyObject_New(ModuleCall, &ModuleCallType);
+  if (!wrapper) return nullptr;
+  wrapper->vectorcall = module_call_vectorcall;
+  return reinterpret_cast<PyObject*>(wrapper);
+}
+
+// set_call(fn): the nn.Module.__call__ the wrapper calls (offload.modules._call, set at each install).
+PyObject* set_call(PyObject*, PyObject* fn) {
+  Py_XSETREF(T.call, Py_NewRef(fn));
+  Py_RETURN_NONE;
+}
+
+// set_scope(scope): this thread's (stack, watch), or None, mirrored from offload.modules._tls.scope.
+PyObject* set_scope(PyObject*, PyObject* scope) {
+  if (!T.scope_key) {
+    PyErr_SetString(PyExc_RuntimeError, "offload._native: configure_tracking() was not called");
+    return nullptr;
+  }
+  PyObject* tdict = PyThreadState_GetDict();  // borrowed
+  if (!tdict) {
+    PyErr_SetString(PyExc_RuntimeError, "offload._native.set_scope: no thread state dict");
+    return nullptr;
+  }
+  if (scope == Py_None) {
+    if (PyDict_DelItem(tdict, T.scope_key) < 0) {
+      if (!PyErr_ExceptionMatches(PyExc_KeyError)) return nullptr;
+      PyErr_Clear();
+    }
+  } else if (PyDict_SetItem(tdict, T.scope_key, scope) < 0) {
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"configure", configure, METH_O, "Hand over the engine module's constants (once, at load)."},
     {"hook_for", reinterpret_cast<PyCFunction>(hook_for), METH_FASTCALL,
@@ -944,6 +1156,10 @@ PyMethodDef methods[] = {
      "Whether fn is the hook hook_for(engine) made."},
     {"records_made_directly", records_made_directly, METH_NOARGS,
      "Whether an offload candidate's PackRecord is filled slot by slot (else the class is called)."},
+    {"configure_tracking", configure_tracking, METH_O,
+     "Hand over offload.modules' objects (once); returns the nn.Module.__call__ wrapper to install."},
+    {"set_call", set_call, METH_O, "The nn.Module.__call__ the wrapper calls."},
+    {"set_scope", set_scope, METH_O, "This thread's module-tracking scope, (stack, watch) or None."},
     {"innermost_pack_hook", innermost_pack_hook, METH_NOARGS,
      "This thread's innermost saved-tensors pack hook, or None (the first of torch's top pair)."},
     {nullptr, nullptr, 0, nullptr}};

@@ -355,19 +355,38 @@ def test_sync_copies_are_logged_without_a_lock_and_sum_per_step():
     assert (tot.d2h_seconds, tot.h2d_seconds, tot.h2d_bytes, tot.stall_seconds) == (3.0, 1.25, 107, 4.25)
 
 
-@pytest.fixture
-def fresh_wrapper(monkeypatch):
+@pytest.fixture(params=["python_wrapper", "c_wrapper"])
+def fresh_wrapper(request, monkeypatch):
     """``nn.Module.__call__`` unwrapped, no owners and a fresh install budget (NOTE [ Wrapper
-    lifetime ]): earlier tests in the process may have made the wrapper sticky."""
+    lifetime ]): earlier tests in the process may have made the wrapper sticky. Each test runs with
+    ``_tracked_call`` and with the C wrapper (NOTE [ Module tracking in C ])."""
+    import os
     import weakref
 
+    from offload import _native
     from offload import modules as om
 
     om.uninstall()
     monkeypatch.setattr(om, "_installs", 0)
     monkeypatch.setattr(om, "_owners", weakref.WeakSet())  # owners other tests left alive
+    monkeypatch.setattr(om, "_python_wrapper_used", False)
+    if request.param == "python_wrapper":
+        monkeypatch.setattr(om, "_native_call", None)
+    else:
+        try:
+            _native.load(announce=False)
+        except _native.NativeUnavailable as e:
+            if os.environ.get("CI"):
+                pytest.fail(f"CI must build offload's native extension: {e}")
+            pytest.skip(f"offload's native extension cannot be built here: {e}")
+        assert om._native_call is not None
     yield om
     om.uninstall()
+
+
+def _wrapped(om) -> bool:
+    """Whether ``nn.Module.__call__`` is the wrapper this test runs with."""
+    return om._installed() is (om._native_call if om._native_call is not None else om._tracked_call)
 
 
 def test_module_tracking_wraps_call_and_adds_no_global_hook(fresh_wrapper):
@@ -405,7 +424,7 @@ def test_module_tracking_wraps_call_and_adds_no_global_hook(fresh_wrapper):
     names_in_lin = []
     m.lin.register_forward_pre_hook(lambda mod, a: names_in_lin.append(om.current_module_name()))
     with om.track_modules():
-        assert nn.Module.__call__ is om._tracked_call
+        assert _wrapped(om)
         assert not torch_module._global_forward_pre_hooks and not torch_module._global_forward_hooks
         m(torch.randn(2, 4), fail=True)
         assert om.current_modules() == [] and om.current_module_name() == ""
@@ -439,13 +458,13 @@ def test_module_wrapper_stays_while_its_owner_lives(fresh_wrapper):
 
     om = fresh_wrapper
     original = nn.Module.__call__
-    assert original is not om._tracked_call
+    assert original is not om._tracked_call and not _wrapped(om)
     model = _toy()
     ctx = OffloadActivations(device="cpu", min_offload_size=0)
     for i in range(10):
         with ctx:
             loss = _loss(model, make_batch(TINY, 2, 16, seed=i))
-        assert nn.Module.__call__ is om._tracked_call  # stays between steps while ctx lives
+        assert _wrapped(om)  # stays between steps while ctx lives
         loss.backward()
     assert om._installs == 1  # one type change for ten steps (the old tracking made twenty)
     del ctx, loss
@@ -460,7 +479,7 @@ def test_module_wrapper_stays_while_its_owner_lives(fresh_wrapper):
     with om._lock:
         del ctx
         gc.collect()
-    assert nn.Module.__call__ is om._tracked_call
+    assert _wrapped(om)
     with om.track_modules():
         pass
     assert nn.Module.__call__ is original
@@ -472,7 +491,7 @@ def test_module_wrapper_stays_while_its_owner_lives(fresh_wrapper):
             _loss(model, make_batch(TINY, 2, 16, seed=i)).backward()
         del ctx
         gc.collect()
-    assert om._installs == om._STICKY_AFTER and nn.Module.__call__ is om._tracked_call
+    assert om._installs == om._STICKY_AFTER and _wrapped(om)
     with om.track_modules():
         with pytest.raises(RuntimeError, match="scope"):
             om.uninstall()
@@ -692,11 +711,30 @@ def test_module_calls_are_not_tracked_while_a_compilation_runs(fresh_wrapper, mo
         monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True, raising=False)
         m(torch.zeros(1))
         monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False, raising=False)
-        monkeypatch.setattr(om, "_compiler", om._CompilingFlag())  # a torch without the flag
         m(torch.zeros(1))
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        m(torch.zeros(1))
-    assert seen == [1, 0, 1, 0]
+        if om._installed() is om._tracked_call:  # (a torch without the flag never gets the C wrapper)
+            monkeypatch.setattr(om, "_compiler", om._CompilingFlag())  # a torch without the flag
+            monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+            m(torch.zeros(1))
+    assert seen[:3] == [1, 0, 1] and seen[3:] in ([], [0])
+
+
+def test_no_c_wrapper_on_a_torch_without_the_compiling_flag(monkeypatch):
+    """The C wrapper reads ``torch.compiler._is_compiling_flag`` itself: on a torch without it,
+    attaching the extension leaves module tracking to ``_tracked_call``."""
+    from offload import modules as om
+
+    monkeypatch.setattr(om, "_native_ext", None)
+    monkeypatch.setattr(om, "_native_call", None)
+    monkeypatch.setattr(om, "_native_scope", None)
+    monkeypatch.delattr(torch.compiler, "_is_compiling_flag", raising=False)
+
+    class Ext:
+        def configure_tracking(self, *_):  # pragma: no cover - must not be called
+            raise AssertionError("configured on a torch without the flag")
+
+    om.attach_native(Ext())
+    assert om._native_call is None and om._native_scope is None
 
 
 def test_kept_records_leave_the_cycle_collector():
@@ -716,3 +754,133 @@ def test_kept_records_leave_the_cycle_collector():
     logged = [r for r in ctx.ledger._records if type(r) is tuple]
     assert len(logged) >= 2 and not any(gc.is_tracked(r) for r in logged)
     assert all(type(r[3]) is tuple for r in logged)
+
+
+def test_module_tracking_runs_output_observers_and_the_nested_hooks_watch(fresh_wrapper):
+    """With either wrapper: an outermost module call's output goes to ``OUTPUT_OBSERVERS`` (inner calls'
+    do not), and a context entered inside an engine is seen at the next module call (NOTE [ Nested hooks ]
+    rule 3: one warning naming it)."""
+    import warnings
+
+    om = fresh_wrapper
+    got = []
+
+    def observe(module, out):
+        got.append((type(module).__name__, tuple(out.shape)))
+
+    m = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    om.OUTPUT_OBSERVERS.append(observe)
+    try:
+        with om.track_modules():
+            assert _wrapped(om)
+            m(torch.randn(2, 4))
+    finally:
+        om.OUTPUT_OBSERVERS.remove(observe)
+    assert got == [("Sequential", (2, 3))]
+
+    engine = OffloadActivations(device="cpu", min_offload_size=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with engine:
+            assert _wrapped(om)
+            with torch.autograd.graph.save_on_cpu():
+                m(torch.randn(2, 4, requires_grad=True)).sum()
+    msgs = [str(w.message) for w in caught if "inside this engine" in str(w.message)]
+    assert len(msgs) == 1 and "save_on_cpu" in msgs[0], msgs
+
+
+def test_a_process_that_used_the_python_wrapper_keeps_it(fresh_wrapper):
+    """NOTE [ Module tracking in C ]: once ``_tracked_call`` was installed (the extension attached after
+    a scope opened: its scope has no mirror, and a profiler started then keys on its frames), the
+    process keeps it, also across uninstalls and with the extension attached since; where it never
+    was, the C wrapper is installed, and stays the choice after an uninstall."""
+    om = fresh_wrapper
+    if om._native_call is None:
+        pytest.skip("the C wrapper's choice (this run keeps the Python wrapper)")
+    native = om._native_call
+    seen: list = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(om.current_module_name())
+            return x
+
+    probe = Probe()
+    for _ in range(2):
+        with om.track_modules():
+            assert om._installed() is native
+            probe(torch.zeros(1))
+        om.uninstall()
+    om._native_call = None  # the extension not attached yet
+    try:
+        with om.track_modules():
+            assert om._installed() is om._tracked_call
+            probe(torch.zeros(1))
+    finally:
+        om._native_call = native
+    om.uninstall()
+    with om.track_modules():
+        assert om._installed() is om._tracked_call  # kept, though the extension is attached now
+        probe(torch.zeros(1))
+    assert seen == ["Probe"] * 4
+
+
+def test_c_wrapper_compiles_to_one_graph_with_hooked_submodules(fresh_wrapper):
+    """Dynamo cannot trace a builtin: with the C wrapper installed it traces the registered polyfill
+    (the plain call), so ``fullgraph=True`` compiles a model whose submodule has a forward hook to one
+    graph, with the eager result; the compiled call's own modules are not pushed (as under
+    ``_tracked_call``)."""
+    om = fresh_wrapper
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model[2].register_forward_hook(lambda mod, args, out: out * 2)
+    x = torch.randn(3, 4)
+    with om.track_modules():
+        assert _wrapped(om)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        out = compiled(x)
+    torch.testing.assert_close(out, model(x))
+    assert len(graphs) == 1
+
+
+def test_module_wrapper_survives_fx_and_shows_modules_to_the_profiler(fresh_wrapper, tmp_path):
+    """With either wrapper: ``torch.fx``'s symbolic tracing patches ``nn.Module.__call__`` and restores
+    what it read (the wrapper, not the call it wraps), and torch.profiler's Python tracer, which reads
+    ``nn.Module.__call__.__code__`` once per process (at its first start) to find module calls among
+    frames, names every module (a fresh process, the wrapper installed before that first start)."""
+    import json
+    import subprocess
+    import sys
+
+    om = fresh_wrapper
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    c_wrapper = om._native_call is not None
+    with om.track_modules():
+        assert _wrapped(om)
+        wrapped_code = om._call.__code__ if c_wrapper else om._tracked_call.__code__
+        assert nn.Module.__call__.__code__ is wrapped_code
+        torch.fx.symbolic_trace(m)
+        assert _wrapped(om)
+    script = f"""
+import json, sys, torch
+from torch import nn
+from offload import _native, modules as om
+if {c_wrapper}:
+    _native.load(announce=False)
+m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+with om.track_modules():
+    assert (om._installed() is om._native_call) == {c_wrapper}, om._installed()
+    with torch.profiler.profile(with_modules=True, with_stack=True) as prof:
+        m(torch.randn(2, 4))
+prof.export_chrome_trace(sys.argv[1])
+"""
+    trace = tmp_path / "trace.json"
+    proc = subprocess.run([sys.executable, "-c", script, str(trace)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"nn.Module: Sequential_0", "nn.Module: Linear_0", "nn.Module: ReLU_0"} <= names
