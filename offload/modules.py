@@ -431,18 +431,25 @@ def _installed() -> object:
     return vars(nn.Module).get("__call__")
 
 
-def _register_polyfill() -> None:
-    """Dynamo traces the plain call where the C wrapper is installed (it cannot trace a builtin)."""
-    global _polyfilled
+def _register_polyfill() -> bool:
+    """Dynamo traces the plain call where the C wrapper is installed (it cannot trace C code); False
+    where it cannot be registered (a torch without ``substitute_in_graph``): then ``_tracked_call``."""
+    global _polyfilled, _native_call
     if _polyfilled:
-        return
-    import torch._dynamo
+        return True
+    try:
+        import torch._dynamo
 
-    def _traced_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return _call(self, *args, **kwargs)
+        def _traced_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _call(self, *args, **kwargs)
 
-    torch._dynamo.substitute_in_graph(nn.Module.__call__, skip_signature_check=True)(_traced_call)
+        torch._dynamo.substitute_in_graph(_native_call, skip_signature_check=True)(_traced_call)
+    except Exception as e:  # (an older torch's Dynamo)
+        _log.info("offload.modules: module tracking stays in Python (Dynamo cannot take the C wrapper: %s)", e)
+        _native_call = None
+        return False
     _polyfilled = True
+    return True
 
 
 def _install() -> None:
@@ -451,13 +458,14 @@ def _install() -> None:
     global _call, _installs, _python_wrapper_used
     current = _installed()
     want = _tracked_call if _native_call is None or _python_wrapper_used else _native_call
+    if want is _native_call and current is not want and not _register_polyfill():
+        want = _tracked_call
     if current is not want:
         if current is not _tracked_call and current is not _native_call:
             _call = nn.Module.__call__
         if want is _native_call:
             _native_ext.set_call(_call)
             nn.Module.__call__ = want
-            _register_polyfill()
         else:
             nn.Module.__call__ = want
             _python_wrapper_used = True

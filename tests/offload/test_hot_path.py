@@ -884,3 +884,31 @@ prof.export_chrome_trace(sys.argv[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"nn.Module: Sequential_0", "nn.Module: Linear_0", "nn.Module: ReLU_0"} <= names
+
+
+def test_c_wrapper_falls_back_where_dynamo_cannot_take_it(fresh_wrapper, monkeypatch):
+    """Where the Dynamo polyfill cannot be registered (an older torch), module tracking stays in
+    Python: ``_tracked_call`` is installed and tracks."""
+    import torch._dynamo
+
+    om = fresh_wrapper
+    if om._native_call is None:
+        pytest.skip("the C wrapper's fallback (this run keeps the Python wrapper)")
+    monkeypatch.setattr(om, "_native_call", om._native_call)  # (restored after the fallback drops it)
+    monkeypatch.setattr(om, "_polyfilled", False)
+
+    def refuse(*args, **kwargs):
+        raise TypeError("substitute_in_graph expects a function")
+
+    monkeypatch.setattr(torch._dynamo, "substitute_in_graph", refuse)
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(om.current_module_name())
+            return x
+
+    with om.track_modules():
+        assert om._installed() is om._tracked_call
+        Probe()(torch.zeros(1))
+    assert seen == ["Probe"]
