@@ -66,9 +66,9 @@ Python frame per module call (~0.25 us on CPython 3.11).
 
 # NOTE [ Module tracking in C ]
 Where the C++ extension is loaded (``offload._native``: the engines' pack hook, built in the background
-under ``native_hooks="auto"``), the wrapper installed is its ``module_call``, which does what
-``_tracked_call`` does at about a tenth of the instructions per module call (``bench.hook_cost``'s
-``modules_only``). Two things make it safe:
+under ``native_hooks="auto"``), the wrapper installed is its ``ModuleCall``, which does what
+``_tracked_call`` does at about a third of the instructions per module call (``bench.hook_cost``'s
+``modules_only``). What makes it safe:
 
 - It is installed only in a process that never installed ``_tracked_call``: the extension is attached
   before the first scope opens (an extension already built loads when the engine is made), or this
@@ -82,9 +82,10 @@ under ``native_hooks="auto"``), the wrapper installed is its ``module_call``, wh
 - Dynamo cannot trace C code: the switch imports ``torch._dynamo`` (once) and registers a polyfill
   for the wrapper (``substitute_in_graph``) that is the plain call, what ``_tracked_call`` is under
   Dynamo. ``_compiler._is_compiling_flag`` (AOT tracing, export) is read by the C wrapper itself.
-- The wrapper is a method descriptor of ``object``: it binds to any module like a function and reads
-  back from the class as itself, so code that saves and restores ``nn.Module.__call__`` around its
-  own patch (``torch.fx``'s symbolic tracing) puts back the same object.
+- The wrapper is a descriptor that binds to any module like a function (and is called unbound: no
+  bound method per call), and reads back from the class as itself, so code that saves and restores
+  ``nn.Module.__call__`` around its own patch (``torch.fx``'s symbolic tracing) puts back the same
+  object. Where the polyfill cannot be registered (an older torch), the process keeps ``_tracked_call``.
 """
 
 from __future__ import annotations
@@ -93,10 +94,10 @@ import logging
 import sys
 import threading
 import weakref
-from typing import Any
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 import torch
 from torch import nn
@@ -423,7 +424,7 @@ def attach_native(ext: Any) -> None:
             "observers": OUTPUT_OBSERVERS, "top_hooks": top_saved_tensors_hooks_c,
         })
         _native_ext, _native_scope = ext, ext.set_scope
-        _native_scope(_tls.scope)  # this thread's; other threads' open scopes are not (hence the switch rule)
+        _native_scope(_tls.scope)  # (this thread's; the wrapper is installed only before any scope opened)
 
 
 def _installed() -> object:

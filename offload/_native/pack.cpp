@@ -1,5 +1,6 @@
 // OffloadActivations._pack in C++ (config: native_hooks): the keep path, and the decision and records
-// of the offload path.
+// of the offload path. The same extension holds the other per-call hot path, module tracking's
+// nn.Module.__call__ wrapper (at the end of this file; NOTE [ Module tracking in C ] in offload/modules.py).
 //
 // Why: the pack hook runs once per saved tensor on the thread that launches
 // kernels, so its CPU time is step time (`python -m bench.hook_cost`). In
@@ -941,8 +942,9 @@ PyObject* innermost_pack_hook(PyObject*, PyObject*) {
 // -- Module tracking's call wrapper: offload.modules._tracked_call in C ------------------------------
 //
 // nn.Module.__call__ while module tracking is installed and this extension is loaded (offload.modules
-// switches to it; NOTE [ Module tracking in C ] there). A module call costs ~4k instructions through the
-// Python wrapper's frame and ~0.3-0.6k here. It does what _tracked_call does: the plain call while a
+// switches to it; NOTE [ Module tracking in C ] there). A module call costs ~4k instructions more than
+// an untracked one through the Python wrapper's frame, ~1.3k here (bench.hook_cost's modules_only,
+// dispatch included). It does what _tracked_call does: the plain call while a
 // compilation runs or no scope is open on this thread; else the watch check (NOTE [ Nested hooks ]
 // rule 3), outermost naming, push, the wrapped call, the pop back to this call's entry (also when it
 // raised), and the output observers after an outermost call. This thread's scope, (stack, watch), is
