@@ -3,7 +3,6 @@ TRL's flag works with this engine behind it (offload.compat.trl.patch_sft_traine
 
 from __future__ import annotations
 
-import os
 import warnings
 from unittest import mock
 
@@ -12,6 +11,7 @@ import torch
 import torch.utils.checkpoint as checkpoint
 
 from offload import NoOpManager, OffloadActivations
+from offload_testkit import require_native
 
 
 def _model() -> torch.nn.Module:
@@ -106,12 +106,7 @@ def innermost_read(request, monkeypatch):
     from offload import _native
 
     if request.param == "c_read":
-        try:
-            _native.load(announce=False)
-        except _native.NativeUnavailable as e:
-            if os.environ.get("CI"):
-                pytest.fail(f"CI must build offload's native pack hook: {e}")
-            pytest.skip(f"offload's native pack hook cannot be built here: {e}")
+        require_native()
         return {}
     monkeypatch.setattr(_native, "_module", None)
     return {"native_hooks": False}

@@ -412,3 +412,20 @@ def compiled_toy_reference(n_layers: int = 1, backend: Any = "inductor") -> tupl
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return model, compiled, inputs, want, ref
+
+
+def require_native():
+    """The C++ extension (offload._native), loaded; skips where it cannot be built, except in CI
+    (``CI=true``), where that is a failure: CI must test it."""
+    import os
+
+    import pytest
+
+    from offload import _native
+
+    try:
+        return _native.load(announce=False)
+    except _native.NativeUnavailable as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must build offload's native extension: {e}")
+        pytest.skip(f"offload's native extension cannot be built here: {e}")

@@ -34,6 +34,7 @@ from offload_testkit import (
     make_batch,
     no_gc,
     pack_case_strategies,
+    require_native,
     twin_of,
 )
 
@@ -360,10 +361,8 @@ def fresh_wrapper(request, monkeypatch):
     """``nn.Module.__call__`` unwrapped, no owners and a fresh install budget (NOTE [ Wrapper
     lifetime ]): earlier tests in the process may have made the wrapper sticky. Each test runs with
     ``_tracked_call`` and with the C wrapper (NOTE [ Module tracking in C ])."""
-    import os
     import weakref
 
-    from offload import _native
     from offload import modules as om
 
     om.uninstall()
@@ -373,12 +372,7 @@ def fresh_wrapper(request, monkeypatch):
     if request.param == "python_wrapper":
         monkeypatch.setattr(om, "_native_call", None)
     else:
-        try:
-            _native.load(announce=False)
-        except _native.NativeUnavailable as e:
-            if os.environ.get("CI"):
-                pytest.fail(f"CI must build offload's native extension: {e}")
-            pytest.skip(f"offload's native extension cannot be built here: {e}")
+        require_native()
         assert om._native_call is not None
     yield om
     om.uninstall()

@@ -32,6 +32,7 @@ from offload_testkit import (
     make_model,
     no_gc,
     pack_case_strategies,
+    require_native,
     run_step,
     twin_of,
 )
@@ -41,12 +42,7 @@ INPLACE = "modified by an inplace operation"
 
 @pytest.fixture(scope="module", autouse=True)
 def native_built():
-    try:
-        return _native.load()
-    except _native.NativeUnavailable as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must build offload's native pack hook: {e}")
-        pytest.skip(f"offload's native pack hook cannot be built here: {e}")
+    return require_native()
 
 
 def _timing_free(summary: dict) -> dict:
