@@ -94,6 +94,9 @@ def test_extras_are_complete():
     others = set().union(*(v for k, v in extras.items() if k != "test"))
     assert others <= extras["test"], sorted(others - extras["test"])
     assert not any(_dist_name(project, d) == "torch" and d.strip() == "torch" for d in project["dependencies"])
+    # The C++ pack hook, the default where it builds, is built with ninja: a dependency, not only an extra
+    # (without it every install ran the Python hook).
+    assert "ninja" in {_dist_name(project, d) for d in project["dependencies"]}
 
 
 def test_metadata_is_set():

@@ -8,7 +8,8 @@ packs on another thread than the one that entered the engine, every pack an obse
 ``_pack`` before doing anything. The Python hook stays the
 reference: ``tests/offload/test_native.py`` compares the two record by record.
 
-Built with ``torch.utils.cpp_extension.load`` (a C++ compiler and ``ninja`` are needed; about 20 s
+Built with ``torch.utils.cpp_extension.load`` (a C++ compiler and ``ninja``, a dependency whose binary
+the build finds off ``PATH`` too, ``_ninja_on_path``; about 20 s
 once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, as
 ``offload_native_pack_<torch version>_<hash of this checkout's pack.cpp>``: one build per torch
 version, source and checkout, so two checkouts never rebuild over each other).
@@ -234,7 +235,7 @@ def _build(announce: bool) -> ModuleType:
     if not is_built():
         say(f"offload: building the native pack hook {name} from {_SOURCE} (~20 s, once per torch version and "
             "source; native_hooks='auto', the default, builds it in the background instead of waiting)")
-    with build_lock(where, say=say):
+    with build_lock(where, say=say), _ninja_on_path():
         module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
                                     build_directory=str(where), is_python_module=True, verbose=False)
     module.configure(_constants())
@@ -242,6 +243,37 @@ def _build(announce: bool) -> ModuleType:
 
     modules.attach_native(module)  # module tracking's C wrapper (NOTE [ Module tracking in C ])
     return module
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """``PATH`` with the ``ninja`` package's binary on it while torch builds, where no ``ninja`` is found on
+    it: the package (a dependency) installs its binary beside the interpreter's scripts, which are not on
+    ``PATH`` for a virtual environment's Python run without activating it, and torch's build runs ``ninja``
+    from ``PATH``. Restored after (it is the process's environment); a no-op where ``ninja`` is found."""
+    import shutil
+
+    bin_dir = None
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            bin_dir = getattr(ninja, "BIN_DIR", None)
+        except ImportError:
+            pass
+    if not bin_dir or shutil.which("ninja", path=bin_dir) is None:
+        yield  # torch's own error then names what is missing
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(p for p in (bin_dir, before) if p)
+    _log.info("offload: building with the ninja package's binary in %s (not on PATH)", bin_dir)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 _TORCH_LOCK = "lock"

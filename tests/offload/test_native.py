@@ -336,6 +336,33 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_build(tmp_path):
     assert not lock.exists() and "removed" in done.stderr and "was killed" in done.stderr
 
 
+def test_the_build_finds_the_ninja_package_where_path_has_no_ninja(tmp_path):
+    """ninja is a dependency, but its binary sits beside the interpreter's scripts, which are not on PATH for
+    a virtual environment's Python run without activating it; torch's build runs `ninja` from PATH (also to
+    load a built extension in a new process), so the build puts the package's binary on PATH, and restores
+    PATH after (a subprocess whose PATH has no ninja: before, "Ninja is required to load C++ extensions")."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("ninja")
+    _native.load()
+    root = tmp_path / "ext"
+    shutil.copytree(_native.build_dir(), root / _native._build_name())  # built: the child only loads it
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if d and shutil.which("ninja", path=d) is None)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root), PATH=path)
+    code = ("import logging, os, shutil; logging.basicConfig(level=logging.INFO); before = os.environ['PATH']; "
+            "assert shutil.which('ninja') is None, 'ninja still on PATH'; from offload import _native; "
+            "_native.load(); assert os.environ['PATH'] == before, 'PATH not restored'; print('loaded')")
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+    assert "ninja package's binary" in done.stderr
+
+
 def test_a_build_lock_held_by_a_live_build_is_waited_for_not_broken(tmp_path):
     """While another live process builds (it holds the advisory lock), torch's lock file is not touched:
     the next build waits, and gives up with a reason after its deadline; once the holder is gone the
