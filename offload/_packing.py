@@ -181,9 +181,12 @@ class _Packing:
         # -- record
         ledger._open_used = True
         if spanned:
-            # A storage not seen this step (most saves): _record_span's first case, inlined.
+            # A storage not seen this step (most saves), or seen through a saver now dead (its address
+            # reused: on the offload path, where a copied source is freed, most of the others):
+            # _record_span's first case, inlined.
             seen = self._seen.entries
-            if ptr and hi_b > lo_b and key not in seen:
+            entry = seen.get(key)
+            if ptr and hi_b > lo_b and (entry is None or (type(entry) is tuple and entry[0]() is None)):
                 seen[key] = (weakref.ref(t if base is None else base), lo_b, hi_b)
                 ledger.unique_log.append(hi_b - lo_b)
             else:
