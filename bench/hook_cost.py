@@ -58,6 +58,11 @@ of packs (forward) or unpacks (backward):
                   hook, per-step handle bookkeeping) with a pack that does only
                   what ``safe_keep_floor`` does: the fixed cost every decision
                   of ours pays before classifying or recording anything
+  facts_floor     ``engine_floor`` that also reads every fact of a saved
+                  tensor the Python keep path decides and records from (its
+                  storage, address and bytes, shape, dtype, device, leaf,
+                  base, offset, contiguity, the thread's state), and decides
+                  and records nothing: the least the Python hook can cost
 
 Two measures, in one run:
   * CPU time on one thread (``time.process_time``, ``torch.set_num_threads(1)``),
@@ -127,6 +132,7 @@ from offload import OffloadActivations, OffloadError
 from offload import modules as _modules
 from offload._format import render_table
 from offload.modules import track_modules
+from offload._packing import _PLAIN_ITEMSIZE, _plain_itemsize
 
 
 
@@ -137,7 +143,8 @@ def default_out() -> Path:
 
 VARIANTS = ("none", "identity", "torchtune_keep", "torchtune_real", "trl_keep", "save_on_cpu", "ours_keep",
             "ours_keep_native", "ours_keep_excluded", "ours_keep_excluded_native", "ours_offload",
-            "ours_offload_native", "modules_only", "module_dispatch", "safe_keep_floor", "engine_floor")
+            "ours_offload_native", "modules_only", "module_dispatch", "safe_keep_floor", "engine_floor",
+            "facts_floor")
 NATIVE = ("ours_keep_native", "ours_keep_excluded_native", "ours_offload_native")
 """The variants with ``native_hooks=True``."""
 OPTIONAL = ("torchtune_real", "trl_keep", *NATIVE)
@@ -156,12 +163,13 @@ RATIOS = {
     "ours_keep/identity": ("ours_keep", "identity"),
     "safe_keep_floor/torchtune_keep": ("safe_keep_floor", "torchtune_keep"),
     "engine_floor/torchtune_keep": ("engine_floor", "torchtune_keep"),
+    "ours_keep/facts_floor": ("ours_keep", "facts_floor"),
 }
 """Ratio name -> (numerator, denominator) of per-pack costs; the goal is <= 2 for the first two."""
 _PER_MODULE_CALL = ("modules_only", "module_dispatch")
 """Variants without saved-tensor hooks: their cost is per module call, not per pack."""
 _TRACKING = ("ours_keep", "ours_keep_native", "ours_keep_excluded", "ours_keep_excluded_native", "ours_offload",
-             "ours_offload_native", "modules_only", "engine_floor")
+             "ours_offload_native", "modules_only", "engine_floor", "facts_floor")
 """Variants that run with ``nn.Module.__call__`` wrapped (offload.modules); the others run without it."""
 
 
@@ -385,6 +393,30 @@ class _FloorEngine(OffloadActivations):
         return (t if t.is_leaf else t.detach(), t._version, self._open_step())  # Rules 10 and 6
 
 
+class _FactsFloorEngine(OffloadActivations):
+    """``facts_floor``: ``engine_floor``'s pack after reading what ``offload._packing._Packing._pack`` reads of
+    a plain tensor, the same way (each fact once, through the same calls); nothing decided or recorded."""
+
+    def _pack(self, t: torch.Tensor) -> Any:  # (one statement a fact: no tuple built to hold them)
+        st = t.untyped_storage()
+        st.data_ptr()
+        shape = t.shape
+        dtype = t.dtype
+        itemsize = _PLAIN_ITEMSIZE.get(dtype) or _plain_itemsize(t)
+        try:
+            self._tls.state
+        except AttributeError:
+            self._thread()
+        device, leaf = t.device, t.is_leaf
+        device == self.device  # classify's facts
+        shape.numel() * itemsize
+        t._base
+        t.storage_offset()  # the span's
+        t.is_contiguous()
+        len(st)  # the record's storage bytes
+        return (t if leaf else t.detach(), t._version, self._open_step())
+
+
 def _contexts(model: nn.Module) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     """Variant name -> factory of the context one forward of ``model`` runs in (one object reused across
     steps)."""
@@ -395,6 +427,7 @@ def _contexts(model: nn.Module) -> dict[str, Callable[[], contextlib.AbstractCon
     keep, keep_excluded, off = ours["ours_keep"](), ours["ours_keep_excluded"](), ours["ours_offload"]()
     floor = _safe_keep_floor_hooks()
     engine_floor = _FloorEngine(device="cpu")  # (its own _pack: "auto" never pushes the C++ hook over it)
+    facts_floor = _FactsFloorEngine(device="cpu")
     return {
         "none": contextlib.nullcontext,
         "identity": lambda: identity,
@@ -407,6 +440,7 @@ def _contexts(model: nn.Module) -> dict[str, Callable[[], contextlib.AbstractCon
         "module_dispatch": _module_dispatch,
         "safe_keep_floor": lambda: floor,
         "engine_floor": lambda: engine_floor,
+        "facts_floor": lambda: facts_floor,
         **_optional_contexts(model)[0],
     }
 
