@@ -183,14 +183,14 @@ class _Packing:
         if spanned:
             # A storage not seen this step (most saves), or seen through a saver now dead (its address
             # reused: on the offload path, where a copied source is freed, most of the others):
-            # _record_span's first case, inlined.
+            # SpanSet.add_span's own first case, inlined (a call costs ~0.7k instructions a pack).
             seen = self._seen.entries
             entry = seen.get(key)
             if ptr and hi_b > lo_b and (entry is None or (type(entry) is tuple and entry[0]() is None)):
                 seen[key] = (weakref.ref(t if base is None else base), lo_b, hi_b)
                 ledger.unique_log.append(hi_b - lo_b)
             else:
-                self._record_span(t, base, key, lo_b, hi_b)
+                self._record_span(t, key, lo_b, hi_b)
         if _observer_count[0] and (self._observers or _tls.__dict__.get("observers")):
             self._record_observed(t, rec)
         else:
@@ -265,24 +265,15 @@ class _Packing:
             _notify(self, t, rec)
         return handle
 
-    def _record_span(self, t: torch.Tensor, base: torch.Tensor | None, key: tuple[str, int], lo_b: int,
-                     hi_b: int) -> None:
+    def _record_span(self, t: torch.Tensor, key: tuple[str, int], lo_b: int, hi_b: int) -> None:
         """Log the bytes this save's span ``[lo_b, hi_b)`` of its storage ``key`` (device, address)
-        adds to the step's union of saved spans (offload._spans: what the profilers count too);
-        ``base`` is ``t._base``."""
+        adds to the step's union of saved spans (offload._spans: what the profilers count too), where
+        ``_pack``'s inlined first case (a storage not seen this step, or seen through a saver now dead)
+        does not apply: ``SpanSet.add_span``."""
         if not key[1]:  # an empty storage (all at address 0): keyed by the tensor itself
             unique = self._seen.add_span(t, ("id", id(t)), 0, t.numel() * t.element_size())
         else:
-            ident: Any = key
-            seen = self._seen.entries
-            entry = seen.get(ident)
-            # A storage not seen this step (most saves), or seen through a saver now dead (its
-            # address reused): SpanSet.add_span's own first case, inlined.
-            if (entry is None or (type(entry) is tuple and entry[0]() is None)) and hi_b > lo_b:
-                seen[ident] = (weakref.ref(t if base is None else base), lo_b, hi_b)
-                unique = hi_b - lo_b
-            else:
-                unique = self._seen.add_span(t, ident, lo_b, hi_b)
+            unique = self._seen.add_span(t, key, lo_b, hi_b)
         if unique:
             self.ledger.unique_log.append(unique)
 

@@ -759,7 +759,7 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
         if (had != entry.get() && PyTuple_CheckExact(had) && PyTuple_GET_SIZE(had) > 0 &&
             PyWeakref_CheckRef(PyTuple_GET_ITEM(had, 0)) && PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(had, 0)) == Py_None) {
           // Seen through a saver now dead (its address reused: an offloaded source freed this step):
-          // a new storage, as _record_span has it.
+          // a new storage, as the Python hook has it (SpanSet.add_span, inlined in _pack).
           if (PyDict_SetItem(entries, ident.get(), entry.get()) < 0) return nullptr;
           had = entry.get();
         }

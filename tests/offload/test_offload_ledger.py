@@ -214,6 +214,29 @@ def test_step_totals_carry_pool_and_rss():
 
 
 @pytest.mark.parametrize("min_offload_size", [0, 1 << 40], ids=["offloaded", "kept"])
+def test_unique_bytes_count_a_new_storage_at_a_dead_savers_address(min_offload_size):
+    """Two storages at one address in one step (the first and its saver dead before the second is
+    saved: an allocator's reuse, made certain here with two tensors over one buffer) are two sets of
+    saved bytes; while the first saver lives, a second save of its bytes adds none."""
+    import gc
+
+    buf = bytearray(4096 * 4)
+    w = torch.randn(4096, 1, requires_grad=True)
+    ctx = OffloadActivations(device="cpu", min_offload_size=min_offload_size)
+    with ctx:
+        first = torch.frombuffer(buf, dtype=torch.float32)
+        y = (first @ w).sum()  # saves `first`
+        again = (first @ w).sum()  # the same storage, its saver alive: nothing new
+        del y, again, first
+        gc.collect()
+        second = torch.frombuffer(buf, dtype=torch.float32)  # a new storage, at the same address
+        z = (second @ w).sum()
+    assert second.untyped_storage().data_ptr() == torch.frombuffer(buf, dtype=torch.float32).data_ptr()
+    z.backward()
+    assert ctx.ledger.summary()["unique_bytes"] == 2 * 4096 * 4
+
+
+@pytest.mark.parametrize("min_offload_size", [0, 1 << 40], ids=["offloaded", "kept"])
 def test_unique_bytes_count_the_saved_span_as_the_tracker_does(min_offload_size):
     """A saved batch slice adds only the bytes it spans to unique_bytes, as PackedBytesTracker counts."""
     from offload.profiling import PackedBytesTracker
