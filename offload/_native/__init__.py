@@ -250,7 +250,9 @@ def _ninja_on_path() -> Iterator[None]:
     """``PATH`` with the ``ninja`` package's binary on it while torch builds, where no ``ninja`` is found on
     it: the package (a dependency) installs its binary beside the interpreter's scripts, which are not on
     ``PATH`` for a virtual environment's Python run without activating it, and torch's build runs ``ninja``
-    from ``PATH``. Restored after (it is the process's environment); a no-op where ``ninja`` is found."""
+    from ``PATH``. Appended, not prepended (that folder holds a ``python`` too: no other name on ``PATH``
+    resolves differently meanwhile), and restored after (it is the process's environment, and the build
+    may run on a background thread); a no-op where ``ninja`` is found."""
     import shutil
 
     bin_dir = None
@@ -265,7 +267,7 @@ def _ninja_on_path() -> Iterator[None]:
         yield  # torch's own error then names what is missing
         return
     before = os.environ.get("PATH")
-    os.environ["PATH"] = os.pathsep.join(p for p in (bin_dir, before) if p)
+    os.environ["PATH"] = os.pathsep.join(p for p in (before, bin_dir) if p)
     _log.info("offload: building with the ninja package's binary in %s (not on PATH)", bin_dir)
     try:
         yield
