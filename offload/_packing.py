@@ -139,10 +139,7 @@ class _Packing:
         itemsize = _PLAIN_ITEMSIZE.get(dtype) or _plain_itemsize(t)
         if not itemsize:  # quantized: its scale is not in its bytes
             return self._pack_other(t)
-        try:
-            ts = self._tls.state
-        except AttributeError:
-            ts = self._thread()
+        ts = getattr(self._tls, "state", None) or self._thread()
         device, leaf = t.device, t.is_leaf
         on_device = device == self.device
         nbytes = shape.numel() * itemsize  # t.nbytes, without a tensor getter
@@ -159,19 +156,23 @@ class _Packing:
         module = (_module_names.get(id(stack[-1])) or _module_of(ts)) if stack else ""
         ledger = self.ledger
         spanned = reason is not _PARAMETER and reason is not _BUFFER
-        if spanned:  # the bytes of its storage t can touch: recorded, and what an offload copies
+        if spanned:  # the bytes of its storage t can touch: what an offload copies, and the span recorded
             offset, contiguous = t.storage_offset(), t.is_contiguous()
             lo_b, key = offset * itemsize, (dev, ptr)
             hi_b = lo_b + nbytes if contiguous else byte_span(t)[1]
+            seen = self._seen.entries  # SpanSet.add_span's first case, inlined (a call costs ~0.7k a pack):
+            entry = seen.get(key)  # a storage not seen this step, or seen through a saver now dead
+            if ptr and hi_b > lo_b and (entry is None or (type(entry) is tuple and entry[0]() is None)):
+                seen[key] = (weakref.ref(t if base is None else base), lo_b, hi_b)
+                ledger.unique_log.append(hi_b - lo_b)
+            else:
+                self._record_span(t, key, lo_b, hi_b)
         if reason:
             self._inflight and self._sched.kept()  # finished copies free their sources (NOTE [ Copy schedule ])
-            # Kept: (the tensor, detached if it has history: Rule 10; its version: Rule 6); NOTE [ Ledger logs ]
-            handle: Any = (t if leaf else t.detach(), t._version, step)
-            # (a tuple of its shape, not the torch.Size: a Size stays tracked by the cycle collector, and a
-            # record holding one with it, ring and all: 2.9 us a pack of collections, not 0.5)
+            handle: Any = (t if leaf else t.detach(), t._version, step)  # Rule 10: detached; Rule 6: its version
             rec: Any = (next(self._seq), ledger.current_step, nbytes, tuple(shape), dtype, dev, module,
                         KEPT, reason, ptr, len(st))  # len: st.nbytes() without the argument parsing
-            ledger.kept_log[reason].append(nbytes)  # every reason has its list (Ledger.reset)
+            ledger.kept_log[reason].append(nbytes)  # each reason has its list (NOTE [ Ledger logs ])
         else:
             rec = PackRecord(next(self._seq), ledger.current_step, nbytes, tuple(shape),
                              _DTYPE_NAMES.get(dtype) or policy.dtype_name(dtype), dev, module,
@@ -180,17 +181,6 @@ class _Packing:
             _log_offload(ledger, rec, nbytes)
         # -- record
         ledger._open_used = True
-        if spanned:
-            # A storage not seen this step (most saves), or seen through a saver now dead (its address
-            # reused: on the offload path, where a copied source is freed, most of the others):
-            # SpanSet.add_span's own first case, inlined (a call costs ~0.7k instructions a pack).
-            seen = self._seen.entries
-            entry = seen.get(key)
-            if ptr and hi_b > lo_b and (entry is None or (type(entry) is tuple and entry[0]() is None)):
-                seen[key] = (weakref.ref(t if base is None else base), lo_b, hi_b)
-                ledger.unique_log.append(hi_b - lo_b)
-            else:
-                self._record_span(t, key, lo_b, hi_b)
         if _observer_count[0] and (self._observers or _tls.__dict__.get("observers")):
             self._record_observed(t, rec)
         else:

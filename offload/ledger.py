@@ -24,8 +24,10 @@ step's distinct saved bytes to another, and its record to the records ring, as t
 ``PackRecord``'s first eleven fields when nothing will change it later (a kept
 decision, its shape logged as a tuple and its dtype as the tensor's
 ``torch.dtype``; ``record_from_log`` builds the ``PackRecord``, dtype named, when
-``records`` is read). Such a tuple holds no object the cycle collector follows, so
-the collector untracks it at its first pass (the C++ hook, ``native_hooks=True``,
+``records`` is read). Such a tuple holds no object the cycle collector follows (its
+``torch.Size`` would be one: a Size stays tracked, and with it the record; on the bench's
+chain collections went from 0.5 to 2.9 us a pack), so the collector untracks it at its
+first pass (the C++ hook, ``native_hooks=True``,
 untracks it at once): the ring of up to ``max_records`` records never feeds the
 old generation, whose growth is what triggers full collections. Synchronous copies log their seconds and bytes the same way
 (``add_sync_copy``). ``list.append`` is atomic, so packs on several threads need no lock.
