@@ -48,7 +48,6 @@
 #include <cstddef>
 #include <typeinfo>
 #include <unordered_map>
-#include <vector>
 
 
 namespace {
@@ -992,20 +991,10 @@ void unwind(PyObject* stack, Py_ssize_t i, PyObject* mod) {
   PyErr_Restore(type, value, tb);
 }
 
-// module_call(module, *args, **kwargs): the body of the wrapper below.
-PyObject* module_call(PyObject* mod, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  // The wrapped call's arguments: the module first (a copy of a few pointers).
-  const Py_ssize_t total = 1 + nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
-  PyObject* small[8];
-  std::vector<PyObject*> big;
-  PyObject** full = small;
-  if (total > 8) {
-    big.resize(static_cast<size_t>(total));
-    full = big.data();
-  }
-  full[0] = mod;
-  for (Py_ssize_t k = 1; k < total; ++k) full[k] = args[k - 1];
-  const size_t call_nargs = static_cast<size_t>(1 + nargs);
+// module_call(module, *args, **kwargs): the body of the wrapper below. `full` is the vectorcall's own
+// argument array, the module first (`call_nargs` positional, then kwnames' values): handed on as it is.
+PyObject* module_call(PyObject* const* full, size_t call_nargs, PyObject* kwnames) {
+  PyObject* mod = full[0];
   PyObject* flag = PyDict_GetItemWithError(T.compiler_dict, T.flag_name);  // borrowed
   PyObject* scope = nullptr;
   if (flag != Py_True && !PyErr_Occurred()) {
@@ -1073,7 +1062,7 @@ PyObject* module_call_vectorcall(PyObject*, PyObject* const* args, size_t nargsf
     PyErr_SetString(PyExc_TypeError, "nn.Module.__call__ (offload's module tracking): no module given");
     return nullptr;
   }
-  return module_call(args[0], args + 1, nargs - 1, kwnames);
+  return module_call(args, static_cast<size_t>(nargs), kwnames);
 }
 
 PyObject* module_call_get(PyObject* self, PyObject* obj, PyObject*) {

@@ -442,6 +442,30 @@ def test_module_tracking_wraps_call_and_adds_no_global_hook(fresh_wrapper):
         nn.Module.__call__ = original
 
 
+def test_module_wrapper_passes_every_argument_through(fresh_wrapper):
+    """The wrapper hands the module's call its arguments as they came: many positional ones (the C
+    wrapper forwards its caller's own argument array) and keywords, inside a scope and outside one,
+    bound (``module.__call__(...)``) and through ``nn.Module.__call__(module, ...)``."""
+    om = fresh_wrapper
+    seen: list = []
+
+    class Echo(nn.Module):
+        def forward(self, *args, **kwargs):
+            seen.append(om.current_module_name())
+            return args, kwargs
+
+    echo = Echo()
+    args, kwargs = tuple(range(12)), {"a": 1, "b": [2], "c": None}
+    with om.track_modules():
+        assert om._installed() is (om._tracked_call if om._native_call is None else om._native_call)
+        assert echo(*args, **kwargs) == (args, kwargs)
+        assert echo.__call__(*args[:3], b=5) == (args[:3], {"b": 5})
+        assert nn.Module.__call__(echo, **kwargs) == ((), kwargs)
+        assert echo() == ((), {})
+    assert seen and all(name for name in seen), seen
+    assert echo(*args, **kwargs) == (args, kwargs)  # no scope open
+
+
 def test_module_wrapper_stays_while_its_owner_lives(fresh_wrapper):
     """NOTE [ Wrapper lifetime ]: an engine re-entered every step wraps ``nn.Module.__call__`` once
     (each wrap changes the type of every module; from CPython 3.13 a class stops being cached after
