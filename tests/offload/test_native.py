@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 import threading
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,26 +313,36 @@ def test_native_auto_builds_in_the_background_and_the_next_enter_switches(monkey
     assert ctx.ledger.summary()["kept_by_reason"] == twin.ledger.summary()["kept_by_reason"]
 
 
+def _built_copy(tmp_path: Path) -> Path:
+    """A copy of the built extension's folder, under a new extensions root (``root / name``): a child
+    process given ``TORCH_EXTENSIONS_DIR=root`` only loads it."""
+    import shutil
+
+    _native.load()
+    copy = tmp_path / "ext" / _native._build_name()
+    shutil.copytree(_native.build_dir(), copy)
+    return copy
+
+
+def _load_in_child(copy: Path, code: str, timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a child Python from the repository, with ``copy`` (``_built_copy``) as its extension
+    and ``env`` over this environment; the finished process (``subprocess.TimeoutExpired`` past ``timeout``)."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(copy.parent), **env)
+    repo = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_build(tmp_path):
     """A build killed midway leaves torch's `lock` file in the build directory, on which torch's own
     cpp_extension.load waits forever; the next process that builds or loads the extension removes it (no
     live build holds it) and loads (a subprocess, with a timeout: before the fix it hung)."""
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    _native.load()
-    root = tmp_path / "ext"
-    shutil.copytree(_native.build_dir(), root / _native._build_name())  # built: the child only loads it
-    lock = root / _native._build_name() / "lock"
+    copy = _built_copy(tmp_path)
+    lock = copy / "lock"
     lock.write_text("")  # what FileBaton leaves when its process is killed during the build
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root))
     code = "import logging; logging.basicConfig(); from offload import _native; _native.load(); print('loaded')"
-    repo = Path(__file__).resolve().parents[2]
     try:
-        done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
-                              timeout=120)
+        done = _load_in_child(copy, code, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("the next load waited on the stale build lock")
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
@@ -342,23 +355,15 @@ def test_the_build_finds_the_ninja_package_where_path_has_no_ninja(tmp_path):
     load a built extension in a new process), so the build puts the package's binary on PATH, and restores
     PATH after (a subprocess whose PATH has no ninja: before, "Ninja is required to load C++ extensions")."""
     import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
 
     pytest.importorskip("ninja")
-    _native.load()
-    root = tmp_path / "ext"
-    shutil.copytree(_native.build_dir(), root / _native._build_name())  # built: the child only loads it
+    copy = _built_copy(tmp_path)
     path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
                            if d and shutil.which("ninja", path=d) is None)
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root), PATH=path)
     code = ("import logging, os, shutil; logging.basicConfig(level=logging.INFO); before = os.environ['PATH']; "
             "assert shutil.which('ninja') is None, 'ninja still on PATH'; from offload import _native; "
             "_native.load(); assert os.environ['PATH'] == before, 'PATH not restored'; print('loaded')")
-    repo = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = _load_in_child(copy, code, timeout=300, PATH=path)
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
     assert "ninja package's binary" in done.stderr
 
