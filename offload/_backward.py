@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 _graph_task_id = _torch_private.graph_task_id_c
 _Tensor = torch.Tensor
+_UINT8 = torch.uint8
 
 
 class _Pass:
@@ -173,7 +174,8 @@ class _Backward:
             rec = h.rec
             # (A disk-tier copy has no host tensor left; its file is CRC-checked by the disk tier.)
             host = hc.buf.tensor if hc.tier != "disk" else base
-            _verify.check_reload(hc.checksum, base, host, copy.done, module=rec.module,
+            flat = base if base.dtype is _UINT8 else base.view(-1).view(_UINT8)
+            _verify.check_reload(hc.checksum, flat, host, copy.done, module=rec.module,
                                  shape=h.layout[0], dtype=rec.dtype, step=rec.step)
         out = self._rebuild(h, hc, base, copy)
         if p is not None:
@@ -248,6 +250,14 @@ class _Backward:
             if copy.stream is not None:  # Rule 4: the reloaded base is read on the current stream
                 self._backend.record_consumer(base, copy, "record_stream")
             return _scattered(h.layout, base.view(dtype).as_strided(shape, hc.gathered))
+        if base.dtype is not _UINT8:  # reloaded as the tensor itself (_Copies._load: a whole tensor's only user)
+            if hc.users == 1:  # its size and dtype; its stride too, unless a size-1 dimension had another
+                out = base if base.stride() == stride else torch.empty(0, dtype=dtype, device=device).set_(
+                    base.untyped_storage(), 0, shape, stride)
+                if copy.stream is not None:  # Rule 4 (its conj and neg bits are unset: a whole_t copy's)
+                    self._backend.record_consumer(out, copy, "record_stream")
+                return out
+            base = base.view(-1).view(_UINT8)  # (a user was added after its load: bytes, as any shared copy's)
         if hc.users > 1 and hc.nbytes % es == 0:
             # Views of one base share its version counter, so an in-place
             # write through one reloaded tensor is seen by the others (Rule 6).

@@ -109,7 +109,12 @@ class _Copies:
             dst = cached[2]
         else:
             dst = _typed_view(buf, dtype, rec.shape) if whole_t else None
-        src, dst = (t, dst) if dst is not None else _byte_view(source, buf, lo_b, nbytes, device)
+        if dst is not None:
+            src = t
+            # (A disk copy comes back as bytes; a uint8 one is its bytes: _rebuild tells them by dtype.)
+            hc.typed = dst if tier != "disk" and dtype is not torch.uint8 else None
+        else:
+            src, dst = _byte_view(source, buf, lo_b, nbytes, device)
         if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::d2h"):
                 copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
@@ -130,9 +135,13 @@ class _Copies:
     # -- host to device (unpack) --------------------------------------------------------
 
     def _load(self, hc: _HostCopy, rec: PackRecord | None) -> tuple[torch.Tensor, Copy]:
-        """Start the copy of ``hc`` back to the device (Rule 4: allocated for the compute stream)."""
+        """Start the copy of ``hc`` back to the device (Rule 4: allocated for the compute stream): into a
+        flat uint8 base, or, for a whole tensor's only user (``hc.typed``), a tensor of its dtype and shape."""
         backend = self._backend
-        src = hc.buf.tensor if hc.tier != "disk" else self.tiers.disk.load(hc.buf)
+        if hc.typed is not None and hc.users == 1:  # a whole tensor's only user: reloaded as that tensor
+            src = hc.typed
+        else:
+            src = hc.buf.tensor if hc.tier != "disk" else self.tiers.disk.load(hc.buf)
         e = hc.inflight  # its D2H not yet waited on by compute (a shared copy's other handle)
         after = e.copy if e is not None and e.src is not None else None
         if _profiler_enabled():

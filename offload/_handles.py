@@ -93,7 +93,7 @@ class _HostCopy:
 
     __slots__ = ("buf", "give", "lo", "nbytes", "prefetched", "held", "users", "used",
                  "version", "base_ref", "release", "synchronous", "checksum", "tier", "inflight", "gathered",
-                 "__weakref__")
+                 "typed", "__weakref__")
 
     def __init__(self, buf: "HostBuffer | DiskRecord", give: Callable[[Any], None], lo: int, nbytes: int,
                  tier: str, version: int, base: torch.Tensor, synchronous: bool,
@@ -128,6 +128,10 @@ class _HostCopy:
         # view's elements, densely, in its stride order: the stride of those bytes (the view's own size and
         # stride are its handle's layout); None for a span copy (bytes [lo, lo + nbytes)).
         self.gathered: tuple[int, ...] | None = None
+        # A whole contiguous tensor's copy: the host buffer as that tensor (its dtype and shape), which a
+        # reload by its only user copies into a device tensor of its own dtype and shape, so unpack
+        # hands that over as it is (no view or set_ to rebuild it); None for a byte span.
+        self.typed: torch.Tensor | None = None
 
     def __del__(self) -> None:
         try:

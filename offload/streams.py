@@ -114,6 +114,7 @@ class SyncBackend:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._host_device = device.type == "cpu"  # a reload is a clone (one op, not an allocation and a copy)
 
     def current_stream(self):
         return None
@@ -128,10 +129,13 @@ class SyncBackend:
         return _perf_counter() - t0
 
     def h2d(self, src: torch.Tensor, after: Copy | None = None) -> tuple[torch.Tensor, Copy]:
-        t0 = time.perf_counter()
-        out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-        out.copy_(src)
-        return out, Copy(None, time.perf_counter() - t0)
+        t0 = _perf_counter()
+        if self._host_device:
+            out = src.clone()  # (flat bytes, or a whole tensor: _Copies._load)
+        else:
+            out = torch.empty_like(src, device=self.device)
+            out.copy_(src)
+        return out, Copy(None, _perf_counter() - t0)
 
     def wait(self, copy: Copy, site: str) -> None:
         pass
@@ -239,19 +243,19 @@ class StreamBackend:
         return self._issue(lambda: dst.copy_(src, non_blocking=True), "d2h_waits_producer", "d2h")
 
     def h2d(self, src: torch.Tensor, after: Copy | None = None) -> tuple[torch.Tensor, Copy]:
-        """Copy ``src`` to a new device block; ``after``: the D2H that wrote ``src``, when compute has
+        """Copy ``src`` (contiguous) to a new device tensor of its dtype and shape; ``after``: the D2H that wrote ``src``, when compute has
         not waited on it yet."""
         if self._host is not None:
             self._host(src)
         if _FAULTS and "h2d_alloc_on_compute" in _FAULTS:
             side = self._side_stream("h2d")
             with self._mod.stream(side):
-                out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+                out = torch.empty_like(src, device=self.device)
             # The engine still believes the block is the compute stream's (the bug: Rule 4).
             return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute",
                                     "h2d", after)
         # Allocate on the compute stream (outside the side-stream context): Rule 4.
-        out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+        out = torch.empty_like(src, device=self.device)
         return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute",
                                 "h2d", after)
 

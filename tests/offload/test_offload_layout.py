@@ -12,6 +12,7 @@ import gc
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload_testkit import (
     Recorder,
@@ -34,8 +35,13 @@ VIEWS = {
     "expand_stride0": lambda x: x[:, :1, :].expand(8, 16, 12),
     "scalar_expand": lambda x: x[1, 2, 3].expand(4, 5),
     "overlapping_unfold": lambda x: x.reshape(-1).unfold(0, 64, 16),
+    # A whole contiguous tensor is reloaded as itself (_Copies._load); these check its layout survives,
+    # the second with a size-1 dimension whose stride a contiguous tensor of that size would not have.
+    "whole": lambda x: x * 1,
+    "whole_size1_stride": lambda x: (x * 1).as_strided((8, 1, 192), (192, 7, 1)),
 }
-MUST_OFFLOAD = {"transpose", "permute", "strided_slice", "storage_offset", "flat_offset", "expand_stride0"}
+MUST_OFFLOAD = {"transpose", "permute", "strided_slice", "storage_offset", "flat_offset", "expand_stride0",
+                "whole", "whole_size1_stride"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -69,6 +75,55 @@ def test_saved_view_round_trips_with_its_layout(name, dtype):
     x2 = base.clone().requires_grad_()
     SaveView.apply(x2, make_view, []).sum().backward()
     assert torch.equal(x.grad, x2.grad)
+
+
+class _AtenOps(TorchDispatchMode):
+    """The names of the aten ops run while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shape", [(8, 16, 12), (96,)], ids=["3d", "1d"])
+def test_a_whole_tensors_reload_is_the_reloaded_tensor_itself(shape):
+    """A whole contiguous tensor with one saver comes back as the tensor its reload allocated: no view or
+    set_ rebuilds it (each costs about as much host time as the copy's own launch)."""
+    x = torch.randn(shape, requires_grad=True)
+    seen: list[dict] = []
+    ctx = cpu_ctx()
+    rec = Recorder()
+    ctx.add_observer(rec)
+    with ctx:
+        y = SaveView.apply(x, lambda v: v * 2, seen)
+    with _AtenOps() as ops:
+        y.sum().backward()
+    assert [r.decision for r in rec.records] == ["offloaded"]
+    assert {"copy_", "clone"} & set(ops.names), ops.names  # (it was reloaded: a clone, on a CPU device)
+    rebuilt = {"set_", "view", "as_strided"} & set(ops.names)
+    assert not rebuilt, f"the reload was rebuilt with {sorted(rebuilt)}: {ops.names}"
+    (s,) = seen
+    assert torch.equal(s["value"], x.detach() * 2) and s["stride"] == (x * 2).stride()
+
+
+def test_a_saver_added_after_a_whole_tensors_reload_gets_its_bytes():
+    """A whole tensor reloaded as itself (one saver at its load), then shared by a second saver (its
+    users grown since: a checkpoint's recompute can save again) is rebuilt from its bytes, per layout."""
+    t = torch.randn(6, 1, 10)
+    ctx = cpu_ctx()
+    with ctx:
+        h = ctx._pack(t)
+    hc = h.hc
+    assert hc.typed is not None and hc.users == 1
+    base, copy = ctx._load(hc, h.rec)
+    assert base.dtype == t.dtype and base.shape == t.shape  # loaded as the tensor
+    hc.users = 2  # a second saver since its load
+    out = ctx._rebuild(h, hc, base, copy)
+    assert torch.equal(out, t) and out.stride() == t.stride() and out.dtype == t.dtype
 
 
 def test_disjoint_views_of_one_storage_both_come_back():
