@@ -46,7 +46,10 @@ def _byte_view(t: torch.Tensor, buf: Any, lo: int, nbytes: int,
 def _typed_view(buf: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
     """``buf`` as a ``dtype`` tensor of ``shape`` (None where a dtype view refuses), kept in ``buf.cache``
     as ``(dtype, shape, view)``: the pool hands it back with the range when it replays the step, and
-    ``_copy_out`` uses it again while the dtype and shape are the same."""
+    it is used again while the dtype and shape are the same."""
+    cached = buf.cache
+    if cached is not None and cached[0] is dtype and cached[1] == shape:
+        return cached[2]
     try:
         dst = buf.tensor.view(dtype).view(shape)
     except RuntimeError:
@@ -104,17 +107,11 @@ class _Copies:
             hc.checksum = _verify.span_checksum(source.untyped_storage(), lo_b, nbytes, device)
         # A whole tensor goes into a typed view of the buffer (the one made for this range last
         # step comes back with it when the pool replays the step); anything else as bytes.
-        cached = buf.cache if whole_t else None
-        if cached is not None and cached[0] is dtype and cached[1] == rec.shape:
-            dst = cached[2]
-        else:
-            dst = _typed_view(buf, dtype, rec.shape) if whole_t else None
-        if dst is not None:
-            src = t
-            # (A disk copy comes back as bytes; a uint8 one is its bytes: _rebuild tells them by dtype.)
-            hc.typed = dst if tier != "disk" and dtype is not torch.uint8 else None
-        else:
+        dst = _typed_view(buf, dtype, rec.shape) if whole_t else None
+        if dst is None:
             src, dst = _byte_view(source, buf, lo_b, nbytes, device)
+        else:  # (a disk copy comes back as bytes; a uint8 one is its bytes: _rebuild tells them by dtype)
+            src, hc.typed = t, (dst if tier != "disk" and dtype is not torch.uint8 else None)
         if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::d2h"):
                 copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
