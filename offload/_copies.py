@@ -135,17 +135,18 @@ class _Copies:
         """Start the copy of ``hc`` back to the device (Rule 4: allocated for the compute stream): into a
         flat uint8 base, or, for a whole tensor's only user (``hc.typed``), a tensor of its dtype and shape."""
         backend = self._backend
-        if hc.typed is not None and hc.users == 1:  # a whole tensor's only user: reloaded as that tensor
-            src = hc.typed
-        else:
-            src = hc.buf.tensor if hc.tier != "disk" else self.tiers.disk.load(hc.buf)
+        buf = hc.buf
+        if hc.tier == "disk":
+            src, pinned = self.tiers.disk.load(buf), None
+        else:  # (a whole tensor's only user: reloaded as that tensor)
+            src, pinned = (hc.typed if hc.typed is not None and hc.users == 1 else buf.tensor), buf.pinned
         e = hc.inflight  # its D2H not yet waited on by compute (a shared copy's other handle)
         after = e.copy if e is not None and e.src is not None else None
         if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::h2d"):
-                dev, copy = backend.h2d(src, after)
+                dev, copy = backend.h2d(src, after, pinned)
         else:
-            dev, copy = backend.h2d(src, after)
+            dev, copy = backend.h2d(src, after, pinned)
         if backend.name == "sync":
             self.ledger.add_sync_copy(rec, "h2d", copy.seconds or 0.0, hc.nbytes)
         else:

@@ -128,7 +128,8 @@ class SyncBackend:
         dst.copy_(src)
         return _perf_counter() - t0
 
-    def h2d(self, src: torch.Tensor, after: Copy | None = None) -> tuple[torch.Tensor, Copy]:
+    def h2d(self, src: torch.Tensor, after: Copy | None = None,
+            pinned: bool | None = None) -> tuple[torch.Tensor, Copy]:
         t0 = _perf_counter()
         if self._host_device:
             out = src.clone()  # (flat bytes, or a whole tensor: _Copies._load)
@@ -242,21 +243,25 @@ class StreamBackend:
             self._host(dst)
         return self._issue(lambda: dst.copy_(src, non_blocking=True), "d2h_waits_producer", "d2h")
 
-    def h2d(self, src: torch.Tensor, after: Copy | None = None) -> tuple[torch.Tensor, Copy]:
-        """Copy ``src`` (contiguous) to a new device tensor of its dtype and shape; ``after``: the D2H that wrote ``src``, when compute has
-        not waited on it yet."""
+    def h2d(self, src: torch.Tensor, after: Copy | None = None,
+            pinned: bool | None = None) -> tuple[torch.Tensor, Copy]:
+        """Copy ``src`` (contiguous) to a new device tensor of its dtype and shape; ``after``: the D2H
+        that wrote ``src``, when compute has not waited on it yet; ``pinned``: whether ``src`` is
+        page-locked, when the caller knows (else ``src.is_pinned()`` asks the driver: a
+        ``cudaPointerGetAttributes`` per reload)."""
         if self._host is not None:
             self._host(src)
+        non_blocking = src.is_pinned() if pinned is None else pinned
         if _FAULTS and "h2d_alloc_on_compute" in _FAULTS:
             side = self._side_stream("h2d")
             with self._mod.stream(side):
                 out = torch.empty_like(src, device=self.device)
             # The engine still believes the block is the compute stream's (the bug: Rule 4).
-            return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute",
+            return out, self._issue(lambda: out.copy_(src, non_blocking=non_blocking), "h2d_waits_compute",
                                     "h2d", after)
         # Allocate on the compute stream (outside the side-stream context): Rule 4.
         out = torch.empty_like(src, device=self.device)
-        return out, self._issue(lambda: out.copy_(src, non_blocking=src.is_pinned()), "h2d_waits_compute",
+        return out, self._issue(lambda: out.copy_(src, non_blocking=non_blocking), "h2d_waits_compute",
                                 "h2d", after)
 
     def wait(self, copy: Copy, site: str) -> None:

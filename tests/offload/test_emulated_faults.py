@@ -171,3 +171,21 @@ def test_reused_source_survives_a_poll_while_loading_ahead(monkeypatch):
     assert dropped, "no unpack used an in-flight source"
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_reload_from_the_host_pool_asks_the_driver_nothing(monkeypatch):
+    """The engine knows whether each host buffer is page-locked, so a reload passes that on instead of
+    asking ``src.is_pinned()`` (on CUDA a ``cudaPointerGetAttributes`` per reload, on the host's
+    critical path in backward)."""
+    asked: list[int] = []
+    real = torch.Tensor.is_pinned
+
+    def is_pinned(self, *args, **kwargs):
+        asked.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
+    with EmulatedAccelerator() as acc:
+        model, twin, ctx = WORKOUTS["ordering"](acc)
+    assert_same_grads(model, twin)
+    assert ctx.ledger.summary()["h2d_bytes"] > 0 and not asked, f"{len(asked)} is_pinned calls"
