@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 _profiler_enabled = _torch_private.profiler_enabled_c
 _NO_SPAN = nullcontext()  # stateless: one instance serves every caller
+_UINT8 = torch.uint8
 
 
 def _span(name: str) -> Any:
@@ -46,16 +47,22 @@ def _byte_view(t: torch.Tensor, buf: Any, lo: int, nbytes: int,
 def _typed_view(buf: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
     """``buf`` as a ``dtype`` tensor of ``shape`` (None where a dtype view refuses), kept in ``buf.cache``
     as ``(dtype, shape, view)``: the pool hands it back with the range when it replays the step, and
-    it is used again while the dtype and shape are the same."""
-    cached = buf.cache
-    if cached is not None and cached[0] is dtype and cached[1] == shape:
-        return cached[2]
+    ``_copy_out`` uses it again while the dtype and shape are the same."""
     try:
         dst = buf.tensor.view(dtype).view(shape)
     except RuntimeError:
         dst = None
     buf.cache = (dtype, shape, dst)
     return dst
+
+
+def _gathered(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A dense copy of ``t``'s elements (made on the compute stream) and its stride: what crosses the link
+    for a view spread over more than twice its bytes (v of a fused qkv, a strided slice), Rule 5's
+    exception; unpack scatters the elements back into a tensor of the view's size and stride."""
+    source = torch.empty_like(t)
+    source.copy_(_saved_alias(t))
+    return source, source.stride()
 
 
 class _Copies:
@@ -80,14 +87,9 @@ class _Copies:
         whole = rec.storage_nbytes
         whole_t = contiguous and lo_b == 0 and hi_b == whole and not lazy_bits  # t is its storage
         gathered = None
-        if 2 * rec.nbytes < hi_b - lo_b and not lazy_bits:
-            # A view spread over more than twice its bytes (v of a fused qkv, a strided slice): only its
-            # elements cross the link, gathered densely in its stride order on the compute stream (Rule 5's
-            # exception); unpack scatters them back into a tensor of its size and stride.
-            # (Never ``whole_t``: that tensor's bytes are its span.)
-            source = torch.empty_like(t)
-            source.copy_(_saved_alias(t))
-            gathered, lo_b, hi_b = source.stride(), 0, rec.nbytes
+        if 2 * rec.nbytes < hi_b - lo_b and not lazy_bits:  # (never whole_t: that tensor's bytes are its span)
+            source, gathered = _gathered(t)
+            lo_b, hi_b = 0, rec.nbytes
         else:
             source = t
             if 2 * (hi_b - lo_b) >= whole:  # most of it: copy all, so sibling views (q, k, v) share it (Rule 7)
@@ -107,11 +109,15 @@ class _Copies:
             hc.checksum = _verify.span_checksum(source.untyped_storage(), lo_b, nbytes, device)
         # A whole tensor goes into a typed view of the buffer (the one made for this range last
         # step comes back with it when the pool replays the step); anything else as bytes.
-        dst = _typed_view(buf, dtype, rec.shape) if whole_t else None
+        cached = buf.cache if whole_t else None
+        if cached is not None and cached[0] is dtype and cached[1] == rec.shape:
+            dst = cached[2]
+        else:
+            dst = _typed_view(buf, dtype, rec.shape) if whole_t else None
         if dst is None:
             src, dst = _byte_view(source, buf, lo_b, nbytes, device)
         else:  # (a disk copy comes back as bytes; a uint8 one is its bytes: _rebuild tells them by dtype)
-            src, hc.typed = t, (dst if tier != "disk" and dtype is not torch.uint8 else None)
+            src, hc.typed = t, (dst if tier != "disk" and dtype is not _UINT8 else None)
         if _profiler_enabled():
             with torch.autograd.profiler.record_function("offload::d2h"):
                 copy = backend.d2h_seconds(src, dst) if synchronous else backend.d2h(src, dst)
