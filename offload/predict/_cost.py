@@ -87,11 +87,11 @@ _HOST_IPS = 3e9
 Python keep path over four runs (bench/results/cpu/hook_cost.json at fe8c0a0, ours_keep: 32,309
 instructions per pack in 4.3 us, idle; at 7b6d721: 32,251 in 4.1 us, idle; at 99b153a, shared with
 other jobs: 32,084 in 4.9 us, and its "before" 31,754 in 10.9 us): the assumption is the slower end."""
-_PACK_IR, _UNPACK_IR = 65_016, 42_296
+_PACK_IR, _UNPACK_IR = 65_189, 35_142
 """Instructions per offloading pack / per reloading unpack of the engine's hooks:
-bench/results/cpu/hook_cost.json (commit 57c4540, ``python -m bench.hook_cost --rounds 20``),
+bench/results/cpu/hook_cost.json (commit b934569, ``python -m bench.hook_cost --rounds 20``),
 ``instructions.variants.ours_offload`` (the Python hook, the slower end: the C++ hook's offload path,
-``ours_offload_native``, the default where it builds, is 41,913 / 43,017); callgrind counts, within
+``ours_offload_native``, the default where it builds, is 41,988 / 35,779); callgrind counts, within
 ~1% between runs of the same code (the ``none`` baseline each is taken from moves by up to ~50k
 instructions a step)."""
 HOOK_COST = {"pack hook": _PACK_IR / _HOST_IPS, "unpack hook": _UNPACK_IR / _HOST_IPS}
