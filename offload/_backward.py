@@ -250,15 +250,14 @@ class _Backward:
             if copy.stream is not None:  # Rule 4: the reloaded base is read on the current stream
                 self._backend.record_consumer(base, copy, "record_stream")
             return _scattered(h.layout, base.view(dtype).as_strided(shape, hc.gathered))
-        if base.dtype is not _UINT8:  # reloaded as the tensor itself (_Copies._load: a whole tensor's only user)
-            if hc.users == 1:  # its size and dtype; its stride too, unless a size-1 dimension had another
-                out = base if base.stride() == stride else torch.empty(0, dtype=dtype, device=device).set_(
-                    base.untyped_storage(), 0, shape, stride)
-                if copy.stream is not None:  # Rule 4 (its conj and neg bits are unset: a whole_t copy's)
-                    self._backend.record_consumer(out, copy, "record_stream")
-                return out
-            base = base.view(-1).view(_UINT8)  # (a user was added after its load: bytes, as any shared copy's)
-        if hc.users > 1 and hc.nbytes % es == 0:
+        typed = base.dtype is not _UINT8  # reloaded as the tensor itself (_Copies._load: a whole tensor's only user)
+        if typed and (hc.users > 1 or base.stride() != stride):
+            # A user added since its load, or a size-1 dimension with another stride: its bytes, rebuilt
+            # as any copy's.
+            base, typed = base.view(-1).view(_UINT8), False
+        if typed:
+            out = base  # its size, stride and dtype already
+        elif hc.users > 1 and hc.nbytes % es == 0:
             # Views of one base share its version counter, so an in-place
             # write through one reloaded tensor is seen by the others (Rule 6).
             out = base.view(dtype).as_strided(shape, stride, offset)
