@@ -49,7 +49,11 @@ from types import ModuleType
 from typing import Any
 
 _log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("pack.cpp")
+_SOURCE = Path(__file__).with_name("pack.cpp").resolve()
+"""The source, by its real path: the extension's name (``_build_name``) and torch's build file both hold a
+path, so an install reached through links (a link farm, a linked site-packages) loads the same build as its
+target, instead of rebuilding it once per path that reaches it (torch's build file names the source, and
+ninja rebuilds when a command changed)."""
 _NAME = "offload_native_pack"
 AUTO_WAIT_S = 5.0
 """``auto()`` waits at most this long for an extension already built for this source to load."""
@@ -206,7 +210,7 @@ def _build_name() -> str:
     each other at every switch)."""
     import torch
 
-    digest = hashlib.sha256(_SOURCE.read_bytes() + str(_SOURCE.resolve()).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + str(_SOURCE).encode()).hexdigest()[:12]
     return f"{_NAME}_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
 
 

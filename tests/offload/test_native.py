@@ -368,6 +368,38 @@ def test_the_build_finds_the_ninja_package_where_path_has_no_ninja(tmp_path):
     assert "ninja package's binary" in done.stderr
 
 
+def _linked_install(where: Path) -> Path:
+    """A folder holding ``offload`` as links to this checkout's files, one per file (a link farm: how
+    tests/test_readme.py runs the docs' blocks, and how some installers lay packages out)."""
+    src = Path(_native.__file__).resolve().parents[1]
+    for f in src.rglob("*"):
+        if f.is_file() and "__pycache__" not in f.parts:
+            dest = where / "offload" / f.relative_to(src)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.symlink_to(f)
+    return where
+
+
+def test_installs_linked_to_one_source_share_its_build(tmp_path):
+    """Two link farms over the same files load one build: the second neither rebuilds nor touches it. Before,
+    torch's build file named the source by the path it was reached through, so every new path rebuilt the
+    extension (~40 s: each docs block of tests/test_readme.py paid it)."""
+    copy = _built_copy(tmp_path)
+    code = ("import sys, offload; from offload import _native; assert offload.__file__.startswith(sys.argv[1]), "
+            "offload.__file__; _native.load(); print('loaded')")
+    stamps = []
+    for farm in ("a", "b"):
+        site = _linked_install(tmp_path / farm)
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(copy.parent), PYTHONPATH=str(site))
+        done = subprocess.run([sys.executable, "-c", code, str(site)], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+        stamps.append({f.name: f.stat().st_mtime_ns for f in copy.iterdir() if f.suffix in (".so", ".o", ".ninja")})
+    assert stamps[0] and stamps[1] == stamps[0], "the second path rebuilt the extension"
+    assert [d.name for d in copy.parent.iterdir()] == [copy.name], "a path built an extension of its own"
+    assert str(tmp_path) not in (copy / "build.ninja").read_text()
+
+
 def test_a_build_lock_held_by_a_live_build_is_waited_for_not_broken(tmp_path):
     """While another live process builds (it holds the advisory lock), torch's lock file is not touched:
     the next build waits, and gives up with a reason after its deadline; once the holder is gone the
