@@ -32,6 +32,10 @@ beside torch's), which the operating system drops when its process dies: a proce
 knows that no live build holds torch's lock, so it removes a ``lock`` it finds there (one log
 line). While another live process builds, it waits for it (a log line first), at most
 ``LOCK_WAIT_S``. Without ``fcntl`` (Windows) a ``lock`` older than ``LOCK_WAIT_S`` counts as stale.
+A process that *ends* during its build (a short script under "auto") leaves the same ``lock`` and the
+same free advisory lock, but its ``ninja`` and compiler run on: before removing the ``lock``, a build
+waits for any process still working in the directory (``_wait_for_orphans``; seen through ``/proc``,
+so on Linux only), so two builds never write one directory.
 """
 
 from __future__ import annotations
@@ -308,7 +312,8 @@ def build_lock(where: Path, wait_s: float | None = None, say: Callable[[str], No
                 f.truncate()
                 f.write(str(os.getpid()))
                 f.flush()
-                if torch_lock.exists():  # every build holds the flock: no live build holds this
+                if torch_lock.exists():  # every build holds the flock: no live build of ours holds this
+                    _wait_for_orphans(where, wait_s, say or _warn)
                     _remove_stale(torch_lock, "no live build holds it")
             else:
                 with contextlib.suppress(OSError):
@@ -346,6 +351,40 @@ def _flock(fcntl: Any, f: Any, where: Path, wait_s: float, say: Callable[[str], 
                             f"for over {wait_s:.0f} s; let it finish, or end it and retry")
 
 
+def _orphans(where: Path) -> list[int]:
+    """Pids of the processes working in ``where``: the ``ninja`` and compiler of a build whose process ended
+    before they did. torch runs ``ninja`` there as a child process, which outlives a Python process that
+    exits mid-build ("auto" builds on a daemon thread: a short script ends during its build), and the
+    advisory lock ends with that process. Read from ``/proc`` (Linux); elsewhere none can be seen."""
+    proc, me, out = Path("/proc"), os.getpid(), []
+    if not proc.is_dir():
+        return out
+    target = os.path.realpath(where)
+    for p in proc.iterdir():
+        if p.name.isdigit() and int(p.name) != me:
+            with contextlib.suppress(OSError):
+                if os.readlink(p / "cwd") == target:
+                    out.append(int(p.name))
+    return out
+
+
+def _wait_for_orphans(where: Path, wait_s: float, say: Callable[[str], None]) -> None:
+    """Before torch's stale ``lock`` is removed: wait for an earlier build's orphaned ``ninja`` and compiler
+    (``_orphans``) to finish, at most ``wait_s`` (then raise), so two builds never write one directory."""
+    pids = _orphans(where)
+    if not pids:
+        return
+    say(f"offload: waiting for the compiler of an earlier build of the native pack hook (pids {pids}, whose "
+        f"process ended before its build did) to finish in {where} (at most {wait_s:.0f} s)")
+    deadline = time.monotonic() + wait_s
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.1)
+        pids = _orphans(where)
+    if pids:
+        raise NativeUnavailable(f"the compiler of an earlier build (pids {pids}) has been running in {where} for "
+                                f"over {wait_s:.0f} s; let it finish, or end it and retry")
+
+
 def _warn(message: str) -> None:
     from .._warn import warn_user
 
@@ -355,7 +394,8 @@ def _warn(message: str) -> None:
 def _remove_stale(path: Path, why: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-        _log.warning("offload: removed %s, left by a build of the native pack hook that was killed (%s)", path, why)
+        _log.warning("offload: removed %s, left by a build of the native pack hook that was killed or whose "
+                     "process ended before it (%s)", path, why)
 
 
 def _record_fields(cls: type) -> tuple[tuple[str, Any], ...] | None:
