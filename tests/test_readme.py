@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 import offload
+from _installed import linked_install, wheel_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -193,29 +194,6 @@ def test_pages_have_python_blocks():
     assert len(PYTHON) >= 15
 
 
-def _wheel_packages() -> dict[str, Path]:
-    """Each package the wheel ships (pyproject.toml's ``[tool.setuptools] packages``) and its folder here
-    (``package-dir`` maps ``offload.profiling`` to the repo's ``profiling/``)."""
-    import tomllib
-
-    st = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    dirs = st.get("package-dir", {})
-    return {p: ROOT / dirs.get(p, p.replace(".", "/")) for p in st["packages"]}
-
-
-def _installed_packages(tmp: Path) -> Path:
-    """A folder laid out as the wheel installs (its packages, each file linked from this checkout): what a
-    reader has on the path after ``pip install``, without bench/ or tests/."""
-    site = tmp / "site-packages"
-    for pkg, src in sorted(_wheel_packages().items()):
-        dest = site.joinpath(*pkg.split("."))
-        dest.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if f.is_file():
-                (dest / f.name).symlink_to(f)
-    return site
-
-
 def _imports(code: str) -> set[str]:
     import ast
 
@@ -229,7 +207,7 @@ def test_python_block_needs_only_the_installed_package(where, lang, code, prelud
     """A block (and its prelude) imports nothing from the checkout that ``pip install`` does not ship:
     no ``bench``, no ``tests`` (a reader outside the clone has neither)."""
     checkout_only = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()} - {
-        p.split(".")[0] for p in _wheel_packages()}
+        p.split(".")[0] for p in wheel_packages()}
     used = _imports(code) | (_imports(PRELUDES[prelude]) if prelude in PRELUDES else set())
     assert not used & checkout_only, f"{where} imports {sorted(used & checkout_only)}, which pip install lacks"
 
@@ -249,7 +227,7 @@ def test_python_block_runs(where, lang, code, prelude, prev_yaml, tmp_path):
             pytest.importorskip(module)
         script = (f"PREVIOUS_YAML = {prev_yaml!r}\n" + PRELUDES[prelude] + "\n" + code + "\n"
                   + EPILOGUES.get(prelude, ""))
-    env = dict(os.environ, PYTHONPATH=str(_installed_packages(tmp_path)), CUDA_VISIBLE_DEVICES="",
+    env = dict(os.environ, PYTHONPATH=str(linked_install(tmp_path)), CUDA_VISIBLE_DEVICES="",
                PYTHONWARNINGS="default")
     env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -339,16 +339,28 @@ def _flock(fcntl: Any, f: Any, where: Path, wait_s: float, say: Callable[[str], 
     holder = f.read().strip() or "?"
     say(f"offload: waiting for another process (pid {holder}) that is building the native pack hook in {where} "
         f"(at most {wait_s:.0f} s)")
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
+
+    def taken() -> bool:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
-            continue
+            return False
+
+    if _poll(taken, wait_s):
+        return True
     raise NativeUnavailable(f"another process (pid {holder}) has been building the native pack hook in {where} "
                             f"for over {wait_s:.0f} s; let it finish, or end it and retry")
+
+
+def _poll(done: Callable[[], bool], wait_s: float) -> bool:
+    """Ask ``done`` every 0.1 s until it says True (then True) or ``wait_s`` has passed (then False)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        if done():
+            return True
+    return False
 
 
 def _orphans(where: Path) -> list[int]:
@@ -376,11 +388,7 @@ def _wait_for_orphans(where: Path, wait_s: float, say: Callable[[str], None]) ->
         return
     say(f"offload: waiting for the compiler of an earlier build of the native pack hook (pids {pids}, whose "
         f"process ended before its build did) to finish in {where} (at most {wait_s:.0f} s)")
-    deadline = time.monotonic() + wait_s
-    while pids and time.monotonic() < deadline:
-        time.sleep(0.1)
-        pids = _orphans(where)
-    if pids:
+    if not _poll(lambda: not _orphans(where), wait_s) and (pids := _orphans(where)):  # (still there at the end)
         raise NativeUnavailable(f"the compiler of an earlier build (pids {pids}) has been running in {where} for "
                                 f"over {wait_s:.0f} s; let it finish, or end it and retry")
 

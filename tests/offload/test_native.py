@@ -25,6 +25,7 @@ from offload import _handles, _observers, _packing
 from offload.ledger import PackRecord
 from offload import get_act_offloading_ctx_manager
 
+from _installed import linked_install
 from offload_testkit import (
     RECORD_FIELDS,
     assert_pack_matches_general,
@@ -368,18 +369,6 @@ def test_the_build_finds_the_ninja_package_where_path_has_no_ninja(tmp_path):
     assert "ninja package's binary" in done.stderr
 
 
-def _linked_install(where: Path) -> Path:
-    """A folder holding ``offload`` as links to this checkout's files, one per file (a link farm: how
-    tests/test_readme.py runs the docs' blocks, and how some installers lay packages out)."""
-    src = Path(_native.__file__).resolve().parents[1]
-    for f in src.rglob("*"):
-        if f.is_file() and "__pycache__" not in f.parts:
-            dest = where / "offload" / f.relative_to(src)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.symlink_to(f)
-    return where
-
-
 def test_installs_linked_to_one_source_share_its_build(tmp_path):
     """Two link farms over the same files load one build: the second neither rebuilds nor touches it. Before,
     torch's build file named the source by the path it was reached through, so every new path rebuilt the
@@ -389,7 +378,7 @@ def test_installs_linked_to_one_source_share_its_build(tmp_path):
             "offload.__file__; _native.load(); print('loaded')")
     stamps = []
     for farm in ("a", "b"):
-        site = _linked_install(tmp_path / farm)
+        site = linked_install(tmp_path / farm)
         env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(copy.parent), PYTHONPATH=str(site))
         done = subprocess.run([sys.executable, "-c", code, str(site)], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=300)
