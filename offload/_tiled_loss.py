@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._tiled_mlp import tile_slices
+from .errors import OffloadError
 
 __all__ = ["LOSS_IMPLS", "TiledLinearCrossEntropy", "cross_entropy_tiles", "select_loss_impl",
            "default_loss_rows", "loss_bytes_not_saved"]
@@ -86,11 +87,16 @@ def select_loss_impl(impl: str, device_type: str) -> tuple[str, Callable[..., to
 class _CERun:
     """One tiled loss call: what forward and backward share (ctx holds it)."""
 
-    def __init__(self, rows: int, ignore_index: int, record: Callable[[int, int], None] | None) -> None:
+    def __init__(self, rows: int, ignore_index: int, record: Callable[[int, int], None] | None,
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.rows = rows
         self.ignore_index = ignore_index
         self.record = record
+        self.transform = transform
+        """What the model does to its logits before the loss (an elementwise ``Replay``), or None."""
         self.compute_dtype: torch.dtype | None = None
+        self.autocast: tuple[bool, torch.dtype] | None = None
+        """Forward's autocast state, under which backward replays ``transform`` (the same values)."""
 
     def forward(self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,10 +104,12 @@ class _CERun:
         n = h.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        dev = h.device.type
+        self.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         for sl in tile_slices(n, self.rows):
             logits = F.linear(h[sl], w, b)  # (t, V), autocast as in the untiled head
             self.compute_dtype = logits.dtype
-            lf = logits.float()
+            lf = (logits if self.transform is None else self.transform(logits)).float()
             lse[sl] = torch.logsumexp(lf, dim=-1)
             yi = y[sl]
             valid = yi != self.ignore_index
@@ -120,12 +128,17 @@ class _CERun:
         with torch.autocast(h.device.type, enabled=False):
             for sl in tile_slices(h.shape[0], self.rows):
                 hc = h[sl].to(cdt)
-                p = torch.exp(F.linear(hc, wc, bc).float() - lse[sl, None])  # softmax, (t, V) float32
+                z = F.linear(hc, wc, bc)
+                if self.transform is not None:
+                    z.requires_grad_()
+                    with torch.enable_grad(), torch.autocast(h.device.type, self.autocast[1], self.autocast[0]):
+                        zt = self.transform(z).float()
+                p = torch.exp((z.float() if self.transform is None else zt.detach()) - lse[sl, None])  # softmax
                 yi = y[sl]
                 valid = yi != self.ignore_index
                 p.scatter_add_(1, torch.where(valid, yi, 0).unsqueeze(1), torch.full_like(lse[sl, None], -1.0))
                 p.mul_((valid * g).unsqueeze(1))
-                d = p.to(cdt)
+                d = p.to(cdt) if self.transform is None else torch.autograd.grad(zt, z, p)[0]
                 if dh is not None:
                     dh[sl] = d @ wc
                 if dw is not None and cdt == torch.float32:
@@ -190,12 +203,15 @@ def _weight_bias(head: nn.Module | torch.Tensor, bias: torch.Tensor | None) -> t
 def cross_entropy_tiles(hidden: torch.Tensor, head: nn.Module | torch.Tensor, targets: torch.Tensor, *,
                         bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                         tokens: int | None = None, impl: str = "auto",
-                        record: Callable[[str, int, int], None] | None = None) -> torch.Tensor:
+                        record: Callable[[str, int, int], None] | None = None,
+                        transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``F.cross_entropy(head(hidden).float(), targets, ignore_index=..., reduction=...)`` without the full
     logits: ``hidden`` (..., H) is the head's input, ``head`` an ``nn.Linear`` or its weight (V, H),
     ``targets`` (...) class indices (``ignore_index`` ones left out). ``reduction``: "mean" over the
     labelled tokens or "sum". ``tokens``: tokens per tile (default: ``default_loss_rows``).
-    ``impl``: see ``LOSS_IMPLS``. ``record(impl, bytes_not_saved, tiles)`` is called once per backward."""
+    ``impl``: see ``LOSS_IMPLS``. ``record(impl, bytes_not_saved, tiles)`` is called once per backward.
+    ``transform``: an elementwise map of the logits before the loss (``offload._logits_watch.Replay``: a
+    model's soft-cap or scale), applied to each tile by the built-in tiles (``impl="auto"`` picks them)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"offload.tiling.linear_cross_entropy: reduction={reduction!r} must be 'mean' or 'sum'")
     w, b = _weight_bias(head, bias)
@@ -205,7 +221,11 @@ def cross_entropy_tiles(hidden: torch.Tensor, head: nn.Module | torch.Tensor, ta
         raise ValueError(f"offload.tiling.linear_cross_entropy: {h.shape[0]} tokens of hidden states "
                          f"(hidden {tuple(hidden.shape)}) but {y.shape[0]} targets (targets {tuple(targets.shape)})")
     rows = default_loss_rows(w.shape[0], w.shape[1], h.shape[0]) if tokens is None else _positive("tokens", tokens)
-    name, fn = select_loss_impl(impl, h.device.type)
+    name, fn = select_loss_impl(impl, h.device.type if transform is None else "builtin")
+    if transform is not None and impl not in ("auto", "builtin"):
+        raise OffloadError(f"offload.tiling: impl={impl!r} computes cross-entropy of the head's output as it is, "
+                           f"but the model maps its logits first ({transform!r}); pass impl='auto' or 'builtin' "
+                           "(the built-in tiles apply the map to each tile).")
     if fn is not None:
         if torch.is_autocast_enabled(h.device.type):  # the kernels take one dtype: the head's, under autocast
             cdt = torch.get_autocast_dtype(h.device.type)
@@ -215,7 +235,8 @@ def cross_entropy_tiles(hidden: torch.Tensor, head: nn.Module | torch.Tensor, ta
             total = _RecordOnBackward.apply(total, lambda: record(
                 name, loss_bytes_not_saved(h.shape[0], w.shape[0]), 1))
     else:
-        run = _CERun(rows, ignore_index, (lambda nbytes, tiles: record(name, nbytes, tiles)) if record else None)
+        run = _CERun(rows, ignore_index, (lambda nbytes, tiles: record(name, nbytes, tiles)) if record else None,
+                     transform)
         total = TiledLinearCrossEntropy.apply(run, h, w, b, y)
     if reduction == "sum":
         return total

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._logits_watch import LogitsWatch
 from ._observers import active_engine
 from ._tiled_loss import LOSS_IMPLS, _positive, cross_entropy_tiles, select_loss_impl
 from ._tiled_mlp import MLPRun, TiledMLP
@@ -261,12 +262,6 @@ def _check_causal_lm(lm: nn.Module) -> nn.Module:
         raise OffloadError(f"offload.tiling.tile_loss: {name}'s output head is "
                            f"{type(head).__name__ if head is not None else 'not found'}, not a plain nn.Linear "
                            "(a LoRA-wrapped head is not: leave lm_head out of the adapter's target modules).")
-    cfg = getattr(lm, "config", None)
-    scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(cfg, k, None) is not None]
-    if scaled or getattr(lm, "logit_scale", None) is not None:
-        raise OffloadError(f"offload.tiling.tile_loss: {name} transforms its logits before the loss "
-                           f"({', '.join(scaled) or 'logit_scale'}); the tiles compute cross-entropy of the head's "
-                           "output as it is, so they would change the loss. Leave the loss untiled for this model.")
     if lm.loss_function is not LOSS_MAPPING.get("ForCausalLM"):
         raise OffloadError(f"offload.tiling.tile_loss: {name}.loss_function is {lm.loss_function!r}, not "
                            "transformers' ForCausalLMLoss, whose semantics the tiles reproduce (shifted labels, "
@@ -278,16 +273,22 @@ def _check_causal_lm(lm: nn.Module) -> nn.Module:
 class _LabelsCall:
     """One call of the causal LM with labels: the head's input captured, the loss computed from it."""
 
-    def __init__(self, handle: TilingHandle, head: nn.Linear, tokens: int | None, impl: str) -> None:
+    def __init__(self, handle: TilingHandle, lm: nn.Module, head: nn.Linear, tokens: int | None, impl: str) -> None:
         self.handle, self.head, self.tokens, self.impl = handle, head, tokens, impl
+        self.model = type(lm).__name__
         self.hidden: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
         self.engine = handle._engine_for_call()
+        self.watch = LogitsWatch()
+        """What the model does to the head's output before its loss (offload/_logits_watch.py)."""
 
     def head_forward(self, h: torch.Tensor) -> torch.Tensor:
-        """The head's forward for this call: keep its input, return zero-width logits (never used)."""
+        """The head's forward for this call: keep its input, return zero-width logits, watched until the
+        loss (what the model does to them, the tiles do to each tile's logits)."""
         self.hidden = h
-        return h.new_empty((*h.shape[:-1], 0))
+        logits = h.new_empty((*h.shape[:-1], 0))
+        self.watch.start(logits)
+        return logits
 
     def loss_function(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                       num_items_in_batch: Any = None, ignore_index: int = -100,
@@ -296,11 +297,16 @@ class _LabelsCall:
         if self.hidden is None:
             raise OffloadError("offload.tiling.tile_loss: the model computed its loss without running its output "
                                "head; tile_loss supports causal LMs that call lm_head and then loss_function.")
+        try:
+            transform = self.watch.transform(logits, self.model)
+        finally:
+            self.watch.stop()
         if shift_labels is None:  # tokens < n predict n, as ForCausalLMLoss
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         loss = cross_entropy_tiles(self.hidden, self.head, shift_labels, ignore_index=ignore_index,
                                    reduction="sum" if num_items_in_batch is not None else "mean",
-                                   tokens=self.tokens, impl=self.impl, record=self.handle._recorder(self.engine))
+                                   tokens=self.tokens, impl=self.impl, record=self.handle._recorder(self.engine),
+                                   transform=transform)
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -324,11 +330,12 @@ def _labels_forward(handle: TilingHandle, lm: nn.Module, head: nn.Linear, orig: 
         labels = kwargs["labels"] if "labels" in kwargs else sig.bind_partial(*args, **kwargs).arguments.get("labels")
         if labels is None or not torch.is_grad_enabled():
             return orig(*args, **kwargs)  # inference, evaluation: the model as it is
-        call = _LabelsCall(handle, head, tokens, impl)
+        call = _LabelsCall(handle, lm, head, tokens, impl)
         undo = [_swap(head, "forward", call.head_forward), _swap(lm, "_loss_function", call.loss_function)]
         try:
             out = orig(*args, **kwargs)
         finally:
+            call.watch.stop()  # (the loss stopped it already, unless the model raised or skipped its loss)
             for u in reversed(undo):
                 u()
         if call.loss is None:
