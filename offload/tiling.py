@@ -18,7 +18,9 @@ checkpointing) and the logits (128,256 a token; the float32 log-probabilities cr
    summed over the tiles, through the one autograd node (``offload/_tiled_mlp.py``): each parameter gets
    one gradient per backward, so its hooks (DDP's, FSDP's) fire once and ``torch.autograd.grad`` works
    (ALST and Liger accumulate into ``.grad`` from inside backward instead, which DDP must be patched for).
-   A call that fits in one tile runs the module as it is.
+   A call that fits in one tile runs the module as it is, and so does a call during which a submodule's
+   forward hooks may record what it computes (``_watched_inside``: in tiles they would see detached
+   pieces, twice).
 2. The loss (``tile_loss``, ``linear_cross_entropy``): forward keeps the log-sum-exp per token;
    backward recomputes each tile's logits (``offload/_tiled_loss.py``). On CUDA, Liger-Kernel's fused
    linear cross-entropy or cut-cross-entropy runs instead when installed (``impl``; ``stats()`` says
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -54,6 +57,7 @@ from ._logits_watch import LogitsWatch
 from ._observers import active_engine
 from ._tiled_loss import LOSS_IMPLS, _positive, cross_entropy_tiles, select_loss_impl
 from ._tiled_mlp import MLPRun, TiledMLP
+from ._warn import warn_user
 from .errors import OffloadError
 from .regions import _unwrap, find_output_head
 
@@ -71,6 +75,9 @@ class TilingHandle:
         self._engine = weakref.ref(engine) if engine is not None else None
         self._restore: list[Callable[[], None]] = []
         self._stats = {"calls": 0, "tiles": 0, "bytes_not_saved": 0}
+        self.untiled: dict[str, int] = {}
+        """MLP calls run untiled because a submodule's hooks watched them (``_watched_inside``): the
+        submodule -> how many calls."""
         self.impl: str | None = None
         """The loss implementation of the last tiled call (``builtin``, ``liger``, ``cut_cross_entropy``)."""
 
@@ -85,11 +92,24 @@ class TilingHandle:
 
     def stats(self) -> dict[str, Any]:
         """Backpropagated tiled calls: ``calls``, ``tiles``, ``bytes_not_saved`` (NOTE [ Tiles ], item 4);
-        for the loss also ``impl``."""
+        for the loss also ``impl``. (MLP calls run untiled: ``untiled``.)"""
         out: dict[str, Any] = dict(self._stats)
         if self.kind == "loss":
             out["impl"] = self.impl
         return out
+
+    def _run_untiled(self, module: nn.Module, watcher: str) -> None:
+        """Count an MLP call run as it is because ``watcher`` (a submodule with hooks) would have seen tiles;
+        warn at the handle's first (the step's memory is not what tiling promised)."""
+        first = not self.untiled
+        self.untiled[watcher] = self.untiled.get(watcher, 0) + 1
+        if first:
+            warn_user(f"offload.tiling.tile_mlp: {type(module).__name__} runs untiled while {watcher} has forward "
+                      "hooks that may record what it computes (transformers records a mixture of experts' router "
+                      "logits for the auxiliary loss, output_router_logits=True): in tiles they would see pieces "
+                      "without autograd history, and that loss would lose its gradient. Its intermediates are saved "
+                      "untiled; set output_router_logits=False, or tiled_mlp=False in offload.long_context, to "
+                      "choose yourself.")
 
     def _engine_for_call(self) -> Any:
         eng = self.engine
@@ -166,7 +186,8 @@ def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _mlp_forward(handle: TilingHandle, module: nn.Module, orig: Callable, tokens: int | None) -> Callable:
+def _mlp_forward(handle: TilingHandle, module: nn.Module, orig: Callable, tokens: int | None,
+                 name: str) -> Callable:
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or not isinstance(x, torch.Tensor):
             raise OffloadError(f"offload.tiling.tile_mlp: {type(module).__name__}.forward was called with more "
@@ -174,6 +195,10 @@ def _mlp_forward(handle: TilingHandle, module: nn.Module, orig: Callable, tokens
         rows = tokens if tokens is not None else x.shape[-1]  # ALST: tiles of hidden-size tokens
         if x.numel() // max(1, x.shape[-1]) <= rows:
             return orig(x)  # one tile: nothing to spare
+        watcher = _watched_inside(module) if torch.is_grad_enabled() else ""
+        if watcher:
+            handle._run_untiled(module, f"{name}.{watcher}")
+            return orig(x)
         params = [p for p in module.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
         engine = handle._engine_for_call()
         run = MLPRun(orig, module, rows, params,
@@ -183,6 +208,43 @@ def _mlp_forward(handle: TilingHandle, module: nn.Module, orig: Callable, tokens
         return run.forward_tiles(x)
 
     return forward
+
+
+def _watched_inside(module: nn.Module) -> str:
+    """A submodule of ``module`` with forward hooks that may watch this call (its name and type), or "".
+
+    The tiles run each submodule once per tile without autograd, and again in backward: a hook that
+    records an output (transformers' output capturing: a router's logits for the auxiliary loss) would
+    hold detached pieces, and the loss made from them no gradient. transformers' capturing hooks stay
+    installed once a call asked for an output; one records only while a call collects its key, so an
+    idle one does not count."""
+    collecting = _collected_outputs()
+    for name, m in module.named_modules():
+        if m is module:  # (its own hooks run around the whole tiled call)
+            continue
+        for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
+            key = _capture_key(hook)
+            if key is None or key in collecting:
+                return f"{name} ({type(m).__name__})"
+    return ""
+
+
+def _collected_outputs() -> frozenset[str]:
+    """The outputs transformers collects in the running forward (``output_router_logits`` ...), if any."""
+    mod = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(mod, "_active_collector", None)
+    got = collector.get() if collector is not None else None
+    return frozenset(got) if isinstance(got, dict) else frozenset()
+
+
+def _capture_key(hook: Callable) -> str | None:
+    """The output a transformers output-capturing hook records (its closure's ``key``); None for any other
+    hook."""
+    if not getattr(hook, "__qualname__", "").endswith("_hook.<locals>.output_capturing_hook"):
+        return None
+    cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
+    key = cells.get("key")
+    return key.cell_contents if key is not None and isinstance(key.cell_contents, str) else None
 
 
 def tile_mlp(model: nn.Module, *, tokens: int | None = None, modules: list[nn.Module] | None = None,
@@ -196,10 +258,11 @@ def tile_mlp(model: nn.Module, *, tokens: int | None = None, modules: list[nn.Mo
     found = find_mlps(model) if modules is None else [(type(m).__name__, m) for m in modules]
     handle = TilingHandle("mlp", engine)
     try:
-        for _name, m in found:
+        for name, m in found:
             if not isinstance(m, nn.Module):
                 raise TypeError(f"offload.tiling.tile_mlp: modules must be nn.Modules, got {type(m).__name__}")
-            _replace_forward(handle, m, _mlp_forward(handle, m, m.forward, tokens), "__offload_tiled_mlp__")
+            _replace_forward(handle, m, _mlp_forward(handle, m, m.forward, tokens, name),
+                             "__offload_tiled_mlp__")
     except BaseException:
         handle.remove()
         raise

@@ -355,3 +355,58 @@ def test_public_names():
     for name in ("tile_mlp", "tile_loss", "linear_cross_entropy", "TilingHandle", "long_context",
                  "LongContextHandle"):
         assert name in offload.__all__ and hasattr(offload, name)
+
+
+# -- what runs untiled, and why ------------------------------------------------------------------------
+
+
+def _moe(**kw) -> nn.Module:
+    cfg = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=300, num_local_experts=4, num_experts_per_tok=2,
+                                     router_aux_loss_coef=0.5, **kw)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(cfg).train()
+
+
+def test_a_mixture_of_experts_whose_router_logits_are_recorded_runs_untiled():
+    """output_router_logits=True: transformers records each router's logits through forward hooks for the
+    auxiliary loss. In tiles the hooks would get detached pieces and the routers no gradient from that loss
+    (a relative error of ~1 in every router weight's gradient, silently); the calls run untiled instead,
+    bitwise as the untiled model, with one warning naming the router, and stats() counting them. Once the
+    model stops recording (the hooks stay installed), the same modules are tiled again."""
+    model = _moe(output_router_logits=True)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 300, (2, 64))
+    ref_loss, ref = labels_step(twin, ids)
+    handle = tile_mlp(model, tokens=16)
+    router = r"MixtralSparseMoeBlock runs untiled while model.layers.0.mlp.gate \(MixtralTopKRouter\)"
+    with pytest.warns(UserWarning, match=router) as warned:
+        got_loss, got = labels_step(model, ids)
+    assert sum("tile_mlp" in str(w.message) for w in warned) == 1  # once a handle, not once a layer
+    assert torch.equal(got_loss, ref_loss) and all(torch.equal(got[n], ref[n]) for n in ref)
+    assert handle.untiled == {"model.layers.0.mlp.gate (MixtralTopKRouter)": 1,
+                              "model.layers.1.mlp.gate (MixtralTopKRouter)": 1} and handle.stats()["calls"] == 0
+    assert any(".gate" in n for n in ref) and any(ref[n].abs().sum() > 0 for n in ref if n.endswith("gate.weight"))
+    model.config.output_router_logits = twin.config.output_router_logits = False
+    ref_loss, ref = labels_step(twin, ids)
+    got_loss, got = labels_step(model, ids)
+    assert handle.stats()["calls"] == 2 and sum(handle.untiled.values()) == 2
+    assert rel_diff(got_loss, ref_loss) <= FP32_RTOL
+    assert_close_grads(got, ref, FP32_RTOL)
+
+
+def test_any_hook_inside_a_tiled_module_makes_its_calls_untiled():
+    """A user's forward hook on a submodule of the MLP (activation statistics, a recorder) sees what it sees
+    untiled: the call runs as it is while the hook is there, and is tiled again once it is removed."""
+    model = hf_model()
+    seen = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    handle = tile_mlp(model, tokens=16)
+    ids = torch.randint(0, 300, (1, 64))
+    with pytest.warns(UserWarning, match=r"down_proj \(Linear\)"):
+        labels_step(model, ids)
+    assert seen == [(1, 64, 64)] and handle.untiled == {"model.layers.0.mlp.down_proj (Linear)": 1} and handle.stats()["calls"] == 1
+    hook.remove()
+    labels_step(model, ids)
+    assert handle.stats()["calls"] == 3 and handle.untiled == {"model.layers.0.mlp.down_proj (Linear)": 1}
