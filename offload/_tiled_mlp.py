@@ -115,14 +115,15 @@ class MLPRun:
         """The module over ``x`` (``(..., hidden)``) tile by tile, without autograd: ``(..., out)``."""
         self.rng, self.autocast = RngState(x.device), AutocastState(x.device.type)
         x3 = x.reshape(1, -1, x.shape[-1])  # (1, N, H): tiles keep a batch dimension
-        out = None
+        out = out3 = None
         with torch.no_grad():
             for sl in tile_slices(x3.shape[1], self.rows):
                 y = self._check(self.fn(x3[:, sl]), sl.stop - sl.start)  # (1, t, H_out)
-                if out is None:
-                    out = y.new_empty((1, x3.shape[1], y.shape[-1]))
-                out[:, sl] = y
-        return out.view(*x.shape[:-1], out.shape[-1])
+                if out is None:  # the output in x's shape, written through a (1, N, H_out) view: returned
+                    out = y.new_empty((*x.shape[:-1], y.shape[-1]))  # as it is, not a view, so the model may
+                    out3 = out.view(1, x3.shape[1], y.shape[-1])  # add into it in place (Falcon's blocks do)
+                out3[:, sl] = y
+        return out
 
     def backward_tiles(self, x: torch.Tensor, grad: torch.Tensor, need_x: bool,
                        need: tuple[bool, ...]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:

@@ -210,6 +210,20 @@ def _mlp_forward(handle: TilingHandle, module: nn.Module, orig: Callable, tokens
     return forward
 
 
+def _check_one_input(name: str, module: nn.Module) -> None:
+    """Refuse, when it is tiled, a module whose forward needs more than the hidden states (Bloom's MLP
+    takes the residual too): a tiled call takes one tensor."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # (no signature to read: the call checks)
+        return
+    needed = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(needed) > 1:
+        raise OffloadError(f"offload.tiling.tile_mlp: {name} ({type(module).__name__}) takes {', '.join(needed)}; a "
+                           "tiled module takes the hidden states alone (an MLP does). Pass modules=[...] naming "
+                           "per-token modules of one input, or tiled_mlp=False in offload.long_context.")
+
+
 def _watched_inside(module: nn.Module) -> str:
     """A submodule of ``module`` with forward hooks that may watch this call (its name and type), or "".
 
@@ -261,6 +275,7 @@ def tile_mlp(model: nn.Module, *, tokens: int | None = None, modules: list[nn.Mo
         for name, m in found:
             if not isinstance(m, nn.Module):
                 raise TypeError(f"offload.tiling.tile_mlp: modules must be nn.Modules, got {type(m).__name__}")
+            _check_one_input(name, m)
             _replace_forward(handle, m, _mlp_forward(handle, m, m.forward, tokens, name),
                              "__offload_tiled_mlp__")
     except BaseException:

@@ -33,6 +33,9 @@ ARCHS = {
     "qwen2": lambda: transformers.Qwen2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=176,
                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
                                               max_position_embeddings=512, use_sliding_window=False),
+    # Falcon's blocks add the attention output into the MLP's output in place
+    "falcon": lambda: transformers.FalconConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                                vocab_size=300, max_position_embeddings=512),
     "mistral": lambda: transformers.MistralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=176,
                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
                                                   max_position_embeddings=512, sliding_window=None),
@@ -44,7 +47,7 @@ def hf_model(arch: str = "llama") -> nn.Module:
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False
     model = getattr(transformers, {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                   "mistral": "MistralForCausalLM"}[arch])(cfg)
+                                   "mistral": "MistralForCausalLM", "falcon": "FalconForCausalLM"}[arch])(cfg)
     return model.train()
 
 
@@ -346,6 +349,13 @@ def test_bad_inputs_are_refused_with_the_fix():
     tile_mlp(nn.Module(), modules=[m], tokens=4)
     with pytest.raises(OffloadError, match="per-token"):
         m(torch.randn(1, 16, 8, requires_grad=True))
+
+    class WithResidual(nn.Module):  # Bloom's MLP: forward(hidden_states, residual)
+        def forward(self, hidden_states, residual):
+            return hidden_states + residual
+
+    with pytest.raises(OffloadError, match="WithResidual.*takes hidden_states, residual.*tiled_mlp=False"):
+        tile_mlp(nn.Module(), modules=[WithResidual()])
     with pytest.raises(OffloadError, match="no .mlp|nn.ModuleList"):
         tile_mlp(nn.Sequential(nn.Linear(4, 4)))
 
