@@ -55,6 +55,7 @@ from torch import nn
 
 from ._logits_watch import LogitsWatch
 from ._observers import active_engine
+from ._torch_private import graph_task_id
 from ._tiled_loss import LOSS_IMPLS, _positive, cross_entropy_tiles, select_loss_impl
 from ._tiled_mlp import MLPRun, TiledMLP
 from ._warn import warn_user
@@ -75,6 +76,8 @@ class TilingHandle:
         self._engine = weakref.ref(engine) if engine is not None else None
         self._restore: list[Callable[[], None]] = []
         self._stats = {"calls": 0, "tiles": 0, "bytes_not_saved": 0}
+        self._decided: dict[int, bool] = {}
+        """id(module) -> whether its latest forward call ran untiled (``_watched``)."""
         self.untiled: dict[str, int] = {}
         """MLP calls run untiled because a submodule's hooks watched them (``_watched_inside``): the
         submodule -> how many calls."""
@@ -97,6 +100,18 @@ class TilingHandle:
         if self.kind == "loss":
             out["impl"] = self.impl
         return out
+
+    def _watched(self, module: nn.Module, name: str) -> bool:
+        """Whether this call of ``module`` (``name``) runs untiled, a submodule's hooks watching it
+        (``_watched_inside``). In backward (a checkpoint's recompute) the answer is the one its forward got,
+        so the recompute saves what the forward saved: transformers' hooks record only during forward."""
+        if graph_task_id() != -1:
+            return self._decided.get(id(module), False)
+        watcher = _watched_inside(module)
+        self._decided[id(module)] = bool(watcher)
+        if watcher:
+            self._run_untiled(module, f"{name}.{watcher}")
+        return bool(watcher)
 
     def _run_untiled(self, module: nn.Module, watcher: str) -> None:
         """Count an MLP call run as it is because ``watcher`` (a submodule with hooks) would have seen tiles;
@@ -195,9 +210,7 @@ def _mlp_forward(handle: TilingHandle, module: nn.Module, orig: Callable, tokens
         rows = tokens if tokens is not None else x.shape[-1]  # ALST: tiles of hidden-size tokens
         if x.numel() // max(1, x.shape[-1]) <= rows:
             return orig(x)  # one tile: nothing to spare
-        watcher = _watched_inside(module) if torch.is_grad_enabled() else ""
-        if watcher:
-            handle._run_untiled(module, f"{name}.{watcher}")
+        if torch.is_grad_enabled() and handle._watched(module, name):
             return orig(x)
         params = [p for p in module.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
         engine = handle._engine_for_call()

@@ -420,3 +420,20 @@ def test_any_hook_inside_a_tiled_module_makes_its_calls_untiled():
     hook.remove()
     labels_step(model, ids)
     assert handle.stats()["calls"] == 3 and handle.untiled == {"model.layers.0.mlp.down_proj (Linear)": 1}
+
+
+def test_a_checkpoints_recompute_runs_the_mlp_as_its_forward_did():
+    """long_context checkpoints the blocks: backward recomputes each block's MLP while transformers records
+    nothing (its collector is only set during forward). The recompute must run the MoE block untiled as its
+    forward did, or the checkpoint sees other tensors saved (CheckpointError); loss and gradients as the
+    untiled model's, the router's included."""
+    model = _moe(output_router_logits=True)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 300, (2, 64))
+    ref_loss, ref = labels_step(twin, ids)
+    handle = offload.long_context(model, mlp_tokens=16, loss_tokens=16, device="cpu", min_offload_size=0)
+    with pytest.warns(UserWarning, match="runs untiled"), handle.engine:
+        got_loss, got = labels_step(model, ids)
+    assert handle.checkpointing == "offload" and sum(handle.mlp.untiled.values()) == 2
+    assert rel_diff(got_loss, ref_loss) <= FP32_RTOL
+    assert_close_grads(got, ref, FP32_RTOL)
