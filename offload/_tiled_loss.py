@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._tiled_mlp import tile_slices
+from ._tiled_mlp import AutocastState, tile_slices
 from .errors import OffloadError
 
 __all__ = ["LOSS_IMPLS", "TiledLinearCrossEntropy", "cross_entropy_tiles", "select_loss_impl",
@@ -95,7 +95,7 @@ class _CERun:
         self.transform = transform
         """What the model does to its logits before the loss (an elementwise ``Replay``), or None."""
         self.compute_dtype: torch.dtype | None = None
-        self.autocast: tuple[bool, torch.dtype] | None = None
+        self.autocast: AutocastState | None = None
         """Forward's autocast state, under which backward replays ``transform`` (the same values)."""
 
     def forward(self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor
@@ -104,8 +104,7 @@ class _CERun:
         n = h.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        dev = h.device.type
-        self.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        self.autocast = AutocastState(h.device.type)
         for sl in tile_slices(n, self.rows):
             logits = F.linear(h[sl], w, b)  # (t, V), autocast as in the untiled head
             self.compute_dtype = logits.dtype
@@ -131,7 +130,7 @@ class _CERun:
                 z = F.linear(hc, wc, bc)
                 if self.transform is not None:
                     z.requires_grad_()
-                    with torch.enable_grad(), torch.autocast(h.device.type, self.autocast[1], self.autocast[0]):
+                    with torch.enable_grad(), self.autocast.restored():
                         zt = self.transform(z).float()
                 p = torch.exp((z.float() if self.transform is None else zt.detach()) - lse[sl, None])  # softmax
                 yi = y[sl]
