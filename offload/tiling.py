@@ -244,11 +244,15 @@ def _watched_inside(module: nn.Module) -> str:
     records an output (transformers' output capturing: a router's logits for the auxiliary loss) would
     hold detached pieces, and the loss made from them no gradient. transformers' capturing hooks stay
     installed once a call asked for an output; one records only while a call collects its key, so an
-    idle one does not count."""
+    idle one does not count. (transformers 4.54-4.57 captured by replacing the submodule's ``forward``
+    for the duration of a recording call: such a wrapper counts too.)"""
     collecting = _collected_outputs()
     for name, m in module.named_modules():
         if m is module:  # (its own hooks run around the whole tiled call)
             continue
+        wrapper = getattr(m.__dict__.get("forward"), "__qualname__", "")
+        if wrapper.endswith("capture_wrapper.<locals>.wrapped_forward"):
+            return f"{name} ({type(m).__name__})"
         for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
             key = _capture_key(hook)
             if key is None or key in collecting:

@@ -437,3 +437,30 @@ def test_a_checkpoints_recompute_runs_the_mlp_as_its_forward_did():
     assert handle.checkpointing == "offload" and sum(handle.mlp.untiled.values()) == 2
     assert rel_diff(got_loss, ref_loss) <= FP32_RTOL
     assert_close_grads(got, ref, FP32_RTOL)
+
+
+def test_a_submodule_whose_forward_records_its_output_makes_the_call_untiled():
+    """transformers 4.54-4.57 recorded router logits by replacing the router's forward with a wrapper
+    (``make_capture_wrapper.<locals>.wrapped_forward``) for the duration of a recording call: while one
+    is in place the MLP runs untiled, and tiled again once it is gone."""
+    model = hf_model()
+    mlp = model.model.layers[1].mlp
+    recorded = []
+
+    def make_capture_wrapper(module, orig_forward):  # the shape of transformers' wrapper
+        def wrapped_forward(*args, **kwargs):
+            out = orig_forward(*args, **kwargs)
+            recorded.append(out)
+            return out
+        return wrapped_forward
+
+    mlp.up_proj.forward = make_capture_wrapper(mlp.up_proj, mlp.up_proj.forward)
+    handle = tile_mlp(model, tokens=16)
+    ids = torch.randint(0, 300, (1, 64))
+    with pytest.warns(UserWarning, match=r"layers.1.mlp.up_proj \(Linear\)"):
+        labels_step(model, ids)
+    assert len(recorded) == 1 and recorded[0].shape == (1, 64, 176) and recorded[0].requires_grad
+    assert handle.untiled == {"model.layers.1.mlp.up_proj (Linear)": 1} and handle.stats()["calls"] == 1
+    del mlp.up_proj.forward
+    labels_step(model, ids)
+    assert handle.stats()["calls"] == 3
