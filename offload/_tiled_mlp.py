@@ -111,6 +111,18 @@ class MLPRun:
                 "logits does not). Pass modules=[...] naming only per-token modules.")
         return y
 
+    def _check_owned(self, y: torch.Tensor, owned: list[torch.Tensor]) -> None:
+        """Refuse a module that computes with a tensor needing a gradient that it does not own (a parameter
+        of another module, kept as a plain attribute): its gradient would be lost (``_outside_leaves``)."""
+        outside = _outside_leaves(y, owned) if y.grad_fn is not None else []
+        if outside:
+            shapes = ", ".join(str(tuple(t.shape)) for t in outside[:3])
+            raise OffloadError(
+                f"offload.tiling.tile_mlp: {type(self.module).__name__} computes with {len(outside)} tensor(s) "
+                f"needing a gradient that are neither its parameters nor its input (shapes {shapes}: another module's "
+                "parameter kept as a plain attribute, a tensor from outside); the tiles differentiate the module's own parameters and its input, so "
+                "those would get no gradient. Register them on the module, or leave it untiled (tiled_mlp=False).")
+
     def forward_tiles(self, x: torch.Tensor) -> torch.Tensor:
         """The module over ``x`` (``(..., hidden)``) tile by tile, without autograd: ``(..., out)``."""
         self.rng, self.autocast = RngState(x.device), AutocastState(x.device.type)
@@ -141,6 +153,8 @@ class MLPRun:
                 xi = x3[:, sl].detach().requires_grad_(need_x)
                 with counter.counting():
                     yi = self.fn(xi)
+                if sl.start == 0:
+                    self._check_owned(yi, [xi, *leaves, *self.module.parameters()])
                 grads = torch.autograd.grad(yi, ([xi] if need_x else []) + leaves, g3[:, sl], allow_unused=True)
                 if need_x:
                     dx[:, sl] = grads[0] if grads[0] is not None else 0
@@ -149,6 +163,26 @@ class MLPRun:
             self.record(counter.nbytes, -(-x3.shape[1] // self.rows))
         out = iter(None if a is None else a.to(p.dtype) for a, p in zip(acc, wanted))
         return (dx.view_as(x) if dx is not None else None), [next(out) if n else None for n in need]
+
+
+def _outside_leaves(y: torch.Tensor, owned: list[torch.Tensor], limit: int = 100_000) -> list[torch.Tensor]:
+    """Tensors with a gradient of their own that ``y``'s graph reaches besides ``owned`` (the tile's input and
+    the module's parameter aliases): the tiles take gradients for ``owned`` alone, so these would get none.
+    Walks at most ``limit`` nodes (a tile's graph has tens)."""
+    ids = {id(t) for t in owned}
+    seen, todo, outside = set(), [y.grad_fn], []
+    while todo and len(seen) < limit:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # an AccumulateGrad: a leaf that wants a gradient
+        if var is not None:
+            if id(var) not in ids:
+                outside.append(var)
+            continue
+        todo.extend(f for f, _ in fn.next_functions)
+    return outside
 
 
 @contextlib.contextmanager

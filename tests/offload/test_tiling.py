@@ -464,3 +464,31 @@ def test_a_submodule_whose_forward_records_its_output_makes_the_call_untiled():
     del mlp.up_proj.forward
     labels_step(model, ids)
     assert handle.stats()["calls"] == 3
+
+
+def test_a_module_computing_with_a_parameter_it_does_not_own_is_refused():
+    """A per-token module that multiplies by another module's parameter (held as a plain attribute): the
+    tiles differentiate the module's own parameters and input only, so that parameter's gradient would be
+    None. Backward raises naming the shape instead; a frozen outside tensor, or a parameter of the module
+    whose gradient is not asked for, is fine."""
+
+    class Shared(nn.Module):
+        def __init__(self, shared: torch.Tensor) -> None:
+            super().__init__()
+            self.up = nn.Linear(8, 16)
+            self.__dict__["shared"] = shared  # not registered
+
+        def forward(self, x):
+            return torch.relu(self.up(x)) @ self.shared
+
+    outside = nn.Parameter(torch.randn(16, 8))
+    m = Shared(outside)
+    tile_mlp(nn.Module(), modules=[m], tokens=8)
+    x = torch.randn(1, 64, 8, requires_grad=True)
+    with pytest.raises(OffloadError, match=r"1 tensor\(s\) needing a gradient.*\(16, 8\)"):
+        m(x).sum().backward()
+    outside.requires_grad_(False)
+    m(x).sum().backward()
+    assert x.grad is not None and m.up.weight.grad is not None
+    (gx,) = torch.autograd.grad(m(x).sum(), [x])  # the module's parameters want gradients, none asked for
+    assert torch.allclose(gx, x.grad, rtol=1e-5, atol=1e-6)
