@@ -357,12 +357,18 @@ def _check_causal_lm(lm: nn.Module) -> nn.Module:
         raise OffloadError(f"offload.tiling.tile_loss: {name}'s output head is "
                            f"{type(head).__name__ if head is not None else 'not found'}, not a plain nn.Linear "
                            "(a LoRA-wrapped head is not: leave lm_head out of the adapter's target modules).")
-    if lm.loss_function is not LOSS_MAPPING.get("ForCausalLM"):
-        raise OffloadError(f"offload.tiling.tile_loss: {name}.loss_function is {lm.loss_function!r}, not "
-                           "transformers' ForCausalLMLoss, whose semantics the tiles reproduce (shifted labels, "
+    _check_loss_function(lm, LOSS_MAPPING.get("ForCausalLM"))
+    return head
+
+
+def _check_loss_function(lm: nn.Module, causal_lm_loss: Callable | None) -> None:
+    """Refuse a model whose ``loss_function`` is not transformers' ``ForCausalLMLoss`` (checked when tiled and
+    at every tiled call: a ``model.loss_function = ...`` set later would otherwise be replaced by the tiles)."""
+    if lm.loss_function is not causal_lm_loss:
+        raise OffloadError(f"offload.tiling.tile_loss: {type(lm).__name__}.loss_function is {lm.loss_function!r}, "
+                           "not transformers' ForCausalLMLoss, whose semantics the tiles reproduce (shifted labels, "
                            "ignore_index, num_items_in_batch); leave the loss untiled or compute it with "
                            "offload.tiling.linear_cross_entropy.")
-    return head
 
 
 class _LabelsCall:
@@ -420,11 +426,13 @@ def _swap(obj: Any, name: str, value: Any) -> Callable[[], None]:
 def _labels_forward(handle: TilingHandle, lm: nn.Module, head: nn.Linear, orig: Callable, tokens: int | None,
                     impl: str) -> Callable:
     sig = inspect.signature(orig)
+    causal_lm_loss = lm.loss_function  # (ForCausalLMLoss: _check_causal_lm checked it)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         labels = kwargs["labels"] if "labels" in kwargs else sig.bind_partial(*args, **kwargs).arguments.get("labels")
         if labels is None or not torch.is_grad_enabled():
             return orig(*args, **kwargs)  # inference, evaluation: the model as it is
+        _check_loss_function(lm, causal_lm_loss)
         call = _LabelsCall(handle, lm, head, tokens, impl)
         undo = [_swap(head, "forward", call.head_forward), _swap(lm, "_loss_function", call.loss_function)]
         try:

@@ -492,3 +492,19 @@ def test_a_module_computing_with_a_parameter_it_does_not_own_is_refused():
     assert x.grad is not None and m.up.weight.grad is not None
     (gx,) = torch.autograd.grad(m(x).sum(), [x])  # the module's parameters want gradients, none asked for
     assert torch.allclose(gx, x.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_function_set_after_tiling_is_not_replaced():
+    """``model.loss_function = custom`` after tile_loss: the next labelled call raises naming it, instead of
+    the tiles silently computing plain cross-entropy in its place."""
+    model = hf_model()
+    tile_loss(model, tokens=16)
+    ids = torch.randint(0, 300, (1, 32))
+    labels_step(model, ids)
+
+    def smoothed(logits, labels, vocab_size, **kwargs):
+        return F.cross_entropy(logits.float().flatten(0, 1)[:-1], labels.flatten()[1:], label_smoothing=0.1)
+
+    model.loss_function = smoothed
+    with pytest.raises(OffloadError, match="loss_function is <function .*smoothed"):
+        model(input_ids=ids, labels=ids)
