@@ -191,13 +191,14 @@ def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
     try:
         blocks = find_blocks(model)
     except ValueError as e:
-        raise OffloadError(f"offload.tiling.tile_mlp: {e} Pass modules=[...] (the per-token MLP modules).") from None
+        raise OffloadError(f"offload.tiling.tile_mlp: {e} Pass modules=[...] (the per-token MLP modules), or "
+                           "tiled_mlp=False in offload.long_context.") from None
     found = [(f"{name}.mlp", b.mlp) for name, b in blocks if isinstance(getattr(b, "mlp", None), nn.Module)]
     if not found:
         kinds = sorted({type(b).__name__ for _, b in blocks})
         raise OffloadError(f"offload.tiling.tile_mlp: none of {type(model).__name__}'s {len(blocks)} blocks "
                            f"({', '.join(kinds)}) has an .mlp submodule; pass modules=[...] (the per-token MLP "
-                           "modules).")
+                           "modules), or tiled_mlp=False in offload.long_context.")
     return found
 
 

@@ -10,7 +10,8 @@ BART), encoders (BERT, RoBERTa, ViT) and a state-space model (Mamba). A
 language model's head must be found and excluded; a classifier has none.
 With ``checkpointing`` on (non-reentrant), the engine sees the checkpoints'
 inputs. CI's first pass runs all of it through the C++ pack hook (``native_hooks="auto"``), its
-``--python-hooks`` pass through the Python hook.
+``--python-hooks`` pass through the Python hook. Each causal LM also runs under ``offload.long_context``
+(tiles: within fp32 rounding of the plain step).
 """
 
 from __future__ import annotations
@@ -178,3 +179,45 @@ def test_fused_head_work_after_the_body_stays_on_the_device(recwarn):
     assert tail and all(r.decision == "kept" for r in tail), [(r.module, r.reason) for r in tail]
     assert {r.reason for r in tail} >= {"after_head"}
     assert not [w for w in recwarn if "nothing was excluded" in str(w.message)]
+
+
+def _no_dropout(model: torch.nn.Module) -> None:
+    """Dropout off: the tiles draw their masks per tile, so with dropout a tiled step and its untiled twin
+    differ by the draws, not by a mistake."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    for k in ("attention_dropout", "attn_pdrop", "hidden_dropout", "resid_pdrop", "embd_pdrop", "dropout"):
+        if isinstance(getattr(model.config, k, None), float):
+            setattr(model.config, k, 0.0)
+
+
+@pytest.mark.parametrize("name", [n for n, a in ARCHS.items() if a[4] and a[3] is _lm])
+def test_hf_causal_lm_under_long_context_matches_the_plain_step(name):
+    """offload.long_context (checkpointed blocks with offloaded inputs, tiled MLP, tiled labels= loss) on each
+    causal LM: loss and every gradient within fp32 rounding of the plain step (the tiles reorder sums over
+    tokens). An MLP the tiles cannot take (none named .mlp: OPT, Mamba; one taking the residual too: Bloom)
+    is refused at setup with an error naming tiled_mlp=False, and the strategy then runs without it.
+    Found by running this: Falcon's blocks add into the tiled output in place (torch raised)."""
+    from offload import OffloadError, long_context
+
+    model = _build(name)
+    _no_dropout(model)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(3, V, (2, 40), generator=torch.Generator().manual_seed(2))
+    ref_loss = _step(twin, dict(input_ids=ids, labels=ids))
+    try:
+        handle = long_context(model, mlp_tokens=16, loss_tokens=16, device="cpu", min_offload_size=0)
+    except OffloadError as e:
+        assert "tiled_mlp=False" in str(e) and name in ("opt", "mamba", "bloom"), str(e)
+        handle = long_context(model, tiled_mlp=False, loss_tokens=16, device="cpu", min_offload_size=0)
+    with handle.engine:
+        loss = _step(model, dict(input_ids=ids, labels=ids))
+    assert float((loss - ref_loss).abs()) <= 1e-5 * float(ref_loss.abs())
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if q.grad is not None:  # (a key bias's gradient is ~0 by softmax's shift invariance: scaled by the largest)
+            scale = max(float(g.grad.abs().max()) for g in twin.parameters() if g.grad is not None)
+            assert float((p.grad - q.grad).abs().max()) <= 1e-5 * max(float(q.grad.abs().max()), 1e-3 * scale), n
+    assert handle.loss.stats()["calls"] == 1 and (handle.mlp is None or handle.mlp.stats()["calls"] == 2)
+    assert handle.engine.ledger.summary()["offloaded_count"] > 0
