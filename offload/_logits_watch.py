@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils._pytree import tree_leaves
 
+from ._torch_private import function_modes
 from .errors import OffloadError
 
 __all__ = ["LogitsWatch", "Replay"]
@@ -65,6 +65,17 @@ class _Step:
     why_not: str
 
 
+def _leaves(values: tuple) -> list[Any]:
+    """``values`` with lists and tuples opened (``torch.cat([a, b])``), in order."""
+    out: list[Any] = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            out.extend(_leaves(tuple(v)))
+        else:
+            out.append(v)
+    return out
+
+
 def _operand_problem(name: str, value: Any) -> str:
     """Why a non-logits operand of an elementwise op cannot be replayed on tiles ("" when it can)."""
     if isinstance(value, _T):
@@ -94,14 +105,14 @@ class LogitsWatch(TorchFunctionMode):
         self._made[id(stand_in)] = (stand_in, _Step(None, (), {}, None, ""))
 
     def entered(self) -> bool:
-        return any(torch._C._get_function_stack_at(i) is self for i in range(torch._C._len_torch_function_stack()))
+        return any(m is self for m in function_modes())
 
     def stop(self) -> None:
         """Watch nothing more, and leave the mode where it is the innermost one (else ``stop`` again once
         the modes entered inside it have been left: until then it only passes calls through)."""
         self._made.clear()
-        n = torch._C._len_torch_function_stack()
-        if n and torch._C._get_function_stack_at(n - 1) is self:
+        modes = function_modes()
+        if modes and modes[-1] is self:
             self.__exit__(None, None, None)
 
     def _step_of(self, t: Any) -> _Step | None:
@@ -112,7 +123,7 @@ class LogitsWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         if not self._made:
             return func(*args, **kwargs)
-        leaves = tree_leaves((args, kwargs))
+        leaves = _leaves((*args, *kwargs.values()))
         parents = [a for a in leaves if self._step_of(a) is not None]
         if not parents:
             return func(*args, **kwargs)

@@ -33,6 +33,7 @@ __all__ = [
     "sanitizer_core",
     "cuda_allocated_and_peak",
     "extension_build_dir",
+    "function_modes",
 ]
 
 
@@ -346,3 +347,14 @@ def extension_build_dir(name: str) -> str:
     from torch.utils import cpp_extension
 
     return cpp_extension._get_build_directory(name, verbose=False)
+
+
+def function_modes() -> list[object]:
+    """The torch-function modes entered on this thread, outermost first.
+
+    Why private: ``offload.tiling.tile_loss`` enters its mode (``offload._logits_watch.LogitsWatch``) when the
+    model's head returns and leaves it at the loss, two calls apart, so it cannot use a ``with`` block; it
+    pops it only where it is the innermost mode, and must read the stack to know (torch exposes only
+    ``_get_current_function_mode_stack``, and ``TorchFunctionMode.__exit__`` pops whatever is on top).
+    """
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]

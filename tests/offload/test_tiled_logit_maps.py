@@ -13,9 +13,9 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.overrides import _get_current_function_mode_stack
 
 from offload import OffloadError, tile_loss
+from offload._torch_private import function_modes
 
 transformers = pytest.importorskip("transformers")
 from test_tiling import FP32_RTOL, assert_close_grads, labels_step, rel_diff  # noqa: E402
@@ -46,7 +46,7 @@ def _mapped_model(name: str, value) -> nn.Module:
 
 
 def _no_mode_left() -> bool:
-    return not _get_current_function_mode_stack()
+    return not function_modes()
 
 
 @pytest.mark.parametrize("name", sorted(MAPPED))
