@@ -168,3 +168,29 @@ def test_fsdp2_on_the_emulated_stream_path(tmp_path, emulate):
         assert m["emulator"]["ops_checked"] > 1000
         assert not m["loss_mismatch"] and not m["grad_mismatch"] and not m["param_mismatch"], m
         assert m["summary"]["offloaded_count"] > 0
+
+
+@pytest.mark.parametrize("units", ["layers", "mlps"])
+def test_fsdp2_long_context_matches_the_plain_sharded_step(tmp_path, units):
+    """offload.long_context on a tiny HF Llama under FSDP2 (each layer and the root fully_shard-ed; with
+    "mlps" each tiled MLP is an FSDP unit of its own too), two gloo ranks: checkpointed blocks with offloaded
+    inputs, the tiled MLP (one autograd node per call, so FSDP's gradient hooks fire once) and the tiled loss
+    give every rank the plain sharded step's loss and gradients within fp32 rounding (the tiles reorder sums
+    over tokens), two steps running."""
+    pytest.importorskip("transformers")
+    worker = HERE / "_dist_long_context_worker.py"
+    init = f"file://{tmp_path / 'rendezvous'}"
+    extra = ["mlps"] if units == "mlps" else []
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", init, str(tmp_path), *extra], env=_env(),
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    for rank in range(2):
+        path = tmp_path / f"long_context_rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote nothing; log:\n{logs[rank][-3000:]}"
+        r = json.loads(path.read_text())
+        assert r["error"] is None, r["error"]
+        for a, b in zip(r["losses"]["plain"], r["losses"]["long_context"]):
+            assert abs(a - b) <= 1e-5 * abs(a), (rank, r["losses"])
+        assert r["worst_grad_rel"] <= 1e-5, (rank, r["worst_grad_rel"])
+        assert r["mlp"]["calls"] == 4 and r["loss"]["calls"] == 2 and r["offloaded"] > 0, r
