@@ -508,3 +508,43 @@ def test_a_loss_function_set_after_tiling_is_not_replaced():
     model.loss_function = smoothed
     with pytest.raises(OffloadError, match="loss_function is <function .*smoothed"):
         model(input_ids=ids, labels=ids)
+
+
+def test_qlora_mlp_with_nf4_base_weights_tiles_like_the_untiled_module():
+    """A QLoRA MLP (torchao NF4 base weights, frozen; fp32 LoRA adapters) in bf16: the tiled input gradient
+    is the untiled one bitwise and the adapters' gradients agree within fp32 rounding (the NF4 weight is a
+    parameter that wants no gradient: neither aliased nor refused as a tensor the module does not own)."""
+    to_nf4 = pytest.importorskip("torchao.quantization", reason="torchao with NF4 is not installed").to_nf4
+
+    class QLoRALinear(nn.Module):
+        def __init__(self, n_in: int, n_out: int, r: int = 4) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(to_nf4((torch.randn(n_out, n_in) * 0.05).to(torch.bfloat16)),
+                                       requires_grad=False)
+            self.lora_a = nn.Parameter(torch.randn(r, n_in) * 0.1)
+            self.lora_b = nn.Parameter(torch.randn(n_out, r) * 0.1)
+
+        def forward(self, x):
+            return F.linear(x, self.weight) + ((x.float() @ self.lora_a.t()) @ self.lora_b.t()).to(x.dtype)
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = QLoRALinear(256, 512), QLoRALinear(512, 256)
+
+        def forward(self, x):
+            return self.down(F.silu(self.up(x)))
+
+    torch.manual_seed(0)
+    mlp = MLP()
+    twin = copy.deepcopy(mlp)
+    x = torch.randn(2, 96, 256, dtype=torch.bfloat16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    twin(x2).float().pow(2).sum().backward()
+    handle = tile_mlp(nn.Module(), modules=[mlp], tokens=32)
+    mlp(x).float().pow(2).sum().backward()
+    assert handle.stats()["tiles"] == 6 and torch.equal(x.grad, x2.grad)
+    for (n, p), (_, q) in zip(mlp.named_parameters(), twin.named_parameters()):
+        assert (p.grad is None) == (q.grad is None) == (not p.requires_grad), n
+        if p.grad is not None:
+            assert rel_diff(p.grad, q.grad) <= FP32_RTOL, n
