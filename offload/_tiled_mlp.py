@@ -100,6 +100,9 @@ class MLPRun:
         self.record = record
         self.rng: RngState | None = None
         self.autocast: AutocastState | None = None
+        self.mutated: list[str] = []
+        """The module's buffers its forward tiles wrote or replaced (a counter of tokens per expert):
+        backward's recompute leaves them as the forward did (``_buffers_kept``)."""
 
     def _check(self, y: Any, rows: int) -> torch.Tensor:
         if not isinstance(y, torch.Tensor) or y.dim() != 3 or y.shape[1] != rows:
@@ -128,6 +131,7 @@ class MLPRun:
         self.rng, self.autocast = RngState(x.device), AutocastState(x.device.type)
         x3 = x.reshape(1, -1, x.shape[-1])  # (1, N, H): tiles keep a batch dimension
         out = out3 = None
+        before = {n: (b, b._version) for n, b in self.module.named_buffers()}
         with torch.no_grad():
             for sl in tile_slices(x3.shape[1], self.rows):
                 y = self._check(self.fn(x3[:, sl]), sl.stop - sl.start)  # (1, t, H_out)
@@ -135,6 +139,8 @@ class MLPRun:
                     out = y.new_empty((*x.shape[:-1], y.shape[-1]))  # as it is, not a view, so the model may
                     out3 = out.view(1, x3.shape[1], y.shape[-1])  # add into it in place (Falcon's blocks do)
                 out3[:, sl] = y
+        after = dict(self.module.named_buffers())
+        self.mutated = [n for n, (b, v) in before.items() if after.get(n) is not b or b._version != v]
         return out
 
     def backward_tiles(self, x: torch.Tensor, grad: torch.Tensor, need_x: bool,
@@ -147,7 +153,7 @@ class MLPRun:
         acc: list[torch.Tensor | None] = [None] * len(wanted)
         counter = _SavedBytes(self.module, x3)
         with self.rng.restored(), self.autocast.restored(), torch.enable_grad(), \
-                _aliased(self.module, wanted) as leaves:
+                _aliased(self.module, wanted) as leaves, _buffers_kept(self.module, self.mutated):
             counter.params += leaves
             for sl in tile_slices(x3.shape[1], self.rows):
                 xi = x3[:, sl].detach().requires_grad_(need_x)
@@ -183,6 +189,27 @@ def _outside_leaves(y: torch.Tensor, owned: list[torch.Tensor], limit: int = 100
             continue
         todo.extend(f for f, _ in fn.next_functions)
     return outside
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module, names: list[str]) -> Iterator[None]:
+    """Undo, on leaving, what the recompute does to the buffers ``names`` of ``module`` (those its forward
+    changed): the forward's tiles updated them once, as the untiled module would; the recompute must not
+    update them again."""
+    if not names:
+        yield
+        return
+    kept = {n: module.get_buffer(n) for n in names}
+    values = {n: b.detach().clone() for n, b in kept.items()}
+    try:
+        yield
+    finally:
+        for n, b in kept.items():
+            owner, _, leaf = n.rpartition(".")
+            holder = module.get_submodule(owner) if owner else module
+            holder._buffers[leaf] = b  # (the same object, where the recompute replaced it)
+            with torch.no_grad():
+                b.copy_(values[n])
 
 
 @contextlib.contextmanager

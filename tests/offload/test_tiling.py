@@ -548,3 +548,34 @@ def test_qlora_mlp_with_nf4_base_weights_tiles_like_the_untiled_module():
         assert (p.grad is None) == (q.grad is None) == (not p.requires_grad), n
         if p.grad is not None:
             assert rel_diff(p.grad, q.grad) <= FP32_RTOL, n
+
+
+@pytest.mark.parametrize("how", ["in_place", "replaced"])
+def test_buffers_the_forward_updates_are_updated_once(how):
+    """A per-token module that counts the tokens it saw in a buffer (as MoE load balancing does): the
+    forward's tiles add up to the untiled count, and backward's recompute leaves the buffer as the forward
+    did (it counted every token twice before), whether the module adds in place or assigns a new tensor."""
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            if how == "in_place":
+                self.seen.add_(x.shape[-2])
+            else:
+                self.seen = self.seen + x.shape[-2]
+            return torch.relu(self.fc(x))
+
+    torch.manual_seed(0)
+    m = Counting()
+    twin = copy.deepcopy(m)
+    x = torch.randn(1, 64, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    twin(x2).sum().backward()
+    tile_mlp(nn.Module(), modules=[m], tokens=16)
+    m(x).sum().backward()
+    assert float(m.seen) == float(twin.seen) == 64
+    assert torch.equal(x.grad, x2.grad) and rel_diff(m.fc.weight.grad, twin.fc.weight.grad) <= FP32_RTOL
