@@ -138,10 +138,10 @@ class LogitsWatch(TorchFunctionMode):
         if not isinstance(out, _T):  # a read (shape, dtype, size()): no new logits
             return out
         if self._step_of(out) is not None:
-            if func in _CASTS:  # .float() of float32 logits, .contiguous() of contiguous ones: the tensor itself
-                return out
-            why, parents = f"{name} (in place)", [None]  # the op wrote into watched logits
-        elif len({id(p) for p in parents}) > 1 or sum(a is parents[0] for a in leaves) > 1:
+            if func not in _CASTS:  # (a cast that changes nothing returns the tensor itself: .float() of float32)
+                self._made[id(out)] = (out, _Step(func, args, kwargs, None, f"{name} (in place)"))
+            return out
+        if len({id(p) for p in parents}) > 1 or sum(a is parents[0] for a in leaves) > 1:
             why = f"{name} of the logits with themselves"
         elif func not in _ELEMENTWISE:
             why = name
@@ -173,28 +173,27 @@ class LogitsWatch(TorchFunctionMode):
             step = self._step_of(step.parent)
         if all(s.func in _CASTS for s in steps):
             return None
-        return Replay(tuple((s.func, s.args, s.kwargs, s.parent) for s in reversed(steps)))
+        return Replay(tuple(reversed(steps)))
 
 
 class Replay:
     """A model's elementwise transform of its logits, as recorded: applied to one tile of logits at a time."""
 
-    def __init__(self, steps: tuple[tuple[Callable[..., Any], tuple, dict, torch.Tensor], ...]) -> None:
+    def __init__(self, steps: tuple[_Step, ...]) -> None:
         self._steps = steps
-        self.names = tuple(resolve_name(func) or repr(func) for func, _, _, _ in steps)
+        self.names = tuple(resolve_name(s.func) or repr(s.func) for s in steps)
         """The ops, in order (for logs and errors)."""
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
-        for func, args, kwargs, parent in self._steps:
-            if func is _T.contiguous or (func is _T.to and not any(isinstance(a, torch.dtype) for a in
-                                                                      (*args, *kwargs.values()))):
-                continue  # a layout or a device: the tile stays where its loss is computed
-            if func is _T.to:  # the dtype alone (a device would move the tile off the hidden states')
-                dtype = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.dtype))
-                z = z.to(dtype)
+        for s in self._steps:
+            if s.func is _T.contiguous:  # a layout: nothing a tile needs
                 continue
-            z = func(*(z if a is parent else a for a in args), **{k: z if v is parent else v
-                                                                 for k, v in kwargs.items()})
+            if s.func is _T.to:  # the dtype alone (a device would move the tile off the hidden states')
+                dtype = next((a for a in (*s.args, *s.kwargs.values()) if isinstance(a, torch.dtype)), None)
+                z = z if dtype is None else z.to(dtype)
+                continue
+            z = s.func(*(z if a is s.parent else a for a in s.args),
+                       **{k: z if v is s.parent else v for k, v in s.kwargs.items()})
         return z
 
     def __repr__(self) -> str:

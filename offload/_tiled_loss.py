@@ -116,6 +116,13 @@ class _CERun:
             total += torch.where(valid, lse[sl] - picked, 0.0).sum()
         return total, lse
 
+    def _mapped(self, z: torch.Tensor) -> torch.Tensor:
+        """``transform(z)`` in float32, recorded by autograd from ``z`` (made a leaf that wants a gradient),
+        under the forward's autocast state: the values forward's log-sum-exp was taken of."""
+        z.requires_grad_()
+        with torch.enable_grad(), self.autocast.restored():
+            return self.transform(z).float()
+
     def backward(self, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor,
                  lse: torch.Tensor, need: tuple[bool, bool, bool]) -> tuple[torch.Tensor | None, ...]:
         """(d hidden, d weight, d bias): each tile's logits recomputed, ``softmax - one_hot`` scaled by ``g``."""
@@ -128,11 +135,8 @@ class _CERun:
             for sl in tile_slices(h.shape[0], self.rows):
                 hc = h[sl].to(cdt)
                 z = F.linear(hc, wc, bc)
-                if self.transform is not None:
-                    z.requires_grad_()
-                    with torch.enable_grad(), self.autocast.restored():
-                        zt = self.transform(z).float()
-                p = torch.exp((z.float() if self.transform is None else zt.detach()) - lse[sl, None])  # softmax
+                zt = z.float() if self.transform is None else self._mapped(z)
+                p = torch.exp(zt.detach() - lse[sl, None])  # softmax, (t, V) float32
                 yi = y[sl]
                 valid = yi != self.ignore_index
                 p.scatter_add_(1, torch.where(valid, yi, 0).unsqueeze(1), torch.full_like(lse[sl, None], -1.0))
@@ -220,11 +224,11 @@ def cross_entropy_tiles(hidden: torch.Tensor, head: nn.Module | torch.Tensor, ta
         raise ValueError(f"offload.tiling.linear_cross_entropy: {h.shape[0]} tokens of hidden states "
                          f"(hidden {tuple(hidden.shape)}) but {y.shape[0]} targets (targets {tuple(targets.shape)})")
     rows = default_loss_rows(w.shape[0], w.shape[1], h.shape[0]) if tokens is None else _positive("tokens", tokens)
-    name, fn = select_loss_impl(impl, h.device.type if transform is None else "builtin")
     if transform is not None and impl not in ("auto", "builtin"):
         raise OffloadError(f"offload.tiling: impl={impl!r} computes cross-entropy of the head's output as it is, "
                            f"but the model maps its logits first ({transform!r}); pass impl='auto' or 'builtin' "
                            "(the built-in tiles apply the map to each tile).")
+    name, fn = select_loss_impl(impl, h.device.type) if transform is None else ("builtin", None)
     if fn is not None:
         if torch.is_autocast_enabled(h.device.type):  # the kernels take one dtype: the head's, under autocast
             cdt = torch.get_autocast_dtype(h.device.type)

@@ -117,14 +117,15 @@ class MLPRun:
     def _check_owned(self, y: torch.Tensor, owned: list[torch.Tensor]) -> None:
         """Refuse a module that computes with a tensor needing a gradient that it does not own (a parameter
         of another module, kept as a plain attribute): its gradient would be lost (``_outside_leaves``)."""
-        outside = _outside_leaves(y, owned) if y.grad_fn is not None else []
+        outside = _outside_leaves(y, owned)
         if outside:
             shapes = ", ".join(str(tuple(t.shape)) for t in outside[:3])
             raise OffloadError(
                 f"offload.tiling.tile_mlp: {type(self.module).__name__} computes with {len(outside)} tensor(s) "
-                f"needing a gradient that are neither its parameters nor its input (shapes {shapes}: another module's "
-                "parameter kept as a plain attribute, a tensor from outside); the tiles differentiate the module's own parameters and its input, so "
-                "those would get no gradient. Register them on the module, or leave it untiled (tiled_mlp=False).")
+                f"needing a gradient that are neither its parameters nor its input (shapes {shapes}: another "
+                "module's parameter kept as a plain attribute, a tensor from outside); the tiles differentiate the "
+                "module's own parameters and its input, so those would get no gradient. Register them on the "
+                "module, or leave it untiled (tiled_mlp=False).")
 
     def forward_tiles(self, x: torch.Tensor) -> torch.Tensor:
         """The module over ``x`` (``(..., hidden)``) tile by tile, without autograd: ``(..., out)``."""
@@ -206,8 +207,7 @@ def _buffers_kept(module: nn.Module, names: list[str]) -> Iterator[None]:
     finally:
         for n, b in kept.items():
             owner, _, leaf = n.rpartition(".")
-            holder = module.get_submodule(owner) if owner else module
-            holder._buffers[leaf] = b  # (the same object, where the recompute replaced it)
+            module.get_submodule(owner)._buffers[leaf] = b  # (the same object, where the recompute replaced it)
             with torch.no_grad():
                 b.copy_(values[n])
 

@@ -383,7 +383,7 @@ def test_a_mixture_of_experts_whose_router_logits_are_recorded_runs_untiled():
     """output_router_logits=True: transformers records each router's logits through forward hooks for the
     auxiliary loss. In tiles the hooks would get detached pieces and the routers no gradient from that loss
     (a relative error of ~1 in every router weight's gradient, silently); the calls run untiled instead,
-    bitwise as the untiled model, with one warning naming the router, and stats() counting them. Once the
+    bitwise as the untiled model, with one warning naming the router, and handle.untiled counting them. Once the
     model stops recording (the hooks stay installed), the same modules are tiled again."""
     model = _moe(output_router_logits=True)
     twin = copy.deepcopy(model)
