@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._pytree import tree_leaves
 
 from ._torch_private import function_modes
 from .errors import OffloadError
@@ -63,17 +64,6 @@ class _Step:
     kwargs: dict[str, Any]
     parent: torch.Tensor | None
     why_not: str
-
-
-def _leaves(values: tuple) -> list[Any]:
-    """``values`` with lists and tuples opened (``torch.cat([a, b])``), in order."""
-    out: list[Any] = []
-    for v in values:
-        if isinstance(v, (list, tuple)):
-            out.extend(_leaves(tuple(v)))
-        else:
-            out.append(v)
-    return out
 
 
 def _operand_problem(name: str, value: Any) -> str:
@@ -123,7 +113,7 @@ class LogitsWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         if not self._made:
             return func(*args, **kwargs)
-        leaves = _leaves((*args, *kwargs.values()))
+        leaves = tree_leaves((args, kwargs))  # (torch.cat([a, b]) holds its tensors in a list)
         parents = [a for a in leaves if self._step_of(a) is not None]
         if not parents:
             return func(*args, **kwargs)
