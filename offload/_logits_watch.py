@@ -123,7 +123,7 @@ class LogitsWatch(TorchFunctionMode):
         except Exception as e:  # (an operand shaped like the full logits: it cannot meet the stand-in)
             raise OffloadError(
                 f"offload.tiling.tile_loss: the model's {name} on its logits failed on tile_loss's stand-in for "
-                f"them (zero-width: the tiles never make the full logits): {e}. Leave the loss untiled for this "
+                f"them (zero-width: the tiles never make the full logits): {str(e).rstrip('.')}. Leave the loss untiled for this "
                 "model (tiled_loss=False in offload.long_context).") from e
         if not isinstance(out, _T):  # a read (shape, dtype, size()): no new logits
             return out

@@ -157,13 +157,13 @@ def long_context(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool |
     checkpointing (a Hugging Face model's own gradient checkpointing is used instead when on); an
     ``OffloadActivations`` built from ``config`` or ``engine_kwargs`` (``host_budget_bytes``,
     ``pageable_budget_bytes``, ``disk_dir``...) is attached to the model with the output head kept on
-    the device; ``tile_mlp`` tiles each block's ``.mlp`` (``mlp_tokens`` a tile) and ``tile_loss`` the
-    labels= loss of a Hugging Face causal LM (``tiled_loss=None``: when the model is one; with your own
-    loss, call ``offload.tiling.linear_cross_entropy`` on the head's input). ``engine``: an engine to use
-    instead of building one (then pass no setting): installing and removing around each step keeps its
-    pool. ``exclude_head=False`` when the head module never runs (a loss that only reads its weight:
-    ``linear_cross_entropy``), else the engine warns that its exclusion did nothing. Returns a handle
-    (``engine``, ``report()``, ``remove()``)."""
+    the device; ``tile_mlp`` tiles each block's MLP (``.mlp``, ``.feed_forward``...; ``mlp_tokens`` a
+    tile) and ``tile_loss`` the labels= loss of a Hugging Face causal LM (``tiled_loss=None``: when the
+    model is one; with your own loss, call ``offload.tiling.linear_cross_entropy`` on the head's input).
+    ``engine``: an engine to use instead of building one (then pass no setting): installing and removing
+    around each step keeps its pool. ``exclude_head=False`` when the head module never runs (a loss that
+    only reads its weight: ``linear_cross_entropy``), else the engine warns that its exclusion did
+    nothing. Returns a handle (``engine``, ``report()``, ``remove()``)."""
     if engine is not None and (config is not None or engine_kwargs):
         raise TypeError(f"offload.long_context: pass engine= or engine settings, not both (got engine and "
                         f"{'config' if config is not None else sorted(engine_kwargs)})")

@@ -1,9 +1,10 @@
 """The tiled MLP's autograd Function: a per-token module run over the sequence in tiles, recomputed in
 backward one tile at a time (NOTE [ Tiles ] in offload/tiling.py).
 
-Forward runs the tiles without autograd and writes each tile's output into one output tensor; only the
-input is saved. Backward recomputes each tile with autograd on (the forward's RNG and autocast state
-restored) on detached aliases of the parameters, takes the tile's input and alias gradients with
+Forward runs the tiles without autograd and writes each tile's results into results shaped as the untiled
+call's (``offload/_token_call.py``); only the call's tensors are saved. Backward recomputes each tile with
+autograd on (the forward's RNG and autocast state restored, the same tiles) on detached aliases of the
+parameters, takes the tile's input and alias gradients with
 ``torch.autograd.grad``, sums the parameter gradients over the tiles in float32 and returns them: each
 parameter gets one gradient per backward through this node, as from an untiled module (its hooks, DDP's
 and FSDP's included, fire once; ``torch.autograd.grad(loss, params)`` works).
@@ -19,15 +20,26 @@ import torch
 from torch import nn
 
 from .errors import OffloadError
+from ._token_call import TileOutputs, TokenCall
 from .policy import storage_ptr
 
 __all__ = ["MLPRun", "TiledMLP", "tile_slices", "AutocastState", "RngState"]
 
 
-def tile_slices(n: int, rows: int) -> Iterator[slice]:
-    """``slice``s of ``rows`` items covering ``range(n)`` in order (the last one may be shorter)."""
-    for start in range(0, n, rows):
-        yield slice(start, min(n, start + rows))
+def tile_slices(n: int, rows: int, start: int = 0) -> Iterator[slice]:
+    """``slice``s of ``rows`` items covering ``range(start, n)`` in order (the last one may be shorter)."""
+    for i in range(start, n, rows):
+        yield slice(i, min(n, i + rows))
+
+
+def _two_sizes(n: int, rows: int) -> list[slice]:
+    """The tiles after a first of ``rows`` items, covering ``range(rows, n)`` so that some tile has another
+    size than ``rows`` (``TileOutputs.checked``): a last tile of ``rows`` is split in ``rows - 1`` and 1."""
+    rest = list(tile_slices(n, rows, rows))
+    if rows > 1 and rest and rest[-1].stop - rest[-1].start == rows:
+        last = rest.pop()
+        rest += [slice(last.start, last.stop - 1), slice(last.stop - 1, last.stop)]
+    return rest
 
 
 class AutocastState:
@@ -90,34 +102,32 @@ def _static(t: torch.Tensor, params: list[nn.Parameter], ptrs: set[int], shapes:
 class MLPRun:
     """One tiled call of a per-token module: what forward and backward share (ctx holds it)."""
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, rows: int,
+    def __init__(self, fn: Callable[..., Any], module: nn.Module, call: TokenCall, rows: int,
                  params: list[nn.Parameter], record: Callable[[int, int], None] | None) -> None:
         self.fn = fn
         self.module = module
+        self.call = call
         self.rows = rows
         self.params = params
         """The module's parameters that require grad, in the order they were passed to ``TiledMLP``."""
         self.record = record
         self.rng: RngState | None = None
         self.autocast: AutocastState | None = None
+        self.outputs: TileOutputs | None = None
+        self.slices: list[slice] = []
+        """The tiles, as the forward ran them (backward replays them)."""
         self.mutated: list[str] = []
         """The module's buffers its forward tiles wrote or replaced (a counter of tokens per expert):
         backward's recompute leaves them as the forward did (``_buffers_kept``)."""
 
-    def _check(self, y: Any, rows: int) -> torch.Tensor:
-        if not isinstance(y, torch.Tensor) or y.dim() != 3 or y.shape[1] != rows:
-            got = type(y).__name__ if not isinstance(y, torch.Tensor) else f"a tensor of shape {tuple(y.shape)}"
-            raise OffloadError(
-                f"offload.tiling.tile_mlp: {type(self.module).__name__} returned {got} for an input of shape "
-                f"(1, {rows}, hidden); a tiled module must map each token on its own and return one tensor with "
-                "the tokens where it took them (an MLP does; a mixture of experts that also returns router "
-                "logits does not). Pass modules=[...] naming only per-token modules.")
-        return y
+    def _tile(self, parts: list[torch.Tensor]) -> Any:
+        x, args, kwargs = self.call.tile(parts)
+        return self.fn(x, *args, **kwargs)
 
-    def _check_owned(self, y: torch.Tensor, owned: list[torch.Tensor]) -> None:
+    def _check_owned(self, roots: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
         """Refuse a module that computes with a tensor needing a gradient that it does not own (a parameter
         of another module, kept as a plain attribute): its gradient would be lost (``_outside_leaves``)."""
-        outside = _outside_leaves(y, owned)
+        outside = _outside_leaves(roots, owned)
         if outside:
             shapes = ", ".join(str(tuple(t.shape)) for t in outside[:3])
             raise OffloadError(
@@ -127,57 +137,131 @@ class MLPRun:
                 "module's own parameters and its input, so those would get no gradient. Register them on the "
                 "module, or leave it untiled (tiled_mlp=False).")
 
-    def forward_tiles(self, x: torch.Tensor) -> torch.Tensor:
-        """The module over ``x`` (``(..., hidden)``) tile by tile, without autograd: ``(..., out)``."""
-        self.rng, self.autocast = RngState(x.device), AutocastState(x.device.type)
-        x3 = x.reshape(1, -1, x.shape[-1])  # (1, N, H): tiles keep a batch dimension
-        out = out3 = None
+    def check_per_token(self) -> None:
+        """Refuse a module whose result for a token depends on the tokens beside it (RWKV's feed-forward
+        shifts the tokens by one; a convolution along the sequence): the tiles would cut that at every tile's
+        edge, silently. Token 1 is computed with token 0 (tokens 0-1) and with token 2 (tokens 1-2): its
+        results must agree. Without autograd, in eval mode (no dropout draws), the RNG and the buffers left as
+        they were; once per module, before its first tiled forward (``TilingHandle._check_per_token``)."""
+        call = self.call
+        flat = [call.flat(t) for t in call.tensors]
+        names = [n for n, _ in self.module.named_buffers()]
+        with torch.no_grad(), _eval(self.module), RngState(call.tensors[0].device).restored(), \
+                _buffers_kept(self.module, names):
+            before, after = (self._tile([f[:, sl] for f in flat]) for sl in (slice(0, 2), slice(1, 3)))
+        for a, b in zip(_tensors(before), _tensors(after)):
+            got = _token_1(a, b)
+            if got is not None and not _agree(*got):
+                raise OffloadError(
+                    f"offload.tiling.tile_mlp: {type(self.module).__name__}'s result for a token depends on the "
+                    "tokens beside it (token 1 computed with token 0 and with token 2 gave other results; RWKV's "
+                    "feed-forward shifts the tokens, a convolution along the sequence mixes them): the tiles would "
+                    "cut that at every tile's edge. Pass modules=[...] naming only per-token modules, or "
+                    "tiled_mlp=False in offload.long_context.")
+
+    def forward_tiles(self) -> Any:
+        """The module over the call's tokens, tile by tile, without autograd: the glued results (the call's
+        tensors are dropped after: ``TokenCall.release``)."""
+        call = self.call
+        self.rng, self.autocast = RngState(call.tensors[0].device), AutocastState(call.tensors[0].device.type)
+        flat = [call.flat(t) for t in call.tensors]
         before = {n: (b, b._version) for n, b in self.module.named_buffers()}
         with torch.no_grad():
-            for sl in tile_slices(x3.shape[1], self.rows):
-                y = self._check(self.fn(x3[:, sl]), sl.stop - sl.start)  # (1, t, H_out)
-                if out is None:  # the output in x's shape, written through a (1, N, H_out) view: returned
-                    out = y.new_empty((*x.shape[:-1], y.shape[-1]))  # as it is, not a view, so the model may
-                    out3 = out.view(1, x3.shape[1], y.shape[-1])  # add into it in place (Falcon's blocks do)
-                out3[:, sl] = y
+            first = slice(0, self.rows)
+            y = self._tile([f[:, first] for f in flat])
+            self.outputs = out = TileOutputs(type(self.module).__name__, call, y, self.rows)
+            rest = list(tile_slices(call.n, self.rows, self.rows)) if out.checked else _two_sizes(call.n, self.rows)
+            self.slices = [first, *rest]
+            out.add(y, first)
+            del y
+            for sl in rest:
+                out.add(self._tile([f[:, sl] for f in flat]), sl)
         after = dict(self.module.named_buffers())
         self.mutated = [n for n, (b, v) in before.items() if after.get(n) is not b or b._version != v]
-        return out
+        call.release()
+        return self.outputs.result()
 
-    def backward_tiles(self, x: torch.Tensor, grad: torch.Tensor, need_x: bool,
-                       need: tuple[bool, ...]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-        """Recompute each tile and return (d input, [d param] in ``params`` order, float32-summed)."""
-        x3 = x.reshape(1, -1, x.shape[-1])
-        g3 = grad.reshape(1, x3.shape[1], -1)
+    def backward_tiles(self, inputs: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...],
+                       need_in: tuple[bool, ...], need: tuple[bool, ...]
+                       ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Recompute each tile and return ([d input] in ``call.tensors`` order, [d param] in ``params`` order,
+        float32-summed)."""
+        call, outs = self.call, self.outputs
+        flat = [call.flat(t) for t in inputs]
         wanted = [p for p, n in zip(self.params, need) if n]
-        dx = torch.empty_like(x3) if need_x else None
+        d_in = [torch.empty_like(f) if n else None for f, n in zip(flat, need_in)]
         acc: list[torch.Tensor | None] = [None] * len(wanted)
-        counter = _SavedBytes(self.module, x3)
+        counter = _SavedBytes(self.module, flat)
+        incoming = {storage_ptr(g) for g in grads if g is not None}
         with self.rng.restored(), self.autocast.restored(), torch.enable_grad(), \
                 _aliased(self.module, wanted) as leaves, _buffers_kept(self.module, self.mutated):
             counter.params += leaves
-            for sl in tile_slices(x3.shape[1], self.rows):
-                xi = x3[:, sl].detach().requires_grad_(need_x)
+            for sl in self.slices:
+                parts = [f[:, sl].detach().requires_grad_(n) for f, n in zip(flat, need_in)]
                 with counter.counting():
-                    yi = self.fn(xi)
+                    yi = outs.parts(self._tile(parts))
+                pairs = [(y, outs.tile_of(i, g, sl)) for i, (y, g) in enumerate(zip(yi, grads))
+                         if g is not None and y is not None and y.requires_grad]
                 if sl.start == 0:
-                    self._check_owned(yi, [xi, *leaves, *self.module.parameters()])
-                grads = torch.autograd.grad(yi, ([xi] if need_x else []) + leaves, g3[:, sl], allow_unused=True)
-                if need_x:
-                    dx[:, sl] = grads[0] if grads[0] is not None else 0
-                _accumulate(acc, grads[1:] if need_x else grads, g3)
+                    self._check_owned([y for y, _ in pairs], [*parts, *leaves, *self.module.parameters()])
+                wrt = [p for p, n in zip(parts, need_in) if n] + leaves
+                got = torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs],
+                                          allow_unused=True) if pairs else (None,) * len(wrt)
+                got = list(got)
+                for d in d_in:
+                    if d is not None:
+                        g = got.pop(0)
+                        d[:, sl] = g if g is not None else 0
+                _accumulate(acc, got, incoming)
         if self.record is not None:
-            self.record(counter.nbytes, -(-x3.shape[1] // self.rows))
+            self.record(counter.nbytes, len(self.slices))
         out = iter(None if a is None else a.to(p.dtype) for a, p in zip(acc, wanted))
-        return (dx.view_as(x) if dx is not None else None), [next(out) if n else None for n in need]
+        return ([None if d is None else d.view_as(t) for d, t in zip(d_in, inputs)],
+                [next(out) if n else None for n in need])
 
 
-def _outside_leaves(y: torch.Tensor, owned: list[torch.Tensor], limit: int = 100_000) -> list[torch.Tensor]:
-    """Tensors with a gradient of their own that ``y``'s graph reaches besides ``owned`` (the tile's input and
-    the module's parameter aliases): the tiles take gradients for ``owned`` alone, so these would get none.
-    Walks at most ``limit`` nodes (a tile's graph has tens)."""
+def _tensors(y: Any) -> list[torch.Tensor]:
+    return [y] if isinstance(y, torch.Tensor) else [v for v in y if isinstance(v, torch.Tensor)] \
+        if isinstance(y, (tuple, list)) else []
+
+
+def _token_1(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Token 1's result in ``a`` (tokens 0-1) and in ``b`` (tokens 1-2), by the layouts a tile's result may
+    have (``offload._token_call``), or None where ``a`` has neither (the tiles refuse it themselves)."""
+    if a.shape != b.shape:
+        return None
+    if a.dim() >= 2 and a.shape[:2] == (1, 2):
+        return a[0, 1], b[0, 0]
+    return (a[1], b[0]) if a.dim() >= 1 and a.shape[0] == 2 else None
+
+
+def _agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, or for floats within 5 % of the result's largest magnitude: per-token math agrees within a
+    rounding of the dtype (bf16's is 0.4 %); a token shift changes the result by a mixing coefficient."""
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max()) <= 0.05 * max(float(a.abs().max()), float(b.abs().max()), 1e-30)
+
+
+@contextlib.contextmanager
+def _eval(module: nn.Module) -> Iterator[None]:
+    """``module`` and its submodules in eval mode while inside, each put back as it was."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _outside_leaves(roots: list[torch.Tensor], owned: list[torch.Tensor], limit: int = 100_000) -> list[torch.Tensor]:
+    """Tensors with a gradient of their own that the graph of ``roots`` (a tile's results) reaches besides
+    ``owned`` (the tile's inputs and the module's parameter aliases): the tiles take gradients for ``owned``
+    alone, so these would get none. Walks at most ``limit`` nodes (a tile's graph has tens)."""
     ids = {id(t) for t in owned}
-    seen, todo, outside = set(), [y.grad_fn], []
+    seen, todo, outside = set(), [y.grad_fn for y in roots], []
     while todo and len(seen) < limit:
         fn = todo.pop()
         if fn is None or fn in seen:
@@ -230,27 +314,27 @@ def _aliased(module: nn.Module, params: list[nn.Parameter]) -> Iterator[list[tor
             m._parameters[k] = p
 
 
-def _accumulate(acc: list[torch.Tensor | None], grads: tuple[torch.Tensor | None, ...], grad_out: torch.Tensor) -> None:
+def _accumulate(acc: list[torch.Tensor | None], grads: list[torch.Tensor | None], incoming: set[int]) -> None:
     """Add each tile's parameter gradient into its float32 sum (the first float32 one is summed into in
-    place, unless it is the incoming gradient itself, which autograd may pass through for a parameter
-    shaped like the output)."""
+    place, unless it is an incoming gradient itself (``incoming``: their storages), which autograd may pass
+    through for a parameter shaped like an output)."""
     for i, g in enumerate(grads):
         if g is None:
             continue
         if acc[i] is None:
-            shared = storage_ptr(g) == storage_ptr(grad_out)
+            shared = storage_ptr(g) in incoming
             acc[i] = g.float() if g.dtype != torch.float32 else (g.clone() if shared else g)
         else:
             acc[i].add_(g)
 
 
 class _SavedBytes:
-    """Counts the bytes a tile's recompute saves for backward that are activations (not the tile's input,
+    """Counts the bytes a tile's recompute saves for backward that are activations (not the tile's inputs,
     a parameter, or a view or cast of one): what the untiled module saves from forward to backward."""
 
-    def __init__(self, module: nn.Module, x: torch.Tensor) -> None:
+    def __init__(self, module: nn.Module, inputs: list[torch.Tensor]) -> None:
         self.params = list(module.parameters())
-        self.ptrs = {storage_ptr(p) for p in self.params} | {storage_ptr(x)}
+        self.ptrs = {storage_ptr(p) for p in self.params} | {storage_ptr(x) for x in inputs}
         self.shapes = {tuple(p.shape) for p in self.params}
         self.seen: set[int] = set()
         self.nbytes = 0
@@ -270,16 +354,22 @@ class _SavedBytes:
 
 
 class TiledMLP(torch.autograd.Function):
-    """``MLPRun``'s tiles as one autograd node: inputs (run, x, *params requiring grad)."""
+    """``MLPRun``'s tiles as one autograd node: inputs (run, *the call's tensors, *params requiring grad);
+    outputs the call's results (one tensor, or a tuple of tensors and Nones)."""
 
     @staticmethod
-    def forward(ctx: Any, run: MLPRun, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, run: MLPRun, *inputs: torch.Tensor) -> Any:
         ctx.run = run
-        ctx.save_for_backward(x)
-        return run.forward_tiles(x)
+        ctx.k = len(run.call.tensors)
+        ctx.set_materialize_grads(False)  # (a result nobody uses gets no gradient, not zeros)
+        ctx.save_for_backward(*inputs[:ctx.k])
+        out = run.forward_tiles()
+        items = [out] if isinstance(out, torch.Tensor) else list(out)
+        ctx.mark_non_differentiable(*(t for t in items if t is not None and not t.is_floating_point()))
+        return out if isinstance(out, torch.Tensor) else tuple(items)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (x,) = ctx.saved_tensors
-        dx, dparams = ctx.run.backward_tiles(x, grad, ctx.needs_input_grad[1], tuple(ctx.needs_input_grad[2:]))
-        return (None, dx, *dparams)
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        k, need = ctx.k, tuple(ctx.needs_input_grad[1:])
+        d_in, d_params = ctx.run.backward_tiles(list(ctx.saved_tensors), grads, need[:k], need[k:])
+        return (None, *d_in, *d_params)

@@ -1,6 +1,6 @@
 """Tiled MLP and tiled loss: one layer's MLP intermediates and the full logits are never alive at once.
 
-    handle = offload.tile_mlp(model)            # each block's .mlp, in tiles of `hidden size` tokens
+    handle = offload.tile_mlp(model)            # each block's MLP, in tiles of `hidden size` tokens
     loss_handle = offload.tile_loss(model)      # an HF causal LM's labels= loss, in tiles of tokens
     ...train...
     handle.remove(); loss_handle.remove()       # the model exactly as before
@@ -20,7 +20,9 @@ checkpointing) and the logits (128,256 a token; the float32 log-probabilities cr
    (ALST and Liger accumulate into ``.grad`` from inside backward instead, which DDP must be patched for).
    A call that fits in one tile runs the module as it is, and so does a call during which a submodule's
    forward hooks may record what it computes (``_watched_inside``: in tiles they would see detached
-   pieces, twice).
+   pieces, twice). Other tensor arguments with the tokens first are cut with the input, and a tuple of
+   results glued back (``offload/_token_call.py``); a module that mixes neighbouring tokens is refused at
+   its first tiled call (``MLPRun.check_per_token``).
 2. The loss (``tile_loss``, ``linear_cross_entropy``): forward keeps the log-sum-exp per token;
    backward recomputes each tile's logits (``offload/_tiled_loss.py``). On CUDA, Liger-Kernel's fused
    linear cross-entropy or cut-cross-entropy runs instead when installed (``impl``; ``stats()`` says
@@ -54,10 +56,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._logits_watch import LogitsWatch
+from ._fake import is_fake
 from ._observers import active_engine
 from ._torch_private import graph_task_id
 from ._tiled_loss import LOSS_IMPLS, _positive, cross_entropy_tiles, select_loss_impl
 from ._tiled_mlp import MLPRun, TiledMLP
+from ._token_call import TokenCall
 from ._warn import warn_user
 from .errors import OffloadError
 from .regions import _unwrap, find_output_head
@@ -78,6 +82,8 @@ class TilingHandle:
         self._stats = {"calls": 0, "tiles": 0, "bytes_not_saved": 0}
         self._decided: dict[int, bool] = {}
         """id(module) -> whether its latest forward call ran untiled (``_watched``)."""
+        self._per_token: set[int] = set()
+        """id(module) of each module ``MLPRun.check_per_token`` passed."""
         self.untiled: dict[str, int] = {}
         """MLP calls run untiled because a submodule's hooks watched them (``_watched_inside``): the
         submodule -> how many calls."""
@@ -112,6 +118,16 @@ class TilingHandle:
         if watcher:
             self._run_untiled(module, f"{name}.{watcher}")
         return bool(watcher)
+
+    def _check_per_token(self, module: nn.Module, run: MLPRun) -> None:
+        """``run.check_per_token()`` at ``module``'s first tiled forward through this handle (not on fake or
+        meta tensors, which have no values, nor while compiling)."""
+        x = run.call.tensors[0]
+        if (id(module) in self._per_token or graph_task_id() != -1 or x.device.type == "meta"
+                or is_fake(x) or torch.compiler.is_compiling()):
+            return
+        run.check_per_token()
+        self._per_token.add(id(module))
 
     def _run_untiled(self, module: nn.Module, watcher: str) -> None:
         """Count an MLP call run as it is because ``watcher`` (a submodule with hooks) would have seen tiles;
@@ -183,9 +199,18 @@ def _replace_forward(handle: TilingHandle, module: nn.Module, forward: Callable,
 # -- the MLP ------------------------------------------------------------------------------------
 
 
+_FEED_FORWARD = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn")
+"""What blocks call their feed-forward submodule, in the order looked for: ``mlp`` (Hugging Face Llama, Qwen,
+Mistral, Gemma, GPT-OSS; torchtune), ``feed_forward`` (Llama 4, Jamba, LFM2, Falcon-H1; torchtitan),
+``block_sparse_moe`` (Granite MoE; Mixtral and PhiMoE before transformers 5), ``moe`` (torchtitan's mixtures
+of experts), ``ffn`` (MPT, CTRL)."""
+
+
 def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Each block's ``mlp`` submodule, as (name, module): the blocks ``offload.plan`` finds (the model's
-    largest ``nn.ModuleList``; Hugging Face Llama, Qwen2, Mistral and the bench's toy Llama name it so)."""
+    """Each block's feed-forward submodule (``_FEED_FORWARD``: ``mlp``, ``feed_forward``...), as (name,
+    module): the blocks ``offload.plan`` finds (the model's largest ``nn.ModuleList``). A name is a guess at
+    what the module does: one that mixes tokens (RWKV's ``feed_forward`` shifts them) is refused at its
+    first tiled call (``MLPRun.check_per_token``)."""
     from .planner.blocks import find_blocks
 
     try:
@@ -193,49 +218,61 @@ def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
     except ValueError as e:
         raise OffloadError(f"offload.tiling.tile_mlp: {e} Pass modules=[...] (the per-token MLP modules), or "
                            "tiled_mlp=False in offload.long_context.") from None
-    found = [(f"{name}.mlp", b.mlp) for name, b in blocks if isinstance(getattr(b, "mlp", None), nn.Module)]
+    found = []
+    for name, b in blocks:
+        key = next((k for k in _FEED_FORWARD if isinstance(getattr(b, k, None), nn.Module)), None)
+        if key is not None:
+            found.append((f"{name}.{key}", getattr(b, key)))
     if not found:
         kinds = sorted({type(b).__name__ for _, b in blocks})
         raise OffloadError(f"offload.tiling.tile_mlp: none of {type(model).__name__}'s {len(blocks)} blocks "
-                           f"({', '.join(kinds)}) has an .mlp submodule; pass modules=[...] (the per-token MLP "
+                           f"({', '.join(kinds)}) has a feed-forward submodule named "
+                           f"{', '.join('.' + k for k in _FEED_FORWARD)}; pass modules=[...] (the per-token MLP "
                            "modules), or tiled_mlp=False in offload.long_context.")
     return found
 
 
 def _mlp_forward(handle: TilingHandle, module: nn.Module, orig: Callable, tokens: int | None,
                  name: str) -> Callable:
-    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs or not isinstance(x, torch.Tensor):
-            raise OffloadError(f"offload.tiling.tile_mlp: {type(module).__name__}.forward was called with more "
-                               "than one tensor; a tiled module takes the hidden states alone (an MLP does).")
+    first = _first_parameter(module)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            x, args = args[0], args[1:]
+        else:
+            x = kwargs.pop(first, None) if first is not None else None
+        if not isinstance(x, torch.Tensor):
+            raise OffloadError(f"offload.tiling.tile_mlp: {type(module).__name__}.forward was called without its "
+                               f"input tensor first (got {type(x).__name__}); a tiled module takes the hidden states "
+                               "first. Pass modules=[...] naming only per-token modules, or tiled_mlp=False in "
+                               "offload.long_context.")
         rows = tokens if tokens is not None else x.shape[-1]  # ALST: tiles of hidden-size tokens
         if x.numel() // max(1, x.shape[-1]) <= rows:
-            return orig(x)  # one tile: nothing to spare
+            return orig(x, *args, **kwargs)  # one tile: nothing to spare
         if torch.is_grad_enabled() and handle._watched(module, name):
-            return orig(x)
+            return orig(x, *args, **kwargs)
+        call = TokenCall(type(module).__name__, x, args, kwargs)
         params = [p for p in module.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
         engine = handle._engine_for_call()
-        run = MLPRun(orig, module, rows, params,
+        run = MLPRun(orig, module, call, rows, params,
                      lambda nbytes, tiles: handle._recorder(engine)("mlp", nbytes, tiles))
-        if torch.is_grad_enabled() and (x.requires_grad or params):
-            return TiledMLP.apply(run, x, *params)
-        return run.forward_tiles(x)
+        handle._check_per_token(module, run)
+        if torch.is_grad_enabled() and (any(t.requires_grad for t in call.tensors) or params):
+            out = TiledMLP.apply(run, *call.tensors, *params)
+            return out if isinstance(out, torch.Tensor) or run.outputs.kind is tuple else run.outputs.kind(out)
+        return run.forward_tiles()
 
     return forward
 
 
-def _check_one_input(name: str, module: nn.Module) -> None:
-    """Refuse, when it is tiled, a module whose forward needs more than the hidden states (Bloom's MLP
-    takes the residual too): a tiled call takes one tensor."""
+def _first_parameter(module: nn.Module) -> str | None:
+    """The name of ``module.forward``'s first parameter (its input, when passed by keyword), if it has one."""
     try:
-        params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):  # (no signature to read: the call checks)
-        return
-    needed = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if len(needed) > 1:
-        raise OffloadError(f"offload.tiling.tile_mlp: {name} ({type(module).__name__}) takes {', '.join(needed)}; a "
-                           "tiled module takes the hidden states alone (an MLP does). Pass modules=[...] naming "
-                           "per-token modules of one input, or tiled_mlp=False in offload.long_context.")
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    return params[0].name if params and params[0].kind in (params[0].POSITIONAL_OR_KEYWORD,
+                                                            params[0].KEYWORD_ONLY) else None
 
 
 def _watched_inside(module: nn.Module) -> str:
@@ -283,8 +320,8 @@ def tile_mlp(model: nn.Module, *, tokens: int | None = None, modules: list[nn.Mo
              engine: Any = None) -> TilingHandle:
     """Compute each block's MLP in tiles of ``tokens`` tokens (default: the hidden size, as ALST), with
     recompute in backward (NOTE [ Tiles ]). ``modules``: the per-token modules to tile instead of each
-    block's ``.mlp``. ``engine``: whose ledger records the tiles (default: the one entered around each call).
-    Returns a handle; ``remove()`` puts the modules back exactly."""
+    block's MLP (``find_mlps``). ``engine``: whose ledger records the tiles (default: the one entered around
+    each call). Returns a handle; ``remove()`` puts the modules back exactly."""
     if tokens is not None:
         _positive("tokens", tokens)
     found = find_mlps(model) if modules is None else [(type(m).__name__, m) for m in modules]
@@ -293,7 +330,6 @@ def tile_mlp(model: nn.Module, *, tokens: int | None = None, modules: list[nn.Mo
         for name, m in found:
             if not isinstance(m, nn.Module):
                 raise TypeError(f"offload.tiling.tile_mlp: modules must be nn.Modules, got {type(m).__name__}")
-            _check_one_input(name, m)
             _replace_forward(handle, m, _mlp_forward(handle, m, m.forward, tokens, name),
                              "__offload_tiled_mlp__")
     except BaseException:

@@ -1,10 +1,10 @@
-"""Real model code: tiny random Hugging Face models of 20 architectures, bitwise under offloading.
+"""Real model code: tiny random Hugging Face models of 23 architectures, bitwise under offloading.
 
 Each model runs one training step under ``get_act_offloading_ctx_manager``
 (``device="cpu"``: the engine really copies every saved activation to its host
 pool and back) and its ``copy.deepcopy`` twin the same step without; loss and
 every gradient must be equal bit for bit. The architectures cover what the toy
-models do not: Conv1D (GPT-2), ALiBi (Bloom), MoE routing (Mixtral, Qwen2-MoE),
+models do not: Conv1D (GPT-2), ALiBi (Bloom), MoE routing (Mixtral, Qwen2-MoE, GPT-OSS, Llama 4, Granite MoE),
 soft-capping (Gemma 2), encoder-decoder with relative position buckets (T5,
 BART), encoders (BERT, RoBERTa, ViT) and a state-space model (Mamba). A
 language model's head must be found and excluded; a classifier has none.
@@ -67,6 +67,15 @@ ARCHS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_GQA, pad_token_id=0, eos_token_id=1, bos_token_id=2), _lm, True),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_GQA, num_local_experts=4, num_experts_per_tok=2),
                 _lm, True),
+    # its MLP returns the hidden states and the router's scores (tiled: both glued along the tokens)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(_GQA, head_dim=8, num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention",
+                     "full_attention"], sliding_window=8), _lm, True),
+    # the feed-forward is named feed_forward (a mixture of experts with a shared expert) / block_sparse_moe
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(_GQA, head_dim=8, num_local_experts=4, use_cache=False,
+                                                             intermediate_size_mlp=64, num_experts_per_tok=1), _lm, True),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   dict(_GQA, num_local_experts=4, num_experts_per_tok=2, use_cache=False), _lm, True),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(_GQA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=16), _lm, True),
@@ -196,9 +205,10 @@ def _no_dropout(model: torch.nn.Module) -> None:
 def test_hf_causal_lm_under_long_context_matches_the_plain_step(name):
     """offload.long_context (checkpointed blocks with offloaded inputs, tiled MLP, tiled labels= loss) on each
     causal LM: loss and every gradient within fp32 rounding of the plain step (the tiles reorder sums over
-    tokens). An MLP the tiles cannot take (none named .mlp: OPT, Mamba; one taking the residual too: Bloom)
-    is refused at setup with an error naming tiled_mlp=False, and the strategy then runs without it.
-    Found by running this: Falcon's blocks add into the tiled output in place (torch raised)."""
+    tokens). A model without an MLP the tiles can find (none named .mlp: OPT, Mamba) is refused at setup with
+    an error naming tiled_mlp=False, and the strategy then runs without it. Found by running this: Falcon's
+    blocks add into the tiled output in place (torch raised); Bloom's MLP takes the residual too and GPT-OSS's
+    returns the router's scores too (both were refused; now cut and glued along the tokens)."""
     from offload import OffloadError, long_context
 
     model = _build(name)
@@ -209,7 +219,7 @@ def test_hf_causal_lm_under_long_context_matches_the_plain_step(name):
     try:
         handle = long_context(model, mlp_tokens=16, loss_tokens=16, device="cpu", min_offload_size=0)
     except OffloadError as e:
-        assert "tiled_mlp=False" in str(e) and name in ("opt", "mamba", "bloom"), str(e)
+        assert "tiled_mlp=False" in str(e) and name in ("opt", "mamba"), str(e)
         handle = long_context(model, tiled_mlp=False, loss_tokens=16, device="cpu", min_offload_size=0)
     with handle.engine:
         loss = _step(model, dict(input_ids=ids, labels=ids))

@@ -330,8 +330,8 @@ def test_the_chosen_library_runs_and_is_reported(fake_libraries):
 
 
 def test_bad_inputs_are_refused_with_the_fix():
-    """Non-HF model for tile_loss, a module that is not per-token, zero tokens, tiling twice: each raises an
-    error that names the problem and the way out (a logit map the tiles cannot replay: test_tiled_logit_maps)."""
+    """Non-HF model for tile_loss, modules that are not per-token (a result or an argument without the tokens
+    first), zero tokens, tiling twice: each raises an error that names the problem and the way out (a logit map the tiles cannot replay: test_tiled_logit_maps)."""
     with pytest.raises(OffloadError, match="linear_cross_entropy"):
         tile_loss(nn.Sequential(nn.Linear(4, 4)))
     with pytest.raises(ValueError, match="tokens=0"):
@@ -341,22 +341,25 @@ def test_bad_inputs_are_refused_with_the_fix():
     with pytest.raises(OffloadError, match="already tiled"):
         tile_mlp(model)
 
-    class TwoOut(nn.Module):
+    class Pooled(nn.Module):  # a second result that sums over the tokens: not per-token
         def forward(self, x):
-            return x * 2, x
+            return x * 2, x.sum(1)
 
-    m = TwoOut()
+    m = Pooled()
+    tile_mlp(nn.Module(), modules=[m], tokens=8)  # x.sum(1) is (1, 8) for a tile of 8 tokens of 8 features
+    with pytest.raises(OffloadError, match=r"Pooled returned a tensor of shape \(1, 8\).*per-token"):
+        m(torch.randn(1, 32, 8, requires_grad=True))
+
+    class Masked(nn.Module):  # a tensor argument without the tokens first
+        def forward(self, x, mask):
+            return x * mask.sum()
+
+    m = Masked()
     tile_mlp(nn.Module(), modules=[m], tokens=4)
-    with pytest.raises(OffloadError, match="per-token"):
-        m(torch.randn(1, 16, 8, requires_grad=True))
-
-    class WithResidual(nn.Module):  # Bloom's MLP: forward(hidden_states, residual)
-        def forward(self, hidden_states, residual):
-            return hidden_states + residual
-
-    with pytest.raises(OffloadError, match="WithResidual.*takes hidden_states, residual.*tiled_mlp=False"):
-        tile_mlp(nn.Module(), modules=[WithResidual()])
-    with pytest.raises(OffloadError, match="no .mlp|nn.ModuleList"):
+    with pytest.raises(OffloadError, match=r"Masked was called with a tensor of shape \(1, 1, 16, 16\) as its "
+                                           r"argument 2.*tiled_mlp=False"):
+        m(torch.randn(1, 16, 8), torch.ones(1, 1, 16, 16))
+    with pytest.raises(OffloadError, match="feed-forward submodule|nn.ModuleList"):
         tile_mlp(nn.Sequential(nn.Linear(4, 4)))
 
 
@@ -579,3 +582,246 @@ def test_buffers_the_forward_updates_are_updated_once(how):
     m(x).sum().backward()
     assert float(m.seen) == float(twin.seen) == 64
     assert torch.equal(x.grad, x2.grad) and rel_diff(m.fc.weight.grad, twin.fc.weight.grad) <= FP32_RTOL
+
+
+# -- per-token calls of more than one tensor ------------------------------------------------------------
+
+
+class _Routed(nn.Module):
+    """GPT-OSS's MLP and transformers 4.x's mixtures of experts in miniature: returns the hidden states and
+    the router's scores with the tokens flattened first, ``(tokens, experts)``."""
+
+    def __init__(self, hidden: int = 8, experts: int = 3) -> None:
+        super().__init__()
+        self.router = nn.Linear(hidden, experts)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(experts))
+
+    def forward(self, hidden_states):
+        b, t, h = hidden_states.shape
+        flat = hidden_states.reshape(-1, h)
+        scores = self.router(flat).softmax(-1)
+        out = sum(scores[:, i:i + 1] * e(flat) for i, e in enumerate(self.experts))
+        return out.reshape(b, t, h), scores
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Per-token math, within fp32 rounding: tiles of a few odd-sized rows take other CPU kernel paths (a
+    vectorized op's scalar tail) than the untiled call (aligned tiles are bitwise: test_mlp_output_...)."""
+    return a.shape == b.shape and rel_diff(a, b) <= 1e-6
+
+
+def _compare_grads(tiled: nn.Module, twin: nn.Module) -> None:
+    for (n, p), (_, q) in zip(tiled.named_parameters(), twin.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            assert rel_diff(p.grad, q.grad) <= FP32_RTOL, n
+
+
+@pytest.mark.parametrize("tokens", [6, 8])  # 40 tokens: 6 tiles of 6 and one of 4 / 4 of 8, then 7 and 1
+def test_a_module_returning_hidden_states_and_router_scores_is_tiled(tokens):
+    """Each result of a per-token module is glued along the tokens into the untiled result's shape (the
+    router's scores flattened, as GPT-OSS returns them): both results, the input's gradient and the
+    parameters' within fp32 rounding, with both results in the loss. When every tile would have the same
+    size, the last is split so that each result is seen to follow the tokens (a pooled result is refused:
+    test_bad_inputs_are_refused_with_the_fix)."""
+    torch.manual_seed(0)
+    m, twin = _Routed(), None
+    twin = copy.deepcopy(m)
+    x = torch.randn(2, 20, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y2, s2 = twin(x2)
+    (y2.pow(2).sum() + s2.max(-1).values.sum()).backward()
+    handle = tile_mlp(nn.Module(), modules=[m], tokens=tokens)
+    y, s = m(x)
+    assert isinstance(m(x), tuple) and y.shape == y2.shape and s.shape == s2.shape
+    assert _close(y, y2) and _close(s, s2)
+    (y.pow(2).sum() + s.max(-1).values.sum()).backward()
+    assert _close(x.grad, x2.grad)
+    _compare_grads(m, twin)
+    assert handle.stats()["tiles"] == (7 if tokens == 6 else 6)  # (the call backpropagated)
+
+
+def test_a_result_nobody_uses_gets_no_gradient_and_is_not_kept():
+    """The decoder drops the router's scores (GPT-OSS: ``hidden_states, _ = self.mlp(...)``): the tiled node
+    keeps no reference to them (nor to the call's input beyond what autograd saved through the saved-tensor
+    hooks, which an engine may offload), and backward runs with the one gradient it gets."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    m = _Routed()
+    twin = copy.deepcopy(m)
+    tile_mlp(nn.Module(), modules=[m], tokens=6)
+    leaf = torch.randn(1, 30, 8, requires_grad=True)
+    x2 = leaf.detach().clone().requires_grad_()
+    packed = []  # an engine that moved what was saved: copies, not the tensors
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.clone()) or len(packed) - 1,
+                                                  lambda i: packed[i]):
+        x = leaf * 1.0  # (a tensor of the graph, as a block's hidden states are)
+        y, scores = m(x)
+    gone = [weakref.ref(scores), weakref.ref(x)]
+    del scores, x
+    gc.collect()
+    assert [r() for r in gone] == [None, None]
+    y.sum().backward()
+    twin(x2)[0].sum().backward()
+    assert _close(leaf.grad, x2.grad)
+    _compare_grads(m, twin)
+
+
+def test_per_token_arguments_are_tiled_with_the_input():
+    """Bloom's MLP takes the residual, DeepSeek-V4's mixture of experts the token ids (or None): each tensor
+    argument with the tokens first is cut with the input, by position or keyword, and gets its gradient; the
+    input may be passed by keyword; anything else goes to every tile unchanged."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.table = nn.Embedding(50, 8)
+
+        def forward(self, hidden_states, residual, input_ids=None, scale=1.0, extra=None):
+            out = torch.tanh(self.fc(hidden_states)) * scale + residual
+            return out if input_ids is None else out + self.table(input_ids)
+
+    torch.manual_seed(0)
+    m = Mixed()
+    twin = copy.deepcopy(m)
+    x, r = torch.randn(2, 15, 8, requires_grad=True), torch.randn(2, 15, 8, requires_grad=True)
+    ids = torch.randint(0, 50, (2, 15))
+    x2, r2 = (t.detach().clone().requires_grad_() for t in (x, r))
+    g = torch.randn(2, 15, 8)
+    twin(hidden_states=x2, residual=r2, input_ids=ids, scale=0.5).backward(g)
+    handle = tile_mlp(nn.Module(), modules=[m], tokens=4)
+    y = m(hidden_states=x, residual=r, input_ids=ids, scale=0.5)
+    assert _close(y, twin(x2, r2, input_ids=ids, scale=0.5))
+    y.backward(g)
+    assert _close(x.grad, x2.grad) and _close(r.grad, r2.grad)
+    _compare_grads(m, twin)
+    assert _close(m(x, r), twin(x, r)) and handle.stats()["calls"] == 1  # (calls backpropagated)
+
+
+def test_a_result_recorded_by_the_modules_own_hook_keeps_its_gradient():
+    """transformers 4.x recorded a mixture of experts' router logits from the block's own output (index 1)
+    for the auxiliary loss: the block's own hooks run around the tiled call, so they see the glued result with
+    its gradient, and the router gets the auxiliary loss's gradient as untiled."""
+    torch.manual_seed(0)
+    m = _Routed()
+    twin = copy.deepcopy(m)
+    recorded = {}
+    for mod in (m, twin):
+        mod.register_forward_hook(lambda mod, args, out: recorded.__setitem__(id(mod), out[1]))
+    x = torch.randn(1, 24, 8)
+    y2, _ = twin(x)
+    (y2.sum() + recorded[id(twin)].pow(2).sum()).backward()
+    tile_mlp(nn.Module(), modules=[m], tokens=5)
+    y, _ = m(x)
+    (y.sum() + recorded[id(m)].pow(2).sum()).backward()
+    assert recorded[id(m)].grad_fn is not None
+    _compare_grads(m, twin)
+
+
+# -- what is per-token ------------------------------------------------------------------------------------
+
+
+class _TokenShift(nn.Module):
+    """RWKV's feed-forward in miniature: each token mixed with the one before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.shift = nn.ZeroPad2d((0, 0, 1, -1))
+
+    def forward(self, hidden_states):
+        return self.fc(0.5 * hidden_states + 0.5 * self.shift(hidden_states))
+
+
+def test_a_module_that_mixes_neighbouring_tokens_is_refused_at_its_first_call():
+    """A feed-forward that shifts the tokens (RWKV's, found under the name feed_forward) would be cut at every
+    tile's edge, silently: its first tiled call compares token 1 computed beside token 0 and beside token 2,
+    and raises naming the fix. The real RWKV under long_context too."""
+    m = _TokenShift()
+    tile_mlp(nn.Module(), modules=[m], tokens=4)
+    with pytest.raises(OffloadError, match=r"_TokenShift's result for a token depends on the tokens beside it.*"
+                                           r"tiled_mlp=False"):
+        m(torch.randn(1, 16, 8, requires_grad=True))
+    cfg = transformers.RwkvConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16,
+                                  intermediate_size=32, context_length=64)
+    model = transformers.RwkvForCausalLM(cfg).train()
+    handle = offload.long_context(model, mlp_tokens=8, device="cpu", min_offload_size=0)
+    assert [n for n, _ in offload.tiling.find_mlps(model)] == ["rwkv.blocks.0.feed_forward", "rwkv.blocks.1.feed_forward"]
+    ids = torch.randint(0, 64, (1, 24))
+    with handle.engine, pytest.raises(OffloadError, match="RwkvFeedForward's result for a token depends"):
+        model(input_ids=ids, labels=ids)
+
+
+def test_the_per_token_check_draws_nothing_and_changes_no_buffer():
+    """The check runs in eval mode (a dropout inside does not make a per-token module look token-mixing), and
+    leaves the RNG (a module may draw in eval mode too) and the buffers as they were: a first tiled call
+    (checked) and a second (not) from the same seed are equal, and the buffer counted each token once."""
+
+    class Drop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(0.5)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, hidden_states):
+            self.seen += hidden_states.shape[1]
+            return self.drop(self.fc(hidden_states)) + 0.0 * torch.rand(())  # (a draw in eval mode too)
+
+    m = Drop().train()
+    handle = tile_mlp(nn.Module(), modules=[m], tokens=4)
+    x = torch.randn(1, 18, 8)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        outs.append(m(x))
+    assert torch.equal(outs[0], outs[1]) and m.training and m.drop.training
+    assert float(m.seen) == 36 and handle._per_token == {id(m)}
+
+
+def test_feed_forward_modules_are_found_by_the_names_blocks_give_them():
+    """find_mlps looks for each block's feed-forward by the names blocks use (mlp, feed_forward,
+    block_sparse_moe, moe, ffn: Llama 4, Granite MoE, torchtitan, MPT...), the first that is a module."""
+
+    class Block(nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            setattr(self, name, nn.Linear(4, 4))
+            self.attn = nn.Linear(4, 4)
+
+    for name in ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn"):
+        model = nn.Module()
+        model.layers = nn.ModuleList(Block(name) for _ in range(3))
+        assert [n for n, _ in offload.tiling.find_mlps(model)] == [f"layers.{i}.{name}" for i in range(3)]
+    model = nn.Module()
+    model.layers = nn.ModuleList(Block("dense") for _ in range(3))
+    with pytest.raises(OffloadError, match=r"\.mlp, \.feed_forward, .*tiled_mlp=False"):
+        offload.tiling.find_mlps(model)
+
+
+def test_a_list_result_with_none_and_integer_entries_keeps_its_structure():
+    """A result is returned as the module returns it: a list stays a list, a None stays None, an integer
+    tensor (routed expert ids) is glued and carries no gradient; the float one does."""
+
+    class Routes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, hidden_states):
+            y = self.fc(hidden_states)
+            return [y, None, y.argmax(-1)]
+
+    torch.manual_seed(0)
+    m = Routes()
+    twin = copy.deepcopy(m)
+    x = torch.randn(2, 11, 8)
+    tile_mlp(nn.Module(), modules=[m], tokens=4)
+    got, want = m(x), twin(x)
+    assert type(got) is list and got[1] is None and got[2].dtype == torch.int64 and not got[2].requires_grad
+    assert _close(got[0], want[0]) and torch.equal(got[2], want[2])
+    got[0].sum().backward()
+    want[0].sum().backward()
+    _compare_grads(m, twin)
