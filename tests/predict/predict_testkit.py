@@ -47,6 +47,10 @@ def hf(kind: str) -> Case:
     configs = {
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=2)),
         "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=2)),
+        # its MLP returns the router's scores too; Bloom's takes the residual (offload/_token_call.py)
+        "gpt_oss": lambda: tf.GptOssForCausalLM(tf.GptOssConfig(**common, num_key_value_heads=2, head_dim=16,
+                                                                num_local_experts=4, num_experts_per_tok=2)),
+        "bloom": lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=V, hidden_size=64, n_layer=2, n_head=4)),
         "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4,
                                                          n_positions=64)),
     }
