@@ -21,7 +21,7 @@ import torch
 
 from . import _torch_private, _verify
 from ._fake import FAKE_TENSOR as _FAKE_TENSOR
-from ._handles import _HostCopy, _inplace_error, _Offloaded
+from ._handles import _HostCopy, _inplace_error, _Offloaded, live_original
 from .streams import Copy
 
 if TYPE_CHECKING:
@@ -163,7 +163,11 @@ class _Backward:
             if hc.gathered is not None:  # the gathered elements, dense: back into the view's size and stride
                 return _scattered(h.layout, src)
             return src  # (entry.src may be None by now: loading ahead polls the stash, which releases it)
-        if hc.held is None and hc.prefetched is None:  # a new load (a peek: _device_bytes locks)
+        if hc.held is None and hc.prefetched is None:  # (a peek: _device_bytes locks)
+            live = live_original(hc, h.rec.storage_key, h.layout[3])
+            if live is not None:  # its bytes are on the device anyway: no load (NOTE [ Copy schedule ] item 6)
+                return self._from_original(h, hc, live, p)
+            # a new load
             base, copy = self._load(hc, h.rec)
             held = None
         else:
@@ -189,6 +193,25 @@ class _Backward:
                     hc.held = held if held is not None else (base, copy, base._version)
                 else:
                     hc.held = None
+            self._load_ahead(h, p)
+        return out
+
+    def _from_original(self, h: _Offloaded, hc: _HostCopy, base: torch.Tensor, p: _Pass | None) -> torch.Tensor:
+        """The saved tensor as a view of its live original (``live_original``): what autograd would have
+        unpacked without the engine. A view of it, detached, shares its version counter, so an in-place
+        write through one unpacked tensor is seen by its siblings' checks (Rule 6)."""
+        shape, stride, offset, dtype, device, conj, neg = h.layout
+        h.rec.note = "reused_original"
+        out = base.detach().as_strided(shape, stride, hc.lo // dtype.itemsize + offset)
+        if conj:
+            out = out.conj()
+        if neg:
+            out = _torch_private.neg_view(out)
+        if p is not None:
+            with self._lock:
+                if hc.used == 0:
+                    p.touched.append(weakref.ref(hc))
+                hc.used += 1
             self._load_ahead(h, p)
         return out
 

@@ -61,6 +61,11 @@ the pack and unpack hooks call it, and the predictor (``offload.predict``) and t
    then: with ``record_stream`` on the copy stream if its copy may still run (the allocator reuses
    its block only after the copy; nothing waits), so the engine holds a tensor in backward no longer
    than autograd does.
+6. An original something else keeps alive (another block's kept save, a model-level tensor such as
+   the rotary tables or a mask, a hidden state the caller holds) is neither reloaded nor loaded
+   ahead: its unpack is a view of it (``live_original``: the first saver's base, still on its
+   storage, its version unchanged since the copy). Offloading it freed nothing; reloading it would
+   put its bytes on the device twice (a measured plan overshot its budget by the rotary tables).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ._copies import _span
 from ._disk_record import ready as _disk_ready
-from ._handles import _StashEntry
+from ._handles import _StashEntry, live_original
 from .streams import Copy
 
 if TYPE_CHECKING:
@@ -340,7 +345,8 @@ class _Schedule:
                 if x is not None:
                     hc = x.hc
                     if not (hc.prefetched is not None or hc.held is not None or hc.used >= hc.users
-                            or (x.stash is not None and x.stash.src is not None)):
+                            or (x.stash is not None and x.stash.src is not None)
+                            or live_original(hc, x.rec.storage_key, x.layout[3]) is not None):
                         if hc.tier == "disk" and not _disk_ready(hc.buf):
                             self._tiers.disk.prefetch(hc.buf)  # read it on the reader thread, if room
                             break  # (being written or read: retried at the next unpack, never waited on)

@@ -85,7 +85,8 @@ class PackRecord:
     pinned: bool = False
     """The host copy is page-locked."""
     note: str = ""
-    """Extra detail: "pageable_overflow", "pin_failed", "reused_source"..."""
+    """Extra detail: "pageable_overflow", "pin_failed", "reused_source", "reused_original" (unpacked as a view of
+    its original, which something else kept alive: no reload)..."""
     d2h_s: float | None = None
     """Device-to-host copy time in seconds, once known."""
     h2d_s: float | None = None

@@ -218,6 +218,10 @@ class CostModel:
     noise_s: float = 0.0
     """The timing's noise band (``noise_band``): plans predicted within it of each other are equally
     fast, and the solver breaks the tie by a rule that reads no time (``choose``)."""
+    shared_saves: list[tuple[int, list[int]]] = field(default_factory=list)
+    """Storages several call positions save, none's input (``DecisionProfile.shared_saves``, from the keep
+    profile): each stays on the device after forward while a position that does not offload holds it,
+    so an offloading last position's head window is charged them (``_options``)."""
     optimizer: Any = None
     """The step's optimizer (``offload.planner.optimizer.OptimizerMemory``; not given: what an AdamW would
     add, charged nothing). Its ``charged_bytes`` are in ``base``; its ``step_event_bytes`` are one more peak."""
@@ -300,7 +304,8 @@ def _charges(prof: DecisionProfile, elsewhere: list[bool]) -> list[tuple[int, in
     """Per position of profile ``prof``: (``r``, the bytes it holds to its backward as the model charges
     them, and the bytes the earlier positions truly held when it ran).
 
-    ``r = L - A - out + ret * in``, the input left out when it is held elsewhere. Sibling modules fed one
+    ``r = L - A - out - dropped + ret * in``, the input left out when it is held elsewhere (``dropped``: what
+    it returned besides its output and the model let go). Sibling modules fed one
     tensor (an MLP's gate and up projections) each hold its storage: each is charged it (a plan may
     keep one and offload the other), but in this profile it was held once, so the events (measured
     above the earlier positions' true bytes) are measured above the storage counted once. A plan's
@@ -309,7 +314,7 @@ def _charges(prof: DecisionProfile, elsewhere: list[bool]) -> list[tuple[int, in
     prefix, counted, holders = 0, 0, set()
     for k, s in enumerate(prof.blocks):
         charge_in = s.retains_input and not elsewhere[k]
-        r = s.L - s.A - s.out_bytes + (s.in_bytes if charge_in else 0)
+        r = s.L - s.A - s.out_bytes - s.dropped + (s.in_bytes if charge_in else 0)
         out.append((r, counted))
         prefix += r
         counted += r
@@ -338,6 +343,7 @@ def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str
     ekw = dict(engine_kwargs or {})
     ahead = _prefetch_bytes(profile, hw, ekw)
     return CostModel(base=keep.base, rest_s=rest, blocks=blocks, hardware=hw, copy_overhead_s=overhead,
+                     shared_saves=[(n, list(ps)) for n, ps in keep.shared_saves],
                      prefetch_bytes=int(ahead), engine_kwargs=ekw, rest_s_all=list(keep.step_s_all),
                      noise_s=noise_band(profile))
 
@@ -460,7 +466,13 @@ def _options(d: str, prof: DecisionProfile, keep: DecisionProfile, compute: dict
                      fwd_event=s.fwd_peak - prof.base - prefix, bwd_event=s.bwd_peak - prof.base - prefix,
                      fwd_s=s.fwd_s, fwd_s_all=list(s.fwd_s_all), bwd_s_all=list(s.bwd_s_all))
         if k == live[-1]:
-            opt.head_event = prof.head_peak - prof.base - prefix
+            # Storages every position saves (a model's rotary tables, its mask) were freed after forward in
+            # a profile where all of them offload; a plan where another position keeps them holds them
+            # here. The solver's events add up per position, so the head's window is charged them
+            # whenever this position offloads: never below the real peak, above it by those bytes when
+            # every position offloads them (issue: a measured plan overshot its budget by the tables).
+            held = sum(n for n, _ in keep.shared_saves) if d in OFFLOADING else 0
+            opt.head_event = prof.head_peak - prof.base - prefix + held
         if k == 0:
             # The window before the first call: no block holds anything then.
             opt.pre_event = max(1, prof.pre_peak - prof.base)

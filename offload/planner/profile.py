@@ -100,6 +100,9 @@ class BlockStats:
     """Storage bytes of the block's output."""
     retains_input: bool = True
     """The block's input tensor was still alive when its backward began."""
+    dropped: int = 0
+    """Storage bytes of what the block returned besides its output that died before the next block began
+    (attention weights a layer returns and the model discards): in ``L``, but not held to backward."""
     in_key: tuple[int, int] | None = None
     """(data pointer, bytes) of the input's storage: two calls reading one storage (sibling
     modules fed the same tensor) share it, and the cost model charges it once (``cost``)."""
@@ -145,6 +148,10 @@ class DecisionProfile:
     """Peak between the last block's forward and its backward (head, loss, head backward)."""
     post_peak: int = 0
     """Peak after the first block's backward (embedding backward, end of step)."""
+    shared_saves: list[tuple[int, list[int]]] = field(default_factory=list)
+    """Storages saved by more than one call position that are no position's input (a model's rotary
+    tables or mask, passed to every block): (bytes, the positions). Such a storage stays on the device
+    after forward while any of them holds it (``CostModel.breakdown``)."""
     peak: int = 0
     """Measured peak of the whole step."""
     step_s: float = 0.0
@@ -224,6 +231,7 @@ class Probe:
         self._has_input_marker: set[int] = set()
         self._no_backward: set[int] = set()
         self._active: int | None = None
+        self._returned: list[tuple[int, Any, int]] = []  # (position, weak storage, bytes): BlockStats.dropped
         self.position = -1
         """The position whose forward is running (-1 outside every candidate)."""
 
@@ -246,6 +254,7 @@ class Probe:
                 "must be a chain of disjoint calls. Pass blocks=[...] without one of them."
             )
         pos = len(self.calls)
+        self._settle(pos - 1)
         self.calls.append(i)
         self.stats.append(BlockStats())
         self._inputs.append(None)
@@ -292,6 +301,7 @@ class Probe:
         k = _first_grad_tensor(leaves)
         if k >= 0:
             s.out_bytes = _storage_bytes(leaves[k])
+            self._note_returned(pos, leaves, k)
             leaves[k] = _Marker.apply(leaves[k], lambda p=pos: self.bwd_start(p))
             out = tree_unflatten(leaves, spec)
         elif not any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves):
@@ -303,6 +313,30 @@ class Probe:
             s.out_bytes = _storage_bytes(leaves[j]) if j >= 0 else 0
         return out
 
+    def _note_returned(self, pos: int, leaves: list, k: int) -> None:
+        """Watch the storages of the tensors position ``pos`` returned besides its output ``leaves[k]``."""
+        seen = {_storage_ptr(leaves[k])}
+        for j, v in enumerate(leaves):
+            if j == k or not isinstance(v, torch.Tensor) or _storage_ptr(v) in seen:
+                continue
+            seen.add(_storage_ptr(v))
+            try:
+                self._returned.append((pos, weakref.ref(v.untyped_storage()), _storage_bytes(v)))
+            except (RuntimeError, TypeError, NotImplementedError):
+                continue
+
+    def _settle(self, before: int | None = None) -> None:
+        """What the positions before ``before`` (all: at backward's start) returned and the model dropped
+        was never held for backward (``BlockStats.dropped``). Read a block later, not at the next block's
+        start: a model's loop variable holds a block's outputs until the next block returns."""
+        later = []
+        for pos, ref, nbytes in self._returned:
+            if before is not None and pos >= before:
+                later.append((pos, ref, nbytes))
+            elif ref() is None:
+                self.stats[pos].dropped += nbytes
+        self._returned = later
+
     def _last_with_backward(self) -> int:
         """The last position that backward reaches (the head's window ends at its backward)."""
         return max((p for p in range(len(self.calls)) if p not in self._no_backward), default=-1)
@@ -312,6 +346,7 @@ class Probe:
         self._active, self.position = None, -1
 
     def bwd_start(self, pos: int) -> None:
+        self._settle()
         self.t[("bwd0", pos)] = self.clock.now()
         w = self._window()
         if pos == self._last_with_backward():
@@ -455,6 +490,8 @@ def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, 
     biggest: dict[int, int] = defaultdict(int)
     shared: dict[int, int] = defaultdict(int)
     copier: dict[int, int] = {}  # storage data pointer -> the position that copied it
+    savers: dict[int, set[int]] = defaultdict(set)  # storage data pointer -> the positions that saved it
+    sizes: dict[int, int] = defaultdict(int)
     probe = Probe(len(names), clock, meter, names)
     out = Tracked(probe)
 
@@ -467,6 +504,8 @@ def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, 
             return
         saved[p] += rec.nbytes
         ptr = _storage_ptr(ev.tensor)
+        savers[ptr].add(p)
+        sizes[ptr] = max(sizes[ptr], rec.storage_nbytes or rec.nbytes)
         if rec.reason == DUPLICATE_STORAGE and copier.get(ptr, p) != p:
             shared[p] += rec.nbytes  # an earlier block copied this storage
         if rec.copy_bytes:
@@ -496,7 +535,16 @@ def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, 
     for p, s in enumerate(prof.blocks):
         s.saved_bytes, s.copy_bytes, s.copies, s.max_copy = saved[p], copied[p], copies[p], biggest[p]
         s.shared_bytes = shared[p]
+    prof.shared_saves = _shared_saves(prof.blocks, savers, sizes)
     out.profile = prof
+
+
+def _shared_saves(blocks: list[BlockStats], savers: dict[int, set[int]], sizes: dict[int, int]
+                  ) -> list[tuple[int, list[int]]]:
+    """``DecisionProfile.shared_saves``: the storages several positions saved that are no position's
+    input, as (bytes, positions)."""
+    inputs = {s.in_key[0] for s in blocks if s.in_key is not None}
+    return [(sizes[q], sorted(ps)) for q, ps in savers.items() if len(ps) > 1 and q not in inputs]
 
 
 def _timed_steps(inst: Installed, step: Callable, model: nn.Module, device: torch.device, names: list[str],

@@ -64,6 +64,7 @@ def test_missing_wait_on_a_reload_while_its_d2h_is_queued(host_waits):
         with ctx:
             t = x * 2.0
             loss = (t[:2048].sin() + t[2048:].cos()).sum()
+            del t  # (a live original is not reloaded: NOTE [ Copy schedule ] item 6)
         with pytest.raises(OffloadVerifyError) as ei:
             loss.backward()
     assert ei.value.side == ("h2d" if host_waits else "d2h")
@@ -80,6 +81,10 @@ def test_d2h_that_does_not_wait_for_its_producer_raises_naming_the_d2h_side():
             acc._sleep()  # the compute stream is parked: its next kernels run late
             h = a * 2.0
             loss = h.sin().sum()  # pack(h): the D2H is issued before h is written
+        # A live original is not reloaded (NOTE [ Copy schedule ] item 6): drop h, and the late kernels
+        # that hold it too, so backward reloads the wrong bytes the D2H copied.
+        del h
+        acc.synchronize()
         with pytest.raises(OffloadVerifyError) as ei:
             loss.backward()
     assert ei.value.side == "d2h"

@@ -143,3 +143,33 @@ def hf_causal_lm(kind: str, seed: int = 0, layers: int = 3, batch: int = 2, seq:
         return model(input_ids=ids, labels=ids).loss
 
     return model, step
+
+
+class _TableBlock(torch.nn.Module):
+    """A block fed the model's shared table besides its input (rotary cos/sin), returning its attention-like
+    weights too (as Megatron-BERT's layers do): the model drops them."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights = torch.softmax(x @ x.transpose(-1, -2), dim=-1)  # (B, T, T)
+        return x + (weights @ self.fc(x)) * table, weights
+
+
+class SharedTable(torch.nn.Module):
+    """Blocks that all save one tensor the model makes once (a rotary table), and return a second tensor
+    the model's loop variable holds until the next block returns (found on transformers models: a measured
+    plan overshot its budget by the table, and by a layer's attention weights)."""
+
+    def __init__(self, d: int = 32, n: int = 3) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_TableBlock(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.cos(torch.arange(x.shape[1] * x.shape[2], dtype=x.dtype).view(x.shape[1], x.shape[2]))
+        for layer in self.layers:
+            out = layer(x, table)
+            x = out[0]
+        return x
