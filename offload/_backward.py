@@ -238,6 +238,8 @@ class _Backward:
                 hc = x.hc
                 if hc.tier != "disk" or hc.used >= hc.users or hc.prefetched is not None:
                     continue
+                if live_original(hc, x.rec.storage_key, x.layout[3]) is not None:
+                    continue  # never reloaded (NOTE [ Copy schedule ] item 6): a read of it would finish unused
                 if hc.buf.read is None and not disk.prefetch(hc.buf):
                     if hc.buf.state == "on_disk":
                         break  # the read-ahead budget is full
