@@ -164,7 +164,7 @@ class _Backward:
                 return _scattered(h.layout, src)
             return src  # (entry.src may be None by now: loading ahead polls the stash, which releases it)
         if hc.held is None and hc.prefetched is None:  # (a peek: _device_bytes locks)
-            live = live_original(hc, h.rec.storage_key, h.layout[3])
+            live = live_original(h)
             if live is not None:  # its bytes are on the device anyway: no load (NOTE [ Copy schedule ] item 6)
                 return self._from_original(h, hc, live, p)
             # a new load
@@ -202,11 +202,7 @@ class _Backward:
         write through one unpacked tensor is seen by its siblings' checks (Rule 6)."""
         shape, stride, offset, dtype, device, conj, neg = h.layout
         h.rec.note = "reused_original"
-        out = base.detach().as_strided(shape, stride, hc.lo // dtype.itemsize + offset)
-        if conj:
-            out = out.conj()
-        if neg:
-            out = _torch_private.neg_view(out)
+        out = _lazy_bits(base.detach().as_strided(shape, stride, hc.lo // dtype.itemsize + offset), conj, neg)
         if p is not None:
             with self._lock:
                 if hc.used == 0:
@@ -238,7 +234,7 @@ class _Backward:
                 hc = x.hc
                 if hc.tier != "disk" or hc.used >= hc.users or hc.prefetched is not None:
                     continue
-                if live_original(hc, x.rec.storage_key, x.layout[3]) is not None:
+                if live_original(x) is not None:
                     continue  # never reloaded (NOTE [ Copy schedule ] item 6): a read of it would finish unused
                 if hc.buf.read is None and not disk.prefetch(hc.buf):
                     if hc.buf.state == "on_disk":
@@ -292,10 +288,7 @@ class _Backward:
             out = base.view(dtype)
         else:
             out = torch.empty(0, dtype=dtype, device=device).set_(base.untyped_storage(), offset, shape, stride)
-        if conj:
-            out = out.conj()
-        if neg:
-            out = _torch_private.neg_view(out)
+        out = _lazy_bits(out, conj, neg)
         if copy.stream is not None:  # Rule 4: consumed on another stream than allocated
             self._backend.record_consumer(out, copy, "record_stream")
         return out
@@ -367,6 +360,14 @@ class _Backward:
             for ts in list(self._threads):
                 self._compact(ts.order)
         self.close_step()
+
+
+def _lazy_bits(out: torch.Tensor, conj: bool, neg: bool) -> torch.Tensor:
+    """``out`` with the saved view's lazy conjugate and negative bits (Rule 5: they live on the view, not in
+    its bytes)."""
+    if conj:
+        out = out.conj()
+    return _torch_private.neg_view(out) if neg else out
 
 
 def _scattered(layout: tuple, dense: torch.Tensor) -> torch.Tensor:

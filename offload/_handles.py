@@ -143,16 +143,17 @@ class _HostCopy:
             pass
 
 
-def live_original(hc: _HostCopy, ptr: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """The first saver's base of ``hc`` when something besides the engine still holds it (another block's
-    kept save, a model-level tensor: rotary tables, masks), on storage ``ptr``, of ``dtype`` (the saved
-    view's) and unchanged since its copy (its version); else None. Its bytes are on the device anyway: a
+def live_original(h: "_Offloaded") -> torch.Tensor | None:
+    """The first saver's base of ``h``'s host copy when something besides the engine still holds it
+    (another block's kept save, a model-level tensor: rotary tables, masks), on ``h``'s storage, of its
+    dtype and unchanged since its copy (its version); else None. Its bytes are on the device anyway: a
     reload would duplicate them (NOTE [ Copy schedule ] item 6). Not for a gathered copy (a view's
-    elements) or a span that starts inside an element of ``dtype``."""
+    elements) or a span that starts inside an element of the dtype."""
+    hc, dtype = h.hc, h.layout[3]
     if hc.gathered is not None or hc.lo % dtype.itemsize:
         return None
     b = hc.base_ref()
-    if b is None or b.dtype != dtype or b._version != hc.version or policy.storage_ptr(b) != ptr:
+    if b is None or b.dtype != dtype or b._version != hc.version or policy.storage_ptr(b) != h.rec.storage_key:
         return None
     return b
 

@@ -346,7 +346,7 @@ class _Schedule:
                     hc = x.hc
                     if not (hc.prefetched is not None or hc.held is not None or hc.used >= hc.users
                             or (x.stash is not None and x.stash.src is not None)
-                            or live_original(hc, x.rec.storage_key, x.layout[3]) is not None):
+                            or live_original(x) is not None):
                         if hc.tier == "disk" and not _disk_ready(hc.buf):
                             self._tiers.disk.prefetch(hc.buf)  # read it on the reader thread, if room
                             break  # (being written or read: retried at the next unpack, never waited on)

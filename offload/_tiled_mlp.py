@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .errors import OffloadError
-from ._token_call import TileOutputs, TokenCall
+from ._token_call import TileOutputs, TokenCall, token_dim
 from .policy import storage_ptr
 
 __all__ = ["MLPRun", "TiledMLP", "tile_slices", "AutocastState", "RngState"]
@@ -221,18 +222,17 @@ class MLPRun:
 
 
 def _tensors(y: Any) -> list[torch.Tensor]:
-    return [y] if isinstance(y, torch.Tensor) else [v for v in y if isinstance(v, torch.Tensor)] \
-        if isinstance(y, (tuple, list)) else []
+    return [v for v in tree_leaves(y) if isinstance(v, torch.Tensor)]
 
 
 def _token_1(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Token 1's result in ``a`` (tokens 0-1) and in ``b`` (tokens 1-2), by the layouts a tile's result may
-    have (``offload._token_call``), or None where ``a`` has neither (the tiles refuse it themselves)."""
-    if a.shape != b.shape:
+    have (``token_dim``), or None where ``a`` has neither (the tiles refuse it themselves)."""
+    d = token_dim(a, 2) if a.shape == b.shape else None
+    if d is None:
         return None
-    if a.dim() >= 2 and a.shape[:2] == (1, 2):
-        return a[0, 1], b[0, 0]
-    return (a[1], b[0]) if a.dim() >= 1 and a.shape[0] == 2 else None
+    lead = (slice(None),) * d
+    return a[lead + (1,)], b[lead + (0,)]
 
 
 def _agree(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -18,9 +18,17 @@ import torch
 
 from .errors import OffloadError
 
-__all__ = ["TokenCall", "TileOutputs"]
+__all__ = ["TokenCall", "TileOutputs", "token_dim"]
 
 _ANY_TILE = "a tiled module must map each token on its own"
+
+
+def token_dim(v: torch.Tensor, rows: int) -> int | None:
+    """Where a tile's result ``v`` has the tile's ``rows`` tokens: 1 (as given, after a batch of 1), 0
+    (flattened first), or None (neither: not a per-token result)."""
+    if v.dim() >= 2 and v.shape[0] == 1 and v.shape[1] == rows:
+        return 1
+    return 0 if v.dim() >= 1 and v.shape[0] == rows else None
 
 
 class TokenCall:
@@ -103,13 +111,11 @@ class TileOutputs:
     def _dim(self, v: Any, rows: int) -> int | None:
         if v is None:
             return None
-        if isinstance(v, torch.Tensor):
-            if v.dim() >= 2 and v.shape[0] == 1 and v.shape[1] == rows:
-                return 1
-            if v.dim() >= 1 and v.shape[0] == rows:
-                return 0
-        self._refuse(type(v).__name__ if not isinstance(v, torch.Tensor) else
-                     f"a tensor of shape {tuple(v.shape)}", rows)
+        d = token_dim(v, rows) if isinstance(v, torch.Tensor) else None
+        if d is None:
+            self._refuse(type(v).__name__ if not isinstance(v, torch.Tensor) else
+                         f"a tensor of shape {tuple(v.shape)}", rows)
+        return d
 
     def _refuse(self, got: str, rows: int) -> None:
         raise OffloadError(

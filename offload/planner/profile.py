@@ -151,7 +151,7 @@ class DecisionProfile:
     shared_saves: list[tuple[int, list[int]]] = field(default_factory=list)
     """Storages saved by more than one call position that are no position's input (a model's rotary
     tables or mask, passed to every block): (bytes, the positions). Such a storage stays on the device
-    after forward while any of them holds it (``CostModel.breakdown``)."""
+    after forward while any of them holds it (charged in ``cost._options``)."""
     peak: int = 0
     """Measured peak of the whole step."""
     step_s: float = 0.0
