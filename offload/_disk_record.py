@@ -25,7 +25,7 @@ class DiskRecord:
     """One tensor's bytes in the disk tier (quacks like a ``HostBuffer`` while staged)."""
 
     __slots__ = ("seq", "nbytes", "path", "tensor", "pooled_staging", "state", "crc", "copy", "read",
-                 "read_bytes", "memory", "cache", "run", "__weakref__")
+                 "read_bytes", "memory", "cache", "run", "owner", "__weakref__")
     pinned = False
     pooled = False
 
@@ -45,6 +45,8 @@ class DiskRecord:
         self.read_bytes = 0
         self.memory: torch.Tensor | None = None  # the bytes, if a write failed
         self.cache = None  # HostBuffer.cache compatibility (never reused)
+        self.owner: Any = None
+        """What ``DiskStore(owner=)`` gave at reserve (the ledger step its move times belong to)."""
 
 
 def ready(rec: DiskRecord) -> bool:

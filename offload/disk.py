@@ -79,7 +79,8 @@ class DiskStore(RunLife):
 
     def __init__(self, parent: str, *, budget_bytes: int | None = None, queue_bytes: int = 256 << 20,
                  readahead_bytes: int = 256 << 20, pin: bool = False,
-                 on_time: Callable[[str, float, int], None] | None = None) -> None:
+                 on_time: Callable[[str, float, int, Any], None] | None = None,
+                 owner: Callable[[], Any] | None = None) -> None:
         parent = os.path.abspath(os.fspath(parent))
         if os.path.exists(parent) and not os.path.isdir(parent):
             raise ValueError(
@@ -91,6 +92,11 @@ class DiskStore(RunLife):
         self.queue_bytes = queue_bytes
         self.readahead_bytes = readahead_bytes
         self._on_time = on_time
+        """Called with (kind "write" / "read" / "wait", seconds, bytes, the record's owner) after each move
+        and each wait on one (a wait's owner is None: it happens on the caller's thread, now)."""
+        self._owner = owner
+        """Called at ``reserve``: the record's owner (the engine's ledger step), handed back to ``on_time`` with
+        its write's and read's seconds, which a writer or reader thread may report after that step closed."""
         self._pin = pin
         self._staging = HostPool(pin=pin, capacity_bytes=queue_bytes)
         self._cv = threading.Condition()
@@ -217,6 +223,7 @@ class DiskStore(RunLife):
             self._refuse(nbytes, None)  # counted in ram_ceiling_refused, as the pool counts its own
             return None
         rec = DiskRecord(seq, nbytes, path=os.path.join(run_dir, f"{seq:012d}.bin"), run=run)
+        rec.owner = self._owner() if self._owner is not None else None
         rec.tensor = torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf.tensor
         rec.pooled_staging = buf
         try:
@@ -298,10 +305,10 @@ class DiskStore(RunLife):
         self._warned.add(kind)
         warn_user(warning_text(kind, run_dir=self.run_dir, parent=self.parent, nbytes=nbytes, cause=cause))
 
-    def _time(self, kind: str, seconds: float, nbytes: int) -> None:
+    def _time(self, kind: str, seconds: float, nbytes: int, rec: DiskRecord | None = None) -> None:
         if self._on_time is not None:
             try:
-                self._on_time(kind, seconds, nbytes)
+                self._on_time(kind, seconds, nbytes, rec.owner if rec is not None else None)
             except Exception:  # accounting must never break a write
                 pass
 
@@ -348,7 +355,7 @@ class DiskStore(RunLife):
                     self._memory_bytes += rec.nbytes
             self._unstage(rec)
         if err is None:
-            self._time("write", secs, rec.nbytes)
+            self._time("write", secs, rec.nbytes, rec)
         elif renewed:
             pass  # the bytes are kept; the run directory's warning said so
         elif rec.state == "in_memory":
@@ -426,7 +433,7 @@ class DiskStore(RunLife):
         with self._cv:
             self._read += rec.nbytes
             self._read_s += secs
-        self._time("read", secs, rec.nbytes)
+        self._time("read", secs, rec.nbytes, rec)
         return out
 
     def load(self, rec: DiskRecord) -> torch.Tensor:

@@ -372,13 +372,14 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
         if config.disk_dir is not None and self.enabled:
             ledger = self.ledger
 
-            def on_time(kind: str, seconds: float, nbytes: int) -> None:
+            def on_time(kind: str, seconds: float, nbytes: int, owner: Any) -> None:
                 ledger.add_tier_time("disk", 0.0 if kind == "wait" else seconds,
-                                     seconds if kind == "wait" else 0.0)
+                                     seconds if kind == "wait" else 0.0, owner=owner)
 
             disk = DiskStore(config.disk_dir, budget_bytes=config.disk_budget_bytes,
                              queue_bytes=config.disk_queue_bytes, readahead_bytes=config.disk_readahead_bytes,
-                             pin=bool(config.use_pin_memory and dev_type not in (None, "cpu")), on_time=on_time)
+                             pin=bool(config.use_pin_memory and dev_type not in (None, "cpu")), on_time=on_time,
+                             owner=ledger.open_totals)
         return HostTiers(self.pool, pageable_budget_bytes=pageable, disk=disk,
                          on_host_budget=config.on_host_budget,
                          virtual_memory_safe_pct=config.virtual_memory_safe_pct)

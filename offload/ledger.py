@@ -202,11 +202,27 @@ class Ledger:
         """Count one copy of ``nbytes`` into host tier ``tier`` in the open step (lock-free append)."""
         self.tier_log[tier].append(nbytes)
 
-    def add_tier_time(self, tier: str, seconds: float, wait_seconds: float = 0.0) -> None:
+    def open_totals(self) -> StepTotals:
+        """The open step's totals: a token for work that may finish after the step closes (a disk
+        write or read on another thread), handed back to ``add_tier_time(owner=...)``."""
+        return self._open
+
+    def add_tier_time(self, tier: str, seconds: float, wait_seconds: float = 0.0,
+                      owner: StepTotals | None = None) -> None:
         """Time spent moving bytes into or out of ``tier`` (``wait_seconds`` of it exposed to
-        compute); any thread (the disk tier's writers and readers call it)."""
-        self.tier_time_log[tier].append((seconds, wait_seconds))
-        self._open_used = True
+        compute); any thread (the disk tier's writers and readers call it). ``owner``
+        (``open_totals()`` when the move was asked for) is the step it belongs to: a move that
+        finishes after that step closed is added to it, and opens no step of its own (None: the
+        open step)."""
+        with self._lock:  # (a disk move takes milliseconds: the lock costs nothing beside it)
+            if owner is None or owner is self._open:
+                self.tier_time_log[tier].append((seconds, wait_seconds))
+                self._open_used = True
+                return
+            for o in (owner, self._closed):  # as _add_seconds does for a copy that resolves late
+                row = tier_of(o, tier)
+                row["seconds"] += seconds
+                row["wait_seconds"] += wait_seconds
 
     def log_tiling(self, kind: str, bytes_not_saved: int, tiles: int) -> None:
         """Count one tiled call of ``kind`` (``TILING_KINDS``) in the open step: ``tiles`` tiles, and

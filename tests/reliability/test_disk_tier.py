@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -233,6 +234,47 @@ def test_corrupted_file_raises_a_named_error(tmp_path):
         loss.backward()
     del loss, logits
     _no_files_after_gc(ctx, "after the error")
+    ctx.close()
+
+
+def test_disk_times_reported_after_the_step_closed_stay_in_that_step(tmp_path):
+    """A writer thread reports a write's seconds after the compute thread has read the file back and
+    closed the step (the write's state is set first, its time next): the seconds are that step's, and
+    no later step is opened by them (a fit of four steps once reported five step totals)."""
+    model = make_model()
+    ctx = _disk_engine(tmp_path)
+    store = ctx.tiers.disk
+    report, gate = store._time, threading.Event()
+    parked: list[float] = []
+    done = threading.Semaphore(0)
+
+    def delayed(kind, seconds, nbytes, rec):
+        gate.wait(30)
+        parked.append(seconds)
+        report(kind, seconds, nbytes, rec)
+        done.release()
+
+    def late(kind, seconds, nbytes, rec=None):
+        if kind == "write":  # a writer's report, held until the step has closed (the writer goes on)
+            threading.Thread(target=delayed, args=(kind, seconds, nbytes, rec), daemon=True).start()
+        else:
+            report(kind, seconds, nbytes, rec)
+
+    store._time = late
+    train_step(model, BATCH, ctx)
+    led = ctx.ledger
+    assert led.steps_closed == 1 and not parked, "the step closed with every write's report still parked"
+    writes = led.step_totals[-1].tiers["disk"]["count"]
+    assert writes > 0
+    gate.set()
+    for _ in range(writes):
+        assert done.acquire(timeout=30), "a parked write never reported"
+    assert led.close_step() is None, "a write's late report opened a step of its own"
+    assert led.steps_closed == 1
+    step = led.step_totals[-1]
+    assert step.tiers["disk"]["seconds"] >= sum(parked) > 0, "the late seconds belong to the step that wrote"
+    assert led.summary()["tiers"]["disk"]["seconds"] == pytest.approx(step.tiers["disk"]["seconds"])
+    store._time = report
     ctx.close()
 
 
