@@ -39,7 +39,7 @@ def choose(cost: CostModel, budget_bytes: int, margin: int, *, model: nn.Module 
             raise _infeasible(budget_bytes, cost, lowest, model, margin, tried)
         best = None
         for ch in variants:
-            sol = solve(ch, cap - cost.base, method=solver)
+            sol = solve(ch, cap - cost.base, method=solver, shared=cost.outside)
             if sol is not None and (best is None or (sol.seconds, sol.peak) < (best.seconds, best.peak)):
                 best = sol
         if best is None:  # greedy found nothing: the minimum-peak plan fits
@@ -65,7 +65,7 @@ def _stable(cost: CostModel, variants: list[list[list[Choice]]], cap: int, faste
     Timing noise then decides nothing that is within it."""
     found = None
     for ch in variants:
-        got = solve_stable(ch, cap - cost.base, fastest + cost.noise_s)
+        got = solve_stable(ch, cap - cost.base, fastest + cost.noise_s, shared=cost.outside)
         if got is not None:
             key = (got[0][0], tuple(DECISIONS.index(d) for d in got[1].decisions))
             if found is None or key < found[0]:
@@ -98,7 +98,9 @@ def _choices(cost: CostModel, *, offloading: bool = True,
                 continue
             if d != "keep" and b.name in keep_only:
                 continue
-            opts.append(Choice(d, o.retained, max(o.event, o.bwd_event + ahead), o.seconds))
+            late = max(o.bwd_event + ahead, o.head_event)
+            opts.append(Choice(d, o.retained, max(o.event, late), o.seconds, late, o.holds, o.covered, o.fwd_event,
+                               o.fcovered))
         if not opts:
             return None
         out.append(opts)
@@ -141,7 +143,7 @@ def _lowest(cost: CostModel, variants: list[list[list[Choice]]]) -> dict[str, st
     """The plan with the smallest predicted peak (then the least time)."""
     best = None
     for ch in variants:
-        sol = min_peak(ch)
+        sol = min_peak(ch, cost.outside)
         dec = _as_dict(cost, sol.decisions)
         key = (cost.peak(dec), cost.seconds(dec))
         if best is None or key < best[0]:

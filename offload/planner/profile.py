@@ -39,8 +39,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..ledger import KEPT, OFFLOADED
 from ..policy import DUPLICATE_STORAGE, storage_ptr
-from .install import DECISIONS, Installed
+from .install import DECISIONS, RECOMPUTE, Installed
 from .meter import MemoryMeter, host_clock
 
 __all__ = ["BlockStats", "DecisionProfile", "StepProfile", "Probe", "Tracked", "tracked", "profile_step", "work_key"]
@@ -106,6 +107,10 @@ class BlockStats:
     in_key: tuple[int, int] | None = None
     """(data pointer, bytes) of the input's storage: two calls reading one storage (sibling
     modules fed the same tensor) share it, and the cost model charges it once (``cost``)."""
+    inputs_alive: list[int] = field(default_factory=list)
+    """Earlier positions whose input storage was alive when this one began (tracked steps): one an earlier
+    position does not hold for backward is held by the model's forward (an embedding's output kept in a
+    local), so a plan that frees it still has it in this forward (``cost._outside``)."""
     fwd_s: float = 0.0
     """Forward seconds (median of the timed steps)."""
     bwd_s: float = 0.0
@@ -152,6 +157,18 @@ class DecisionProfile:
     """Storages saved by more than one call position that are no position's input (a model's rotary
     tables or mask, passed to every block): (bytes, the positions). Such a storage stays on the device
     after forward while any of them holds it (charged in ``cost._options``)."""
+    outside: list[tuple[tuple[int, int], int, list[int]]] = field(default_factory=list)
+    """Storages a position received as an argument besides its input (a mask, position ids, a rotary
+    table: made before it ran) and saved: ``(key, bytes, the positions that held it on the device for
+    backward)``. ``key`` is (the first position that received it, the argument's
+    index in its flattened ``(args, kwargs)``): the same storage in every decision's profile, where
+    which positions hold it differs (a checkpoint holds every tensor argument, a kept block what it
+    saved, an offloading one nothing). Such a storage stays on the device after forward while a
+    position holding it has not run its backward (``cost._outside``)."""
+    held_elsewhere: list[tuple[int, int]] = field(default_factory=list)
+    """Keys (as in ``outside``) of argument storages something besides the positions holds: alive at the
+    step's end, or after every candidate's backward with no position holding them. They are in every
+    measured window whatever the decisions."""
     peak: int = 0
     """Measured peak of the whole step."""
     step_s: float = 0.0
@@ -232,6 +249,17 @@ class Probe:
         self._no_backward: set[int] = set()
         self._active: int | None = None
         self._returned: list[tuple[int, Any, int]] = []  # (position, weak storage, bytes): BlockStats.dropped
+        self._args: dict[int, tuple[tuple[int, int], Any, int]] = {}
+        """Storage key -> (its key across profiles, weak storage, bytes) of every tensor argument seen
+        (``DecisionProfile.outside``)."""
+        self.input_keys: set[tuple[int, int]] = set()
+        """The keys of storages some position received as its input (charged as inputs, not outside)."""
+        self.arguments: list[dict[tuple[int, int], int]] = []
+        """Per position: key -> storage key of each tensor argument it received besides its input."""
+        self.alive_after_blocks: set[tuple[int, int]] | None = None
+        """Argument keys alive once every candidate's backward ran (None: not seen yet)."""
+        self.alive_at_end: set[tuple[int, int]] = set()
+        """Argument keys alive at the step's end, its graph gone: held by the model (a cache), not a save."""
         self.position = -1
         """The position whose forward is running (-1 outside every candidate)."""
 
@@ -258,6 +286,7 @@ class Probe:
         self.calls.append(i)
         self.stats.append(BlockStats())
         self._inputs.append(None)
+        self.arguments.append({})
         self._active = self.position = pos
         s = self.stats[pos]
         w = self._window()
@@ -266,11 +295,17 @@ class Probe:
         else:
             s.fwd_peak = max(s.fwd_peak, w)  # the gap before this block (loop bookkeeping)
         s.A = self._level()
+        if self.meter is not None:
+            s.inputs_alive = [q for q in range(pos) if (ref := self._inputs[q]) is not None and ref() is not None]
         leaves, spec = tree_flatten((args, kwargs))
         k = _first_grad_tensor(leaves)
         # The input: the first that needs grad, else the first floating-point one (a frozen stem's
         # output still feeds a LoRA layer, which saves it for its weights' gradient).
         j = k if k >= 0 else _first_grad_tensor(leaves, need_grad=False)
+        if self.meter is not None:  # a tracked step (timed steps leave it out)
+            for idx, v in enumerate(leaves):
+                if isinstance(v, torch.Tensor):
+                    self._note_argument(pos, idx, v, idx == j)
         if j >= 0:
             x = leaves[j]
             s.in_bytes = _storage_bytes(x)
@@ -312,6 +347,31 @@ class Probe:
             j = _first_grad_tensor(leaves, need_grad=False)
             s.out_bytes = _storage_bytes(leaves[j]) if j >= 0 else 0
         return out
+
+    def _note_argument(self, pos: int, idx: int, v: torch.Tensor, is_input: bool) -> None:
+        """Name the storage of argument ``idx`` of position ``pos`` by where it was first received."""
+        ptr = _storage_ptr(v)
+        got = self._args.get(ptr)
+        if got is None or (got[1] is not None and got[1]() is None):  # new, or an address reused
+            try:
+                ref = weakref.ref(v.untyped_storage())
+            except (RuntimeError, TypeError, NotImplementedError):
+                ref = None
+            got = self._args[ptr] = ((pos, idx), ref, _storage_bytes(v))
+        if is_input:
+            self.input_keys.add(got[0])
+        else:
+            self.arguments[pos][got[0]] = ptr
+
+    def _alive_arguments(self) -> set[tuple[int, int]]:
+        return {key for key, ref, _ in self._args.values() if ref is None or ref() is not None}
+
+    def argument_key(self, ptr: int) -> tuple[tuple[int, int], int] | None:
+        """(key, bytes) of the live storage at ``ptr`` if some position received it as an argument."""
+        got = self._args.get(ptr)
+        if got is None or (got[1] is not None and got[1]() is None):
+            return None
+        return got[0], got[2]
 
     def _note_returned(self, pos: int, leaves: list, k: int) -> None:
         """Watch the storages of the tensors position ``pos`` returned besides its output ``leaves[k]``."""
@@ -363,10 +423,18 @@ class Probe:
         self.t[("bwd1", pos)] = self.clock.now()
         s = self.stats[pos]
         s.bwd_peak = max(s.bwd_peak, self._window())
+        if self._args and self.meter is not None:  # the last call is the earliest position's
+            self.alive_after_blocks = self._alive_arguments()
 
     def end(self) -> None:
         self.t[("step", 1)] = self.clock.now()
         self.windows["post"] = self._window()
+
+    def after_step(self) -> None:
+        """Once the step's graph is gone: the argument storages still alive are the model's."""
+        self.alive_at_end = self._alive_arguments()
+        if self.alive_after_blocks is None:  # no position had a backward-end marker
+            self.alive_after_blocks = self.alive_at_end
 
     def times(self) -> tuple[list[float], list[float], float]:
         """Forward and backward seconds per position, and the step's. A position whose input needs no
@@ -491,6 +559,8 @@ def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, 
     shared: dict[int, int] = defaultdict(int)
     copier: dict[int, int] = {}  # storage data pointer -> the position that copied it
     savers: dict[int, set[int]] = defaultdict(set)  # storage data pointer -> the positions that saved it
+    packed: dict[tuple[int, tuple[int, int]], str] = {}  # (position, argument key) -> the engine's decision
+    arguments: set[int] = set()  # storage data pointers of the saves of arguments
     sizes: dict[int, int] = defaultdict(int)
     probe = Probe(len(names), clock, meter, names)
     out = Tracked(probe)
@@ -505,6 +575,12 @@ def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, 
         saved[p] += rec.nbytes
         ptr = _storage_ptr(ev.tensor)
         savers[ptr].add(p)
+        arg = probe.argument_key(ptr)
+        if arg is not None:
+            arguments.add(ptr)
+            if packed.get((p, arg[0])) != KEPT:  # kept once: on the device until this position's backward
+                # (a save sharing an earlier save's host copy is recorded as kept, and holds the host copy)
+                packed[(p, arg[0])] = OFFLOADED if rec.reason == DUPLICATE_STORAGE else rec.decision
         sizes[ptr] = max(sizes[ptr], rec.storage_nbytes or rec.nbytes)
         if rec.reason == DUPLICATE_STORAGE and copier.get(ptr, p) != p:
             shared[p] += rec.nbytes  # an earlier block copied this storage
@@ -523,6 +599,7 @@ def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, 
                 probe.begin()
                 yield out
                 probe.end()
+                probe.after_step()
             finally:
                 inst.probe = None
     finally:
@@ -535,8 +612,29 @@ def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, 
     for p, s in enumerate(prof.blocks):
         s.saved_bytes, s.copy_bytes, s.copies, s.max_copy = saved[p], copied[p], copies[p], biggest[p]
         s.shared_bytes = shared[p]
-    prof.shared_saves = _shared_saves(prof.blocks, savers, sizes)
+    prof.shared_saves = _shared_saves(prof.blocks, {q: ps for q, ps in savers.items() if q not in arguments}, sizes)
+    prof.outside, prof.held_elsewhere = _outside(probe, packed, [inst.decisions[names[i]] for i in probe.calls])
     out.profile = prof
+
+
+def _outside(probe: Probe, packed: dict[tuple[int, tuple[int, int]], str], decisions: list[str]
+             ) -> tuple[list[tuple[tuple[int, int], int, list[int]]], list[tuple[int, int]]]:
+    """``DecisionProfile.outside`` and ``held_elsewhere``. A position holds an argument on the device to
+    its backward when the engine kept a save of it, or when it is recomputed and the argument was not
+    offloaded: a checkpoint keeps every tensor argument (positional ones through the saved-tensor hooks,
+    which may offload them; keyword ones in its closure, which no hook sees)."""
+    sizes = {key: nbytes for key, _, nbytes in probe._args.values()}
+    held: dict[tuple[int, int], set[int]] = {}
+    for p, keys in enumerate(probe.arguments):
+        for key in keys:
+            if key in probe.input_keys:
+                continue
+            got = packed.get((p, key))
+            holders = held.setdefault(key, set())
+            if got == KEPT or (decisions[p] in RECOMPUTE and got != OFFLOADED):
+                holders.add(p)
+    elsewhere = sorted(probe.alive_at_end | {k for k in (probe.alive_after_blocks or ()) if not held.get(k)})
+    return [(key, sizes[key], sorted(ps)) for key, ps in held.items()], elsewhere
 
 
 def _shared_saves(blocks: list[BlockStats], savers: dict[int, set[int]], sizes: dict[int, int]

@@ -153,23 +153,45 @@ class _TableBlock(torch.nn.Module):
         super().__init__()
         self.fc = torch.nn.Linear(d, d)
 
-    def forward(self, x: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, table: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.table if table is None else table
         weights = torch.softmax(x @ x.transpose(-1, -2), dim=-1)  # (B, T, T)
-        return x + (weights @ self.fc(x)) * table, weights
+        out = x + (weights @ self.fc(x)) * table
+        if bias is not None:  # an add saves neither side: only a checkpoint holds it (position ids)
+            out = out + bias
+        return out, weights
 
 
 class SharedTable(torch.nn.Module):
     """Blocks that all save one tensor the model makes once (a rotary table), and return a second tensor
     the model's loop variable holds until the next block returns (found on transformers models: a measured
-    plan overshot its budget by the table, and by a layer's attention weights)."""
+    plan overshot its budget by the table, and by a layer's attention weights).
 
-    def __init__(self, d: int = 32, n: int = 3) -> None:
+    ``mode``: how the blocks get the table: "positional" (an argument), "keyword" (``table=``, with a
+    ``bias=`` no block saves but a checkpoint holds, as Llama's position ids: a checkpoint holds keyword
+    arguments in its closure, where no saved-tensor hook sees them) or "attribute" (set on each block, no
+    argument: kept there until the next step, as a model's cache, so a recompute finds it). The stem's
+    output stays in a local through every block's forward, as an embedding's does."""
+
+    def __init__(self, d: int = 32, n: int = 3, mode: str = "positional") -> None:
         super().__init__()
+        self.stem = torch.nn.Linear(d, d)
         self.layers = torch.nn.ModuleList(_TableBlock(d) for _ in range(n))
+        self.mode = mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         table = torch.cos(torch.arange(x.shape[1] * x.shape[2], dtype=x.dtype).view(x.shape[1], x.shape[2]))
+        bias = torch.sin(table)
+        embeds = x = self.stem(x)  # a local until forward returns (Hugging Face's inputs_embeds)
         for layer in self.layers:
-            out = layer(x, table)
+            if self.mode == "positional":
+                out = layer(x, table)
+            elif self.mode == "keyword":
+                out = layer(x, table=table, bias=bias)
+            else:
+                layer.table = table
+                out = layer(x)
             x = out[0]
+        del embeds
         return x
