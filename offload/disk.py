@@ -91,12 +91,8 @@ class DiskStore(RunLife):
         self.budget_bytes = budget_bytes
         self.queue_bytes = queue_bytes
         self.readahead_bytes = readahead_bytes
-        self._on_time = on_time
-        """Called with (kind "write" / "read" / "wait", seconds, bytes, the record's owner) after each move
-        and each wait on one (a wait's owner is None: it happens on the caller's thread, now)."""
-        self._owner = owner
-        """Called at ``reserve``: the record's owner (the engine's ledger step), handed back to ``on_time`` with
-        its write's and read's seconds, which a writer or reader thread may report after that step closed."""
+        self._on_time = on_time  # (kind "write"/"read"/"wait", seconds, bytes, the record's owner or None)
+        self._owner = owner  # at reserve: the record's owner (a ledger step), which its times may outlive
         self._pin = pin
         self._staging = HostPool(pin=pin, capacity_bytes=queue_bytes)
         self._cv = threading.Condition()

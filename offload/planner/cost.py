@@ -23,7 +23,7 @@ per decision with every candidate block under that decision):
   input), and the embedding windows are constants. Assumption: a block's
   constants depend only on its own decision (true for a residual stream:
   neighbours interact through the prefix sum only). The exceptions are
-  storages whose life several blocks' decisions decide (``_outside``): a
+  storages whose life several blocks' decisions decide (``lifetimes``): a
   tensor the blocks receive besides their input (a mask, position ids, a
   rotary table) is in a backward or head window while any block up to it
   holds it; a block's input that the model's forward also holds, and what a
@@ -75,16 +75,16 @@ import functools
 import logging
 import statistics
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from .lifetimes import extra, masks
 from .profile import DecisionProfile, StepProfile
 
 __all__ = ["Hardware", "Option", "BlockCost", "CostModel", "measure_hardware", "build_cost_model", "noise_band",
-           "NOISE_FLOOR", "same_work", "pool_times", "extra"]
+           "NOISE_FLOOR", "same_work", "pool_times"]
 
 log = logging.getLogger("offload.planner")
 
@@ -241,7 +241,7 @@ class CostModel:
     profile): each stays on the device after forward while a position that does not offload holds it,
     so an offloading last position's head window is charged them (``_options``)."""
     outside: list[int] = field(default_factory=list)
-    """Bytes of each storage whose life depends on several positions' decisions (``_outside``; bit ``k``
+    """Bytes of each storage whose life depends on several positions' decisions (``lifetimes``; bit ``k``
     of ``Option.holds`` is ``outside[k]``): one the positions receive as arguments besides their input
     (a mask, position ids) stays on the device after forward until the backward of the earliest position
     holding it, so a backward (and the head) window holds it when any position up to it does; an input the
@@ -352,86 +352,6 @@ def _charges(prof: DecisionProfile, elsewhere: list[bool]) -> list[tuple[int, in
     return out
 
 
-def extra(sizes: Sequence[int], held: int, covered: int) -> int:
-    """Bytes of the outside storages (``CostModel.outside``) in ``held`` that an option's profile did not
-    count (``Option.covered``): what a plan adds to that option's backward and head windows."""
-    bits = held & ~covered
-    total, k = 0, 0
-    while bits:
-        if bits & 1:
-            total += sizes[k]
-        bits >>= 1
-        k += 1
-    return total
-
-
-def _outside(profile: StepProfile, elsewhere: list[bool]
-             ) -> tuple[list[int], dict[str, list[tuple[int, int, int]]]]:
-    """``CostModel.outside`` and, per decision and position, the masks ``(holds, covered, fcovered)``
-    of ``Option``. Two kinds of storage live by more than one position's decision:
-
-    * A storage some position received as an argument besides its input (made before it ran): after
-      forward it lives only through the positions that hold it, unless something else does
-      (``held_elsewhere`` in some profile: then it is in every measured window, and left out). Its bit
-      is set in ``holds`` where the position holds it; a backward or head window holds it when any
-      position up to it does, which its profile counted where ``covered``.
-    * The input of a position that the model's forward also holds (an embedding's output kept in a
-      local): it is in every later forward whether or not that position keeps it for backward. A
-      profile where the position keeps it charged it to that position's ``r``, so that profile's later
-      forward constants leave it out (``fcovered``): a plan where the position does not keep it has it
-      in those forwards all the same. Its bit is set in ``holds`` where the position does *not* keep
-      it, and in ``covered`` always (it is no backward window's). The same for what a position returns
-      besides its output (attention weights): the model's loop variable holds it through the next
-      position's forward, kept for backward or not (``BlockStats.dropped`` where not)."""
-    sizes: dict[tuple[int, int], int] = {}
-    holders: dict[str, dict[tuple[int, int], set[int]]] = {}
-    for d, prof in profile.by_decision.items():
-        holders[d] = {}
-        for key, nbytes, held in prof.outside:
-            sizes[key] = max(sizes.get(key, 0), nbytes)
-            holders[d][key] = set(held)
-    gone = {key for prof in profile.by_decision.values() for key in prof.held_elsewhere}
-    keys = sorted(k for k, n in sizes.items() if n and k not in gone)
-    n = len(profile.by_decision["keep"].blocks)
-
-    def kept(d: str, j: int) -> bool:  # position j holds its input for backward in profile d (_charges)
-        return profile.by_decision[d].blocks[j].retains_input and not elsewhere[j]
-
-    def returned(d: str, j: int) -> bool:  # position j holds what it returned besides its output, in profile d
-        return not profile.by_decision[d].blocks[j].dropped
-
-    # Inputs the forward holds: alive when a later position began in a profile where j did not keep it.
-    # What a position returns besides its output (attention weights) lives through the next position's
-    # forward (the model's loop variable), kept for backward or not.
-    frame: dict[tuple[str, int], tuple[int, set[int]]] = {}
-    for d, prof in profile.by_decision.items():
-        for i, s in enumerate(prof.blocks):
-            for j in s.inputs_alive:
-                if not kept(d, j) and not elsewhere[j] and profile.by_decision["keep"].blocks[j].in_bytes:
-                    frame.setdefault(("input", j), (profile.by_decision["keep"].blocks[j].in_bytes, set()))[1].add(i)
-            if s.dropped and i + 1 < n:
-                got = frame.setdefault(("returned", i), (0, {i + 1}))
-                frame[("returned", i)] = (max(got[0], s.dropped), got[1])
-    holder = {"input": kept, "returned": returned}
-    entries = sorted(frame)
-    bit = {e: len(keys) + b for b, e in enumerate(entries)}
-    all_frame = sum(1 << b for b in bit.values())
-    masks: dict[str, list[tuple[int, int, int]]] = {}
-    for d, prof in profile.by_decision.items():
-        row = []
-        covered = all_frame
-        for i in range(n):
-            holds = sum(1 << b for b, key in enumerate(keys) if i in holders[d].get(key, ()))
-            covered |= holds
-            for e in entries:
-                if e[1] == i and not holder[e[0]](d, i):
-                    holds |= 1 << bit[e]
-            fcovered = sum(1 << bit[e] for e in entries if e[1] < i and i in frame[e][1] and holder[e[0]](d, e[1]))
-            row.append((holds, covered, fcovered))
-        masks[d] = row
-    return [sizes[k] for k in keys] + [frame[e][0] for e in entries], masks
-
-
 def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str, Any] | None = None) -> CostModel:
     """Turn per-decision profiles into per-position options (see the module docstring); positions that
     do the same work share their timings (``pool_times``)."""
@@ -443,10 +363,10 @@ def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str
     compute = {d: [p.blocks[k].fwd_s + p.blocks[k].bwd_s for k in range(n)] for d, p in profile.by_decision.items()}
     overhead = _copy_overhead(profile, compute, hw)
     elsewhere = _held_elsewhere(profile)
-    outside, masks = _outside(profile, elsewhere)
+    outside, held = masks(profile, elsewhere)
     for d, prof in profile.by_decision.items():
         for k, opt in enumerate(_options(d, prof, keep, compute, hw, overhead, elsewhere)):
-            opt.holds, opt.covered, opt.fcovered = masks[d][k]
+            opt.holds, opt.covered, opt.fcovered = held[d][k]
             blocks[k].options[d] = opt
     rest = max(0.0, keep.step_s - sum(compute["keep"]))
     ekw = dict(engine_kwargs or {})

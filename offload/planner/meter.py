@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MemoryMeter", "measure_step", "StepMeasurement", "host_clock"]
+__all__ = ["MemoryMeter", "measure_step", "StepMeasurement", "host_clock", "BoundaryClock"]
 
 
 def host_clock() -> Callable[[], float]:
@@ -366,3 +366,27 @@ def measure_step(
         times.append(clock() - t0)
     return StepMeasurement(peak_bytes=meter.peak, step_seconds=statistics.median(times) if times else None,
                            step_seconds_all=times)
+
+
+class BoundaryClock:
+    """Times at block boundaries: timing events on an accelerator (read after a synchronize), the host
+    clock on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type != "cpu" and hasattr(torch, device.type)
+        self.device = device
+        self._host = host_clock()
+
+    def now(self) -> Any:
+        if self.cuda:
+            ev = torch.Event(device=self.device, enable_timing=True)
+            ev.record()
+            return ev
+        return self._host()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        if a is None or b is None:
+            return 0.0
+        if self.cuda:
+            return a.elapsed_time(b) / 1e3
+        return b - a

@@ -39,10 +39,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..ledger import KEPT, OFFLOADED
 from ..policy import DUPLICATE_STORAGE, storage_ptr
-from .install import DECISIONS, RECOMPUTE, Installed
-from .meter import MemoryMeter, host_clock
+from .install import DECISIONS, Installed
+from .lifetimes import ArgumentWatch, shared_saves
+from .meter import BoundaryClock, MemoryMeter
 
 __all__ = ["BlockStats", "DecisionProfile", "StepProfile", "Probe", "Tracked", "tracked", "profile_step", "work_key"]
 
@@ -108,9 +108,7 @@ class BlockStats:
     """(data pointer, bytes) of the input's storage: two calls reading one storage (sibling
     modules fed the same tensor) share it, and the cost model charges it once (``cost``)."""
     inputs_alive: list[int] = field(default_factory=list)
-    """Earlier positions whose input storage was alive when this one began (tracked steps): one an earlier
-    position does not hold for backward is held by the model's forward (an embedding's output kept in a
-    local), so a plan that frees it still has it in this forward (``cost._outside``)."""
+    """Earlier positions whose input storage was alive when this one began (``offload.planner.lifetimes``)."""
     fwd_s: float = 0.0
     """Forward seconds (median of the timed steps)."""
     bwd_s: float = 0.0
@@ -158,17 +156,11 @@ class DecisionProfile:
     tables or mask, passed to every block): (bytes, the positions). Such a storage stays on the device
     after forward while any of them holds it (charged in ``cost._options``)."""
     outside: list[tuple[tuple[int, int], int, list[int]]] = field(default_factory=list)
-    """Storages a position received as an argument besides its input (a mask, position ids, a rotary
-    table: made before it ran) and saved: ``(key, bytes, the positions that held it on the device for
-    backward)``. ``key`` is (the first position that received it, the argument's
-    index in its flattened ``(args, kwargs)``): the same storage in every decision's profile, where
-    which positions hold it differs (a checkpoint holds every tensor argument, a kept block what it
-    saved, an offloading one nothing). Such a storage stays on the device after forward while a
-    position holding it has not run its backward (``cost._outside``)."""
+    """Storages positions received as arguments besides their input (a mask, position ids): ``(key, bytes,
+    the positions that held it on the device for backward)``, ``key`` the same in every decision's profile
+    (``offload.planner.lifetimes``)."""
     held_elsewhere: list[tuple[int, int]] = field(default_factory=list)
-    """Keys (as in ``outside``) of argument storages something besides the positions holds: alive at the
-    step's end, or after every candidate's backward with no position holding them. They are in every
-    measured window whatever the decisions."""
+    """Keys (as in ``outside``) of argument storages something besides the positions holds (the model)."""
     peak: int = 0
     """Measured peak of the whole step."""
     step_s: float = 0.0
@@ -203,27 +195,6 @@ def work_key(module: nn.Module) -> tuple[Any, ...]:
             tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()))
 
 
-class _Clock:
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type != "cpu" and hasattr(torch, device.type)
-        self.device = device
-        self._host = host_clock()
-
-    def now(self) -> Any:
-        if self.cuda:
-            ev = torch.Event(device=self.device, enable_timing=True)
-            ev.record()
-            return ev
-        return self._host()
-
-    def seconds(self, a: Any, b: Any) -> float:
-        if a is None or b is None:
-            return 0.0
-        if self.cuda:
-            return a.elapsed_time(b) / 1e3
-        return b - a
-
-
 class Probe:
     """Records levels, peaks and times at block boundaries during one step.
 
@@ -233,7 +204,7 @@ class Probe:
     index of position ``p``, in the order the calls ran.
     """
 
-    def __init__(self, n: int, clock: _Clock, meter: MemoryMeter | None, names: list[str] | None = None) -> None:
+    def __init__(self, n: int, clock: BoundaryClock, meter: MemoryMeter | None, names: list[str] | None = None) -> None:
         self.n = n
         self.names = names or [str(i) for i in range(n)]
         self.clock = clock
@@ -249,17 +220,8 @@ class Probe:
         self._no_backward: set[int] = set()
         self._active: int | None = None
         self._returned: list[tuple[int, Any, int]] = []  # (position, weak storage, bytes): BlockStats.dropped
-        self._args: dict[int, tuple[tuple[int, int], Any, int]] = {}
-        """Storage key -> (its key across profiles, weak storage, bytes) of every tensor argument seen
-        (``DecisionProfile.outside``)."""
-        self.input_keys: set[tuple[int, int]] = set()
-        """The keys of storages some position received as its input (charged as inputs, not outside)."""
-        self.arguments: list[dict[tuple[int, int], int]] = []
-        """Per position: key -> storage key of each tensor argument it received besides its input."""
-        self.alive_after_blocks: set[tuple[int, int]] | None = None
-        """Argument keys alive once every candidate's backward ran (None: not seen yet)."""
-        self.alive_at_end: set[tuple[int, int]] = set()
-        """Argument keys alive at the step's end, its graph gone: held by the model (a cache), not a save."""
+        self.args = ArgumentWatch()
+        """The argument storages (``DecisionProfile.outside``)."""
         self.position = -1
         """The position whose forward is running (-1 outside every candidate)."""
 
@@ -286,7 +248,7 @@ class Probe:
         self.calls.append(i)
         self.stats.append(BlockStats())
         self._inputs.append(None)
-        self.arguments.append({})
+        self.args.begin(pos)
         self._active = self.position = pos
         s = self.stats[pos]
         w = self._window()
@@ -305,7 +267,7 @@ class Probe:
         if self.meter is not None:  # a tracked step (timed steps leave it out)
             for idx, v in enumerate(leaves):
                 if isinstance(v, torch.Tensor):
-                    self._note_argument(pos, idx, v, idx == j)
+                    self.args.note(pos, idx, v, _storage_ptr(v), _storage_bytes(v), idx == j)
         if j >= 0:
             x = leaves[j]
             s.in_bytes = _storage_bytes(x)
@@ -347,31 +309,6 @@ class Probe:
             j = _first_grad_tensor(leaves, need_grad=False)
             s.out_bytes = _storage_bytes(leaves[j]) if j >= 0 else 0
         return out
-
-    def _note_argument(self, pos: int, idx: int, v: torch.Tensor, is_input: bool) -> None:
-        """Name the storage of argument ``idx`` of position ``pos`` by where it was first received."""
-        ptr = _storage_ptr(v)
-        got = self._args.get(ptr)
-        if got is None or (got[1] is not None and got[1]() is None):  # new, or an address reused
-            try:
-                ref = weakref.ref(v.untyped_storage())
-            except (RuntimeError, TypeError, NotImplementedError):
-                ref = None
-            got = self._args[ptr] = ((pos, idx), ref, _storage_bytes(v))
-        if is_input:
-            self.input_keys.add(got[0])
-        else:
-            self.arguments[pos][got[0]] = ptr
-
-    def _alive_arguments(self) -> set[tuple[int, int]]:
-        return {key for key, ref, _ in self._args.values() if ref is None or ref() is not None}
-
-    def argument_key(self, ptr: int) -> tuple[tuple[int, int], int] | None:
-        """(key, bytes) of the live storage at ``ptr`` if some position received it as an argument."""
-        got = self._args.get(ptr)
-        if got is None or (got[1] is not None and got[1]() is None):
-            return None
-        return got[0], got[2]
 
     def _note_returned(self, pos: int, leaves: list, k: int) -> None:
         """Watch the storages of the tensors position ``pos`` returned besides its output ``leaves[k]``."""
@@ -423,18 +360,12 @@ class Probe:
         self.t[("bwd1", pos)] = self.clock.now()
         s = self.stats[pos]
         s.bwd_peak = max(s.bwd_peak, self._window())
-        if self._args and self.meter is not None:  # the last call is the earliest position's
-            self.alive_after_blocks = self._alive_arguments()
+        if self.meter is not None:
+            self.args.after_blocks()
 
     def end(self) -> None:
         self.t[("step", 1)] = self.clock.now()
         self.windows["post"] = self._window()
-
-    def after_step(self) -> None:
-        """Once the step's graph is gone: the argument storages still alive are the model's."""
-        self.alive_at_end = self._alive_arguments()
-        if self.alive_after_blocks is None:  # no position had a backward-end marker
-            self.alive_after_blocks = self.alive_at_end
 
     def times(self) -> tuple[list[float], list[float], float]:
         """Forward and backward seconds per position, and the step's. A position whose input needs no
@@ -493,7 +424,7 @@ def run_step(step: Callable[[], torch.Tensor]) -> None:
 
 def _one(inst: Installed, step: Callable, model: nn.Module, device: torch.device, meter: MemoryMeter | None,
          names: list[str]) -> Probe:
-    probe = Probe(len(names), _Clock(device), meter, names)
+    probe = Probe(len(names), BoundaryClock(device), meter, names)
     inst.probe = probe
     try:
         zero_grads_(model)
@@ -531,7 +462,7 @@ def _tracked_step(inst: Installed, step: Callable, model: nn.Module, device: tor
                   decision: str) -> DecisionProfile:
     """One step with memory tracked: the peaks of every window, and per call position the bytes
     saved and copied, from the engine's own records (seconds come from :func:`_timed_steps`)."""
-    with tracked(inst, model, names, decision, MemoryMeter(device, [inst.engine.pool]), _Clock(device)) as out:
+    with tracked(inst, model, names, decision, MemoryMeter(device, [inst.engine.pool]), BoundaryClock(device)) as out:
         run_step(step)
     return out.profile
 
@@ -559,8 +490,6 @@ def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, 
     shared: dict[int, int] = defaultdict(int)
     copier: dict[int, int] = {}  # storage data pointer -> the position that copied it
     savers: dict[int, set[int]] = defaultdict(set)  # storage data pointer -> the positions that saved it
-    packed: dict[tuple[int, tuple[int, int]], str] = {}  # (position, argument key) -> the engine's decision
-    arguments: set[int] = set()  # storage data pointers of the saves of arguments
     sizes: dict[int, int] = defaultdict(int)
     probe = Probe(len(names), clock, meter, names)
     out = Tracked(probe)
@@ -575,13 +504,8 @@ def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, 
         saved[p] += rec.nbytes
         ptr = _storage_ptr(ev.tensor)
         savers[ptr].add(p)
-        arg = probe.argument_key(ptr)
-        if arg is not None:
-            arguments.add(ptr)
-            if packed.get((p, arg[0])) != KEPT:  # kept once: on the device until this position's backward
-                # (a save sharing an earlier save's host copy is recorded as kept, and holds the host copy)
-                packed[(p, arg[0])] = OFFLOADED if rec.reason == DUPLICATE_STORAGE else rec.decision
         sizes[ptr] = max(sizes[ptr], rec.storage_nbytes or rec.nbytes)
+        probe.args.on_pack(p, ptr, rec)
         if rec.reason == DUPLICATE_STORAGE and copier.get(ptr, p) != p:
             shared[p] += rec.nbytes  # an earlier block copied this storage
         if rec.copy_bytes:
@@ -599,7 +523,7 @@ def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, 
                 probe.begin()
                 yield out
                 probe.end()
-                probe.after_step()
+                probe.args.after_step()
             finally:
                 inst.probe = None
     finally:
@@ -609,40 +533,22 @@ def tracked(inst: Installed, model: nn.Module, names: list[str], decision: str, 
                            calls=list(probe.calls), base=probe.base, pre_peak=probe.windows.get("pre", 0),
                            head_peak=probe.windows.get("head", 0), post_peak=probe.windows.get("post", 0),
                            peak=meter.peak)
-    for p, s in enumerate(prof.blocks):
-        s.saved_bytes, s.copy_bytes, s.copies, s.max_copy = saved[p], copied[p], copies[p], biggest[p]
-        s.shared_bytes = shared[p]
-    prof.shared_saves = _shared_saves(prof.blocks, {q: ps for q, ps in savers.items() if q not in arguments}, sizes)
-    prof.outside, prof.held_elsewhere = _outside(probe, packed, [inst.decisions[names[i]] for i in probe.calls])
+    _fill(prof, (saved, copied, copies, biggest, shared), probe.args, savers, sizes,
+          [inst.decisions[names[i]] for i in probe.calls])
     out.profile = prof
 
 
-def _outside(probe: Probe, packed: dict[tuple[int, tuple[int, int]], str], decisions: list[str]
-             ) -> tuple[list[tuple[tuple[int, int], int, list[int]]], list[tuple[int, int]]]:
-    """``DecisionProfile.outside`` and ``held_elsewhere``. A position holds an argument on the device to
-    its backward when the engine kept a save of it, or when it is recomputed and the argument was not
-    offloaded: a checkpoint keeps every tensor argument (positional ones through the saved-tensor hooks,
-    which may offload them; keyword ones in its closure, which no hook sees)."""
-    sizes = {key: nbytes for key, _, nbytes in probe._args.values()}
-    held: dict[tuple[int, int], set[int]] = {}
-    for p, keys in enumerate(probe.arguments):
-        for key in keys:
-            if key in probe.input_keys:
-                continue
-            got = packed.get((p, key))
-            holders = held.setdefault(key, set())
-            if got == KEPT or (decisions[p] in RECOMPUTE and got != OFFLOADED):
-                holders.add(p)
-    elsewhere = sorted(probe.alive_at_end | {k for k in (probe.alive_after_blocks or ()) if not held.get(k)})
-    return [(key, sizes[key], sorted(ps)) for key, ps in held.items()], elsewhere
-
-
-def _shared_saves(blocks: list[BlockStats], savers: dict[int, set[int]], sizes: dict[int, int]
-                  ) -> list[tuple[int, list[int]]]:
-    """``DecisionProfile.shared_saves``: the storages several positions saved that are no position's
-    input, as (bytes, positions)."""
-    inputs = {s.in_key[0] for s in blocks if s.in_key is not None}
-    return [(sizes[q], sorted(ps)) for q, ps in savers.items() if len(ps) > 1 and q not in inputs]
+def _fill(prof: DecisionProfile, per_position: tuple[dict[int, int], ...], args: ArgumentWatch,
+          savers: dict[int, set[int]], sizes: dict[int, int], decisions: list[str]) -> None:
+    """What the engine's records showed: per position the bytes saved and copied, the copies, the largest
+    and the bytes shared with an earlier copy; the storages several positions saved or received."""
+    saved, copied, copies, biggest, shared = per_position
+    for p, s in enumerate(prof.blocks):
+        s.saved_bytes, s.copy_bytes, s.copies, s.max_copy = saved[p], copied[p], copies[p], biggest[p]
+        s.shared_bytes = shared[p]
+    prof.shared_saves = shared_saves(prof.blocks, {q: ps for q, ps in savers.items() if q not in args.saved_ptrs},
+                                     sizes)
+    prof.outside, prof.held_elsewhere = args.profile(decisions)
 
 
 def _timed_steps(inst: Installed, step: Callable, model: nn.Module, device: torch.device, names: list[str],

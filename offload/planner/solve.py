@@ -33,7 +33,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cost import extra
+from .lifetimes import extra
 
 __all__ = ["Choice", "Solution", "solve", "solve_exact", "solve_greedy", "solve_brute_force", "solve_stable", "min_peak"]
 
