@@ -100,7 +100,7 @@ def _choices(cost: CostModel, *, offloading: bool = True,
                 continue
             late = max(o.bwd_event + ahead, o.head_event)
             opts.append(Choice(d, o.retained, max(o.event, late), o.seconds, late, o.holds, o.covered, o.fwd_event,
-                               o.fcovered))
+                               o.fcovered, o.head_event, o.hcovered))
         if not opts:
             return None
         out.append(opts)

@@ -191,6 +191,9 @@ class Option:
     fcovered: int = 0
     """Bit ``k`` set: the profile left an earlier position's input ``k``, which the model's forward holds, out
     of this position's ``fwd_event`` (it charged it to that position): a plan holding the bit adds it."""
+    hcovered: int = 0
+    """The part of ``fcovered`` the head's window holds too (inputs the model's forward holds: its window
+    begins there, with a final norm)."""
     fwd_s: float = 0.0
     """Forward seconds as the model charges them: the timed steps' median, one for all positions that
     do the same work (``pool_times``)."""
@@ -289,7 +292,8 @@ class CostModel:
             out.append((self.base + early + o.fwd_event, f"forward of {b.name}{call} ({d})", early))
             out.append((self.base + late + o.bwd_event + ahead, f"backward of {b.name}{call} ({d})", late))
             if o.head_event:
-                out.append((self.base + late + o.head_event, f"head and loss (after {b.name}: {d})", late))
+                head = late + extra(self.outside, held & o.hcovered, 0)  # + inputs the model's forward holds
+                out.append((self.base + head + o.head_event, f"head and loss (after {b.name}: {d})", head))
             if o.post_event:
                 out.append((self.base + o.post_event, f"end of backward{self._profiled_step()} (after {b.name}: {d})", 0))
             prefix += o.retained
@@ -366,7 +370,7 @@ def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str
     outside, held = masks(profile, elsewhere)
     for d, prof in profile.by_decision.items():
         for k, opt in enumerate(_options(d, prof, keep, compute, hw, overhead, elsewhere)):
-            opt.holds, opt.covered, opt.fcovered = held[d][k]
+            opt.holds, opt.covered, opt.fcovered, opt.hcovered = held[d][k]
             blocks[k].options[d] = opt
     rest = max(0.0, keep.step_s - sum(compute["keep"]))
     ekw = dict(engine_kwargs or {})

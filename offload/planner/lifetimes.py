@@ -127,15 +127,18 @@ def extra(sizes: Sequence[int], held: int, covered: int) -> int:
     return total
 
 
-def masks(profile: StepProfile, elsewhere: list[bool]) -> tuple[list[int], dict[str, list[tuple[int, int, int]]]]:
-    """``CostModel.outside`` and, per decision and position, ``(holds, covered, fcovered)`` of ``Option``.
+def masks(profile: StepProfile, elsewhere: list[bool]
+          ) -> tuple[list[int], dict[str, list[tuple[int, int, int, int]]]]:
+    """``CostModel.outside`` and, per decision and position, ``(holds, covered, fcovered, hcovered)`` of
+    ``Option``.
 
     An argument storage has its bit in ``holds`` where the position holds it, and in ``covered`` where its
     profile had it held at this position's backward (by it or an earlier position), unless something else
     holds it (``held_elsewhere`` in some profile: then it is in every measured window, and left out). An
     input the forward holds, or what a position returned besides its output, has its bit in ``holds`` where
     the position does *not* keep it, in ``covered`` always (it is no backward window's), and in
-    ``fcovered`` of the later forwards whose profile charged it to the position that kept it."""
+    ``fcovered`` of the later forwards whose profile charged it to the position that kept it (an input
+    also in ``hcovered``: the head's window begins inside the model's forward, a final norm)."""
     sizes: dict[Key, int] = {}
     holders: dict[str, dict[Key, set[int]]] = {}
     for d, prof in profile.by_decision.items():
@@ -148,7 +151,8 @@ def masks(profile: StepProfile, elsewhere: list[bool]) -> tuple[list[int], dict[
     frame, holder = _frame(profile, elsewhere)
     entries = sorted(frame)
     bit = {e: len(keys) + b for b, e in enumerate(entries)}
-    out: dict[str, list[tuple[int, int, int]]] = {}
+    inputs = sum(1 << bit[e] for e in entries if e[0] == "input")
+    out: dict[str, list[tuple[int, int, int, int]]] = {}
     for d in profile.by_decision:
         row = []
         covered = sum(1 << b for b in bit.values())
@@ -157,7 +161,8 @@ def masks(profile: StepProfile, elsewhere: list[bool]) -> tuple[list[int], dict[
             covered |= holds
             holds |= sum(1 << bit[e] for e in entries if e[1] == i and not holder[e[0]](d, i))
             fcovered = sum(1 << bit[e] for e in entries if e[1] < i and i in frame[e][1] and holder[e[0]](d, e[1]))
-            row.append((holds, covered, fcovered))
+            hcovered = fcovered & inputs  # the head's window starts in the model's forward, which holds them
+            row.append((holds, covered, fcovered, hcovered))
         out[d] = row
     return [sizes[k] for k in keys] + [frame[e][0] for e in entries], out
 

@@ -56,11 +56,15 @@ class Choice:
     """The forward part of ``event``."""
     fcovered: int = 0
     """Outside storages ``fwd`` leaves out though they are in the forward when held."""
+    head: int = 0
+    """The head's window's part of ``late`` (0: none)."""
+    hcovered: int = 0
+    """Outside storages ``head`` leaves out though they are in its window when held (with those ``late`` adds)."""
 
 
 def _event(c: Choice, held: int, shared: Sequence[int]) -> int:
     """``c``'s peak constant when the earlier positions hold the outside storages ``held``."""
-    late, early = held & ~c.covered, held & c.fcovered
+    late, early, head = held & ~c.covered, held & c.fcovered, held & c.hcovered
     if not late and not early:
         return c.event
     event = c.event
@@ -68,6 +72,8 @@ def _event(c: Choice, held: int, shared: Sequence[int]) -> int:
         event = max(event, c.late + extra(shared, late, 0))
     if early:
         event = max(event, c.fwd + extra(shared, early, 0))
+    if head and c.head:
+        event = max(event, c.head + extra(shared, late, 0) + extra(shared, head, 0))
     return event
 
 

@@ -219,5 +219,6 @@ def test_every_decision_combination_fits_its_prediction_with_shared_saves(mode: 
         predicted = p0.cost.peak(d)
         measured, _ = p.measure(model, step, warmup=1, timed=0)
         assert measured <= predicted, (decs, measured, predicted)
-        if mode != "attribute":
-            assert measured == predicted, (decs, measured, predicted)
+        if mode != "attribute":  # exact, but for the stem's output: charged to the head's window when a plan
+            # frees it (that window starts in the model's forward, which holds it; here it peaks after)
+            assert predicted - measured in (0, 2 * 48 * 32 * 4), (decs, measured, predicted)

@@ -64,8 +64,9 @@ def _shared_blocks(rng: random.Random, n: int, k: int) -> list[list[Choice]]:
             late, fwd = c.event - rng.randint(0, 5), c.event - rng.randint(0, 5)
             # (an earlier position's input the forward holds: in this forward unless its profile charged it)
             fcovered = rng.randrange(1 << k) & ~covered if i else 0
+            head = late if i == n - 1 else 0  # the head's window: the last position's (it may hold them too)
             row.append(Choice(c.decision, c.retained, c.event, c.seconds, late, holds[c.decision][i], covered, fwd,
-                              fcovered))
+                              fcovered, head, fcovered & rng.randrange(1 << k)))
         out.append(row)
     return out
 
