@@ -23,14 +23,14 @@ was there before), which restores the model exactly.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DECISIONS", "Installed", "install"]
+__all__ = ["DECISIONS", "Installed", "install", "profile_recomputes"]
 
 DECISIONS = ("keep", "offload", "recompute", "recompute_offload")
 """Per-block decisions, cheapest in time first (keep) to least memory (recompute_offload)."""
@@ -158,3 +158,26 @@ def install(blocks: list[tuple[str, nn.Module]], decisions: dict[str, str], engi
     if model is not None:
         inst._restore.insert(0, caching_off(model, "while the plan is applied"))
     return inst
+
+
+def profile_recomputes(profile: Callable[[str], Any], decisions: Sequence[str], names: list[str],
+                       no_recompute: dict[str, str]) -> dict[str, Any]:
+    """``profile(d)`` for each decision, the recompute ones last: when a recomputed step fails (a forward
+    that reads state its first run left, such as a cache of keys), every candidate is marked never
+    recomputed in ``no_recompute``, with the error as the reason, and planned without recompute (the error
+    is logged), rather than the plan failing with the model's own error from inside a checkpoint."""
+    import logging
+
+    out = {d: profile(d) for d in decisions if d not in RECOMPUTE}
+    try:
+        for d in decisions:
+            if d in RECOMPUTE:
+                out[d] = profile(d)
+    except Exception as e:  # (a KeyboardInterrupt is not caught)
+        why = f"recomputing the blocks failed: {type(e).__name__}: {str(e)[:300]}"
+        logging.getLogger("offload.planner").warning("offload.plan: %s; planning without recompute", why)
+        for d in RECOMPUTE:
+            out.pop(d, None)
+        for n in names:
+            no_recompute.setdefault(n, why)
+    return out

@@ -35,7 +35,7 @@ from .blocks import find_blocks
 from .choose import choose
 from .cost import NO_BACKWARD, CostModel, build_cost_model, measure_hardware
 from .host import TIER_SETTINGS, tier_bytes
-from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install
+from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install, profile_recomputes
 from .meter import StepMeasurement, measure_step
 from .optimizer import OptimizerLike, adamw_memory, charged_bytes, check_optimizer, optimizer_memory, with_optimizer
 from .settings import engine_settings, synchronous
@@ -397,9 +397,11 @@ def _cost_model(model: nn.Module, step: Callable[[], torch.Tensor], cand: list[t
 
     inst = install(cand, {n: "keep" for n in names}, make_engine())
     try:
-        by_dec = profile_step(inst, step, model, dev, make_engine=make_engine, warmup=warmup, timed=timed,
-                              decisions=tuple(d for d in DECISIONS if not (no_recompute and d in RECOMPUTE
-                                                                          and len(no_recompute) == len(names))))
+        by_dec = profile_recomputes(
+            lambda d: profile_step(inst, step, model, dev, make_engine=make_engine, warmup=warmup, timed=timed,
+                                   decisions=(d,))[d],
+            [d for d in DECISIONS if not (no_recompute and d in RECOMPUTE and len(no_recompute) == len(names))],
+            names, no_recompute)
     finally:
         inst.remove()
     prof = StepProfile(names=names, device=str(dev), by_decision=by_dec, unplanned_peak=unplanned.peak_bytes,

@@ -54,7 +54,7 @@ from ..sizes import to_budget
 from .blocks import find_blocks
 from .cost import Hardware, build_cost_model
 from .host import TIER_SETTINGS, tier_bytes
-from .install import DECISIONS, RECOMPUTE, caching_off, install
+from .install import DECISIONS, RECOMPUTE, caching_off, install, profile_recomputes
 from .optimizer import OptimizerLike, adamw_memory, optimizer_memory, twin_factory, with_optimizer
 from .choose import refusal_hint
 from .planning import Plan, _solve, plan_from_cost
@@ -257,7 +257,8 @@ def plan_on_target(model: nn.Module, step: Callable[[], torch.Tensor], budget_by
     try:
         unplanned = _predict(model, step, "none", spec, factory, mixed_precision)
         decisions = tuple(d for d in DECISIONS if not (d in RECOMPUTE and len(no_recompute) == len(cand)))
-        by_dec = {d: _profile(model, step, cand, d, spec, ekw, factory, mixed_precision) for d in decisions}
+        by_dec = profile_recomputes(lambda d: _profile(model, step, cand, d, spec, ekw, factory, mixed_precision),
+                                    decisions, [n for n, _ in cand], no_recompute)
         prof = StepProfile(names=[n for n, _ in cand], device=f"{spec.name} (predicted)", by_decision=by_dec,
                            unplanned_peak=unplanned.peak_bytes, unplanned_step_s=unplanned.step_seconds,
                            synchronous_copies=not ekw["use_streams"])

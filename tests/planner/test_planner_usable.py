@@ -270,3 +270,65 @@ def test_same_plan_under_timing_noise_larger_than_the_band(make, monkeypatch) ->
         assert set(p.decisions.values()) != {"keep"}, p.report()
         _run_planned(p, model, step)
         assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(twin)))
+
+
+class _CachingBlock(torch.nn.Module):
+    """Keeps its keys on itself for the step (XLM's attention with a cache): a recompute sees them twice."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.cache: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.append(self.fc(x))
+        keys = torch.cat(self.cache, 1)  # (B, T * calls this step, d)
+        return x + (x @ keys.transpose(-1, -2)).softmax(-1) @ keys
+
+
+class _Caching(torch.nn.Module):
+    def __init__(self, d: int = 32, n: int = 3) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_CachingBlock(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            layer.cache = []
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("target", [None, "h100-sxm"])
+def test_blocks_that_cannot_be_recomputed_are_planned_without_recompute(target, caplog) -> None:
+    """A block whose recompute fails (its forward reads state its first run left: XLM's attention cache)
+    does not fail the plan with the model's error from inside a checkpoint: every block is marked never
+    recomputed with that error as the reason (logged, in the report), and the plan fits without it."""
+    import logging
+
+    torch.manual_seed(0)
+    model = _Caching()
+    x = torch.randn(2, 48, 32, requires_grad=True)
+
+    def step() -> torch.Tensor:
+        return model(x).square().mean()
+
+    with pytest.raises(Exception):  # the premise: a recomputed step fails
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            from torch.utils.checkpoint import checkpoint
+            layer = model.layers[0]
+            layer.cache = []
+            checkpoint(layer, x, use_reentrant=False).sum().backward()
+    with caplog.at_level(logging.WARNING, logger="offload.planner"):
+        if target is None:
+            p0 = offload.plan(model, step, budget_bytes=1 << 40, timed=1, bandwidth_gb_s=10.0)
+            budget = (p0.min_peak_bytes + p0.unplanned_peak_bytes) // 2
+            p = offload.plan(model, step, budget_bytes=budget, timed=1, bandwidth_gb_s=10.0)
+        else:
+            p = offload.plan(model, step, budget_bytes="50%", target=target)
+    assert set(p.cost.no_recompute) == {"layers.0", "layers.1", "layers.2"}
+    assert all(why.startswith("recomputing the blocks failed: ") for why in p.cost.no_recompute.values())
+    assert not {"recompute", "recompute_offload"} & set(p.decisions.values()), p.decisions
+    assert "planning without recompute" in caplog.text
+    if target is None:
+        assert p.measured_peak_bytes <= budget and set(p.decisions.values()) != {"keep"}
