@@ -286,19 +286,6 @@ class _CachingBlock(torch.nn.Module):
         return x + (x @ keys.transpose(-1, -2)).softmax(-1) @ keys
 
 
-class _Caching(torch.nn.Module):
-    def __init__(self, d: int = 32, n: int = 3) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(_CachingBlock(d) for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            layer.cache = []
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 @pytest.mark.parametrize("target", [None, "h100-sxm"])
 def test_blocks_that_cannot_be_recomputed_are_planned_without_recompute(target, caplog) -> None:
     """A block whose recompute fails (its forward reads state its first run left: XLM's attention cache)
@@ -306,8 +293,16 @@ def test_blocks_that_cannot_be_recomputed_are_planned_without_recompute(target, 
     recomputed with that error as the reason (logged, in the report), and the plan fits without it."""
     import logging
 
+    from planner_testkit import Staged
+
     torch.manual_seed(0)
-    model = _Caching()
+    model = Staged(d=32, stages=1, per=3)
+    model.stages[0] = torch.nn.ModuleList(_CachingBlock(32) for _ in range(3))
+    def clear(m: torch.nn.Module, args: tuple) -> None:  # a new step: a new cache
+        for block in m.stages[0]:
+            block.cache.clear()
+
+    model.register_forward_pre_hook(clear)
     x = torch.randn(2, 48, 32, requires_grad=True)
 
     def step() -> torch.Tensor:
@@ -316,8 +311,8 @@ def test_blocks_that_cannot_be_recomputed_are_planned_without_recompute(target, 
     with pytest.raises(Exception):  # the premise: a recomputed step fails
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             from torch.utils.checkpoint import checkpoint
-            layer = model.layers[0]
-            layer.cache = []
+            layer = model.stages[0][0]
+            layer.cache.clear()
             checkpoint(layer, x, use_reentrant=False).sum().backward()
     with caplog.at_level(logging.WARNING, logger="offload.planner"):
         if target is None:
@@ -326,7 +321,7 @@ def test_blocks_that_cannot_be_recomputed_are_planned_without_recompute(target, 
             p = offload.plan(model, step, budget_bytes=budget, timed=1, bandwidth_gb_s=10.0)
         else:
             p = offload.plan(model, step, budget_bytes="50%", target=target)
-    assert set(p.cost.no_recompute) == {"layers.0", "layers.1", "layers.2"}
+    assert set(p.cost.no_recompute) == {"stages.0.0", "stages.0.1", "stages.0.2"}
     assert all(why.startswith("recomputing the blocks failed: ") for why in p.cost.no_recompute.values())
     assert not {"recompute", "recompute_offload"} & set(p.decisions.values()), p.decisions
     assert "planning without recompute" in caplog.text
