@@ -285,14 +285,14 @@ class CostModel:
         for b, d in zip(self.blocks, ds):
             o = b.options[d]
             call = f" (call {b.call + 1})" if b.call or sum(x.name == b.name for x in self.blocks) > 1 else ""
-            late = prefix + extra(self.outside, held, o.covered)  # + what earlier positions hold of the outside
+            late = prefix + extra(self.outside, held & ~o.covered)  # + what earlier positions hold of the outside
             if o.pre_event:
                 out.append((self.base + o.pre_event, "stem, before the first block", 0))
-            early = prefix + extra(self.outside, held & o.fcovered, 0)  # + inputs the forward holds
+            early = prefix + extra(self.outside, held & o.fcovered)  # + inputs the forward holds
             out.append((self.base + early + o.fwd_event, f"forward of {b.name}{call} ({d})", early))
             out.append((self.base + late + o.bwd_event + ahead, f"backward of {b.name}{call} ({d})", late))
             if o.head_event:
-                head = late + extra(self.outside, held & o.hcovered, 0)  # + inputs the model's forward holds
+                head = late + extra(self.outside, held & o.hcovered)  # + inputs the model's forward holds
                 out.append((self.base + head + o.head_event, f"head and loss (after {b.name}: {d})", head))
             if o.post_event:
                 out.append((self.base + o.post_event, f"end of backward{self._profiled_step()} (after {b.name}: {d})", 0))

@@ -42,11 +42,12 @@ class ArgumentWatch:
     """The argument storages of one tracked step: named, watched (weakly) and who held them."""
 
     def __init__(self) -> None:
-        self._args: dict[int, tuple[Key, Any, int]] = {}  # storage key -> (Key, weak storage, bytes)
+        self._args: dict[int, tuple[Key, Any]] = {}  # storage key -> (Key, weak storage) of the live one there
+        self._sizes: dict[Key, int] = {}  # (kept for a storage that died and whose address was used again)
         self.input_keys: set[Key] = set()
         """Storages some position received as its input (charged as inputs, not here)."""
-        self.arguments: list[dict[Key, int]] = []
-        """Per position: Key -> storage key of each tensor argument it received besides its input."""
+        self.arguments: list[set[Key]] = []
+        """Per position: the Keys of the tensor arguments it received besides its input."""
         self.packed: dict[tuple[int, Key], str] = {}
         """(position, Key) -> the engine's decision on a save of it there (kept wins)."""
         self.saved_ptrs: set[int] = set()
@@ -54,35 +55,42 @@ class ArgumentWatch:
         self.alive_after_blocks: set[Key] | None = None
         self.alive_at_end: set[Key] = set()
 
-    def begin(self, pos: int) -> None:
-        self.arguments.append({})
+    def begin(self) -> None:
+        """A position began."""
+        self.arguments.append(set())
+
+    def _key(self, ptr: int) -> Key | None:
+        """The Key of the live argument storage at ``ptr`` (None: none, or it died and the address is free)."""
+        got = self._args.get(ptr)
+        return None if got is None or (got[1] is not None and got[1]() is None) else got[0]
 
     def note(self, pos: int, idx: int, v: torch.Tensor, ptr: int, nbytes: int, is_input: bool) -> None:
         """Argument ``idx`` of position ``pos``, named by where its storage was first received."""
-        got = self._args.get(ptr)
-        if got is None or (got[1] is not None and got[1]() is None):  # new, or an address reused
+        key = self._key(ptr)
+        if key is None:  # new, or an address used again
             try:
                 ref = weakref.ref(v.untyped_storage())
             except (RuntimeError, TypeError, NotImplementedError):
                 ref = None
-            got = self._args[ptr] = ((pos, idx), ref, nbytes)
+            key = (pos, idx)
+            self._args[ptr], self._sizes[key] = (key, ref), nbytes
         if is_input:
-            self.input_keys.add(got[0])
+            self.input_keys.add(key)
         else:
-            self.arguments[pos][got[0]] = ptr
+            self.arguments[pos].add(key)
 
     def on_pack(self, pos: int, ptr: int, rec: Any) -> None:
         """The engine decided on a save at ``pos`` of the storage at ``ptr``."""
-        got = self._args.get(ptr)
-        if got is None or (got[1] is not None and got[1]() is None):
+        key = self._key(ptr)
+        if key is None:
             return
         self.saved_ptrs.add(ptr)
-        if self.packed.get((pos, got[0])) != KEPT:  # kept once: on the device until this position's backward
+        if self.packed.get((pos, key)) != KEPT:  # kept once: on the device until this position's backward
             # (a save sharing an earlier save's host copy is recorded as kept, and holds the host copy)
-            self.packed[(pos, got[0])] = OFFLOADED if rec.reason == DUPLICATE_STORAGE else rec.decision
+            self.packed[(pos, key)] = OFFLOADED if rec.reason == DUPLICATE_STORAGE else rec.decision
 
     def alive(self) -> set[Key]:
-        return {key for key, ref, _ in self._args.values() if ref is None or ref() is not None}
+        return {key for key, ref in self._args.values() if ref is None or ref() is not None}
 
     def after_blocks(self) -> None:
         """A position's backward ended (the last call is the earliest position's)."""
@@ -100,7 +108,6 @@ class ArgumentWatch:
         holds an argument on the device to its backward when the engine kept a save of it, or when it is
         recomputed and the argument was not offloaded (positional arguments go through the saved-tensor
         hooks, which may offload them; keyword ones stay in the checkpoint's closure)."""
-        sizes = {key: nbytes for key, _, nbytes in self._args.values()}
         held: dict[Key, set[int]] = {}
         for p, keys in enumerate(self.arguments):
             for key in keys:
@@ -111,13 +118,12 @@ class ArgumentWatch:
                 if got == KEPT or (decisions[p] in RECOMPUTE and got != OFFLOADED):
                     holders.add(p)
         elsewhere = sorted(self.alive_at_end | {k for k in (self.alive_after_blocks or ()) if not held.get(k)})
-        return [(key, sizes[key], sorted(ps)) for key, ps in held.items()], elsewhere
+        return [(key, self._sizes[key], sorted(ps)) for key, ps in held.items()], elsewhere
 
 
-def extra(sizes: Sequence[int], held: int, covered: int) -> int:
-    """Bytes of the storages (``CostModel.outside``) in ``held`` that an option's profile did not count
-    (``covered``): what a plan adds to that option's window."""
-    bits = held & ~covered
+def extra(sizes: Sequence[int], bits: int) -> int:
+    """Bytes of the storages (``CostModel.outside``) whose bits are set: what a plan adds to a window whose
+    profile did not count them."""
     total, k = 0, 0
     while bits:
         if bits & 1:

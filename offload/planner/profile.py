@@ -248,7 +248,7 @@ class Probe:
         self.calls.append(i)
         self.stats.append(BlockStats())
         self._inputs.append(None)
-        self.args.begin(pos)
+        self.args.begin()
         self._active = self.position = pos
         s = self.stats[pos]
         w = self._window()

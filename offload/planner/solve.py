@@ -67,13 +67,13 @@ def _event(c: Choice, held: int, shared: Sequence[int]) -> int:
     late, early, head = held & ~c.covered, held & c.fcovered, held & c.hcovered
     if not late and not early:
         return c.event
-    event = c.event
+    event, added = c.event, extra(shared, late)
     if late:
-        event = max(event, c.late + extra(shared, late, 0))
+        event = max(event, c.late + added)
     if early:
-        event = max(event, c.fwd + extra(shared, early, 0))
+        event = max(event, c.fwd + extra(shared, early))
     if head and c.head:
-        event = max(event, c.head + extra(shared, late, 0) + extra(shared, head, 0))
+        event = max(event, c.head + added + extra(shared, head))
     return event
 
 

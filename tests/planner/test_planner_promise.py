@@ -143,6 +143,48 @@ def test_block_called_twice_is_profiled_per_call() -> None:
         assert abs(p.predicted_peak_bytes / peak - 1) <= 0.10, p.report()
 
 
+class _BiasBlock(torch.nn.Linear):
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x) + bias  # (an add saves neither side: only a checkpoint holds the bias)
+
+
+class _FreshArgument(torch.nn.Module):
+    """Each block gets a tensor made for it alone, freed after it unless a checkpoint holds it, so the next
+    block's is made at the address it left (the planner named argument storages by address and lost the
+    first one's size: ``offload.plan`` raised a KeyError)."""
+
+    def __init__(self, n: int = 2) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_BiasBlock(32, 32) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, torch.full((48, 32), float(i)))
+        return x
+
+
+def test_an_argument_made_for_each_block_is_charged_to_the_block_that_holds_it() -> None:
+    """Plans (no error), and every combination is measured at or below its prediction: a recomputed
+    block holds its own argument to its backward."""
+    import dataclasses
+    import itertools
+
+    torch.manual_seed(0)
+    model = _FreshArgument()
+    x = torch.randn(2, 48, 32, requires_grad=True)
+
+    def step() -> torch.Tensor:
+        return model(x).square().mean()
+
+    p0 = offload.plan(model, step, budget_bytes=1 << 40, **_KW)
+    assert p0.cost.outside == [48 * 32 * 4] * 2, p0.cost.outside
+    names = list(p0.decisions)
+    for decs in itertools.product(("keep", "offload", "recompute", "recompute_offload"), repeat=len(names)):
+        d = dict(zip(names, decs))
+        measured, _ = dataclasses.replace(p0, decisions=d).measure(model, step, warmup=1, timed=0)
+        assert measured <= p0.cost.peak(d), (decs, measured, p0.cost.peak(d))
+
+
 @pytest.mark.parametrize("mode", ["positional", "keyword", "attribute"])
 def test_every_window_of_every_combination_is_predicted_at_or_above_its_measure(mode: str) -> None:
     """Not only the step's peak: each window (before the first block, every block's forward and backward,
