@@ -174,7 +174,8 @@ class ToyLlama(nn.Module):
 def make_batch(
     cfg: ToyLlamaConfig, batch: int, seq: int, *, device: torch.device | str = "cpu", seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic (tokens, targets) for a next-token loss."""
+    """Deterministic (tokens, targets) for a next-token loss, drawn on the CPU (the same on every device, and
+    inside a ``torch.device`` context too: a CPU generator cannot draw on another device) and moved."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g, device="cpu")
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)

@@ -56,7 +56,7 @@ def build_target(name: str, workload: Workload, device: torch.device, seed: int 
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     b, s, d, v = workload.batch, workload.seq_len, workload.dim, workload.vocab_size
-    with torch.device(device):
+    with torch.device(device):  # the model built on the device; inputs drawn on the CPU (g is a CPU generator)
         if name == "toy":
             from bench.harness import build_model
             from bench.model import make_batch
@@ -70,8 +70,8 @@ def build_target(name: str, workload: Workload, device: torch.device, seed: int 
         elif name == "encoder":
             layer = nn.TransformerEncoderLayer(d, workload.n_heads, 4 * d, dropout=0.0, batch_first=True)
             model = nn.TransformerEncoder(layer, workload.n_layers, enable_nested_tensor=False)
-            x = torch.randn(b, s, d, generator=g).to(device)  # (B, T, C)
-            y = torch.randn(b, s, d, generator=g).to(device)
+            x = torch.randn(b, s, d, generator=g, device="cpu").to(device)  # (B, T, C)
+            y = torch.randn(b, s, d, generator=g, device="cpu").to(device)
 
             def step() -> torch.Tensor:
                 return F.mse_loss(model(x), y)
@@ -90,7 +90,7 @@ def build_target(name: str, workload: Workload, device: torch.device, seed: int 
                 model = transformers.GPT2LMHeadModel(cfg)
             model.config.use_cache = False
             model.train()
-            ids = torch.randint(0, v, (b, s), generator=g).to(device)
+            ids = torch.randint(0, v, (b, s), generator=g, device="cpu").to(device)
 
             def step() -> torch.Tensor:
                 return model(input_ids=ids, labels=ids, use_cache=False).loss

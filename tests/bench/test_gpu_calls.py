@@ -9,11 +9,14 @@ import json
 import re
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 import bench.env as bench_env
 from bench import cli
 from bench.harness import BenchConfig, run_bench
 from bench.plan import FIXED_ARMS, frontier_arms
+from bench.plan_models import PLAN_MODELS, build_target
 from bench.strategies import FIRST_BLOCKS_SWEEP, STRATEGIES, first_blocks, part_blocks
 from bench.workloads import PRESETS
 
@@ -113,3 +116,25 @@ def test_gpu_trace_state_counts_every_registered_callback():
     assert bench_env.gpu_trace_state()["callbacks"] == before["callbacks"]
     cpu = bench_env.cpu_record()
     assert cpu["logical_cores"] > 0 and {"model", "mhz_now", "governor", "loadavg_1_5_15m"} <= set(cpu)
+
+
+class _GeneratorOnItsDevice(TorchFunctionMode):
+    """CUDA's rule on CPU: a random draw given a generator must draw on the generator's device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        g = kwargs.get("generator")
+        if g is not None and torch.device(kwargs.get("device") or "cpu").type != g.device.type:
+            raise RuntimeError(f"{func.__name__}: a {g.device.type} generator drawing on {kwargs['device']}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("model", PLAN_MODELS)
+def test_plan_targets_build_on_a_device_other_than_the_generators(model):
+    """The plan phase of the H200 run at 4358372 failed at once: build_target drew its inputs with a CPU generator
+    inside ``torch.device("cuda")``. Every plan model builds under the same rule on another device (meta)."""
+    if model.startswith("hf_"):
+        pytest.importorskip("transformers")
+    with _GeneratorOnItsDevice():
+        target = build_target(model, WL, torch.device("meta"))
+    assert next(target.model.parameters()).device.type == "meta"
