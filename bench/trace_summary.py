@@ -15,6 +15,10 @@ timestamps, over the step's window (the first device activity to the last):
   backward (``autograd::engine::evaluate_function`` on the launching thread), so the exposed copies and the
   idle gaps are each placed in the forward (with the loss) or the backward, with their offset in the step and
   the kernels just before and after them (``largest_exposed``, ``largest_idle_gaps``);
+- ``host_late_ms``: compute-idle time the host caused: the part of each compute-idle gap before the launch call
+  of the kernel that ended it returned (the device had nothing queued: the step was host-bound there), by phase;
+  ``host_lead_ms``: per phase, the median time from a kernel's launch call returning to the kernel starting (how
+  far ahead of the device the host ran; near 0, any host work added there adds to the step);
 - ``host``: the engine's own annotations on the host (``offload::pack``, ``offload::stall``, ...): count and ms.
 
 A trace with no device activity (a CPU run) gives the host-side split only (``device_events`` 0, with a note).
@@ -192,6 +196,7 @@ def summarize(trace: dict[str, Any] | str | Path, *, top: int = 5) -> dict[str, 
                           "gb_s": round(nbytes / ms / 1e6, 2) if ms > 0 and nbytes else None,
                           "exposed_ms": _ms(_length(exposed)), "exposed_by_phase": _by_phase(exposed, split)}
     exposed_all = _union(exposed_all)
+    late, lead = _host_bound(compute_idle, kernels, launches, split)
     out.update({
         "step_ms": _ms(t1 - t0),
         "forward_ms": _ms((split if split is not None else t1) - t0),
@@ -202,15 +207,43 @@ def summarize(trace: dict[str, Any] | str | Path, *, top: int = 5) -> dict[str, 
         "gpu_idle_ms": _ms(_length(gpu_idle)), "gpu_idle_by_phase": _by_phase(gpu_idle, split),
         "copies": per_kind,
         "exposed_copy_ms": _ms(_length(exposed_all)), "exposed_by_phase": _by_phase(exposed_all, split),
+        "host_late_ms": _ms(_length(late)), "host_late_by_phase": _by_phase(late, split), "host_lead_ms": lead,
         "largest_exposed": _placed(exposed_all, t0, split, kernels, top),
         "largest_idle_gaps": _placed(gpu_idle, t0, split, kernels, top),
     })
     return out
 
 
+def _host_bound(idle: Intervals, kernels: list[dict[str, Any]], launches: dict[Any, dict[str, Any]],
+                split: float | None) -> tuple[Intervals, dict[str, float | None]]:
+    """The compute-idle time spent waiting for the host (each gap up to the return of the launch call of the kernel
+    that ended it), and per phase the median lead of the host over the device (launch returned -> kernel start)."""
+    done = {}  # correlation -> when its launch call returned
+    for c, e in launches.items():
+        done[c] = e["ts"] + e.get("dur", 0)
+    ordered = sorted(kernels, key=lambda e: e["ts"])
+    starts = [e["ts"] for e in ordered]
+    late: Intervals = []
+    for g0, g1 in idle:
+        i = bisect.bisect_left(starts, g1)
+        if i < len(ordered) and (r := done.get(ordered[i].get("args", {}).get("correlation"))) is not None and r > g0:
+            late.append((g0, min(g1, r)))
+    leads: dict[str, list[float]] = {"forward": [], "backward": []}
+    for e in ordered:
+        r = done.get(e.get("args", {}).get("correlation"))
+        if r is not None:
+            leads["backward" if split is not None and e["ts"] >= split else "forward"].append(e["ts"] - r)
+    return late, {k: (_ms(sorted(v)[len(v) // 2]) if v else None) for k, v in leads.items()}
+
+
 def _place(p: dict[str, Any]) -> str:
     return (f"{p['ms']:.2f} ms at {p['at_ms']:.1f} ms ({p['phase']}), after `{p['after_kernel']}`, "
             f"before `{p['before_kernel']}`")
+
+
+def _lead(t: dict[str, Any]) -> str:
+    lead = t.get("host_lead_ms") or {}
+    return " / ".join("—" if lead.get(k) is None else f"{lead[k]:.1f}" for k in ("forward", "backward"))
 
 
 def format_markdown(traces: dict[str, dict[str, Any]]) -> str:
@@ -222,8 +255,9 @@ def format_markdown(traces: dict[str, dict[str, Any]]) -> str:
     gpu = {n: t for n, t in traces.items() if t.get("device_events")}
     if gpu:
         lines += ["| strategy | step ms | forward ms | backward ms | compute idle ms (fwd / bwd) | GPU idle ms "
-                  "(fwd / bwd) | D2H GB (ms) | H2D GB (ms) | exposed copies ms (fwd / bwd) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "(fwd / bwd) | waiting on the host ms (fwd / bwd) | host lead ms (fwd / bwd) | D2H GB (ms) | H2D GB (ms) | "
+                  "exposed copies ms (fwd / bwd) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, t in gpu.items():
             def cp(kind: str) -> str:
                 c = t["copies"].get(kind)
@@ -234,7 +268,8 @@ def format_markdown(traces: dict[str, dict[str, Any]]) -> str:
                 return f"{t[f'{key}_ms']:.1f} ({p['forward']:.1f} / {p['backward']:.1f})"
 
             lines.append(f"| {name} | {t['step_ms']:.1f} | {t['forward_ms']:.1f} | {t['backward_ms']:.1f} | "
-                         f"{split('compute_idle')} | {split('gpu_idle')} | {cp('d2h')} | {cp('h2d')} | "
+                         f"{split('compute_idle')} | {split('gpu_idle')} | {split('host_late')} | {_lead(t)} | "
+                         f"{cp('d2h')} | {cp('h2d')} | "
                          f"{t['exposed_copy_ms']:.1f} ({t['exposed_by_phase']['forward']:.1f} / "
                          f"{t['exposed_by_phase']['backward']:.1f}) |")
         lines.append("")
@@ -251,7 +286,9 @@ def format_markdown(traces: dict[str, dict[str, Any]]) -> str:
                          f"{t.get('host_forward_ms')} ms, backward {t.get('host_backward_ms')} ms)")
     lines += ["", "One extra step per traced strategy, after its measured ones, under the profiler (which costs host "
               "time): it says where the time goes, the measured steps how much. Exposed copies: copy time with no "
-              "kernel running. The forward/backward split is the device start of the first work launched from "
+              "kernel running. Waiting on the host: compute-idle time before the launch of the kernel that ended "
+              "it returned; host lead: the median time from a launch returning to its kernel starting (the "
+              "profiler's own host cost shortens it). The forward/backward split is the device start of the first work launched from "
               "autograd's backward. Raw traces: `trace_<run_id>_<strategy>.json.gz` beside this file "
               "(chrome://tracing, Perfetto)."]
     return "\n".join(lines) + "\n"

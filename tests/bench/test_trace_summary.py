@@ -109,3 +109,38 @@ def test_the_markdown_table_prints_the_summary():
     assert "| 1.5 | 1.0 | 0.5 |" in row and "0.2 (0.1 / 0.1)" in row
     assert "none: the profiled step failed: RuntimeError: boom" in md
     assert "after `K3_bwd`, before `K4_bwd`" in md
+
+
+def test_compute_waiting_on_a_launch_is_the_hosts():
+    """A kernel whose launch returns after the device went idle makes the idle time up to that return the host's
+    (``host_late_ms``, in its phase); a kernel launched well ahead adds none. The host's lead is launch-to-start."""
+    trace = _gpu_step()
+    base = summarize(trace)  # K3's launch returns at 955: the gap [300, 1000] waits on it up to then
+    assert base["host_late_ms"] == 0.655 and base["host_late_by_phase"] == {"forward": 0.655, "backward": 0.0}
+    late = copy.deepcopy(trace)
+    k2_launch = next(e for e in late["traceEvents"] if e["cat"] == "cuda_runtime" and e["args"]["correlation"] == 2)
+    k2_launch["ts"] = 120  # returns at 125, 25 us into the idle gap [100, 150] before K2
+    s = summarize(late)
+    assert s["host_late_ms"] == 0.68 and s["host_late_by_phase"] == {"forward": 0.68, "backward": 0.0}
+    assert s["compute_idle_ms"] == base["compute_idle_ms"]  # the same gaps, now partly the host's
+    assert s["host_lead_ms"]["backward"] == base["host_lead_ms"]["backward"] == 0.325  # K3 0.045, K4 1300 - 975
+    assert "waiting on the host" in format_markdown({"late": s})
+
+
+def test_the_h200_runs_host_wait_is_what_the_docs_say():
+    """docs/gpu-run.md's host-wait figures for run C are the summary of its committed traces."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = root / "bench/results/nvidia-h200/2026-11-29-4358372"
+    part = summarize(run / "trace_8b_L32_s4096_b1_bfloat16_offload_part.json.gz")
+    none = summarize(run / "trace_8b_L32_s4096_b1_bfloat16_none.json.gz")
+    docs = " ".join((root / "docs/gpu-run.md").read_text().split())
+    p = part["host_late_by_phase"]
+    assert (f"has {part['host_late_ms']:.1f} ms of compute-idle time spent waiting for the host ({p['forward']:.1f} in "
+            f"the forward, {p['backward']:.1f} in the backward;") in docs
+    assert f"`none` has {none['host_late_ms']:.1f} ms." in docs
+    assert (f"by a median of {none['host_lead_ms']['forward']:.0f} ms in the forward "
+            f"({none['host_lead_ms']['backward']:.0f} ms in the backward); with six blocks offloaded, by "
+            f"{part['host_lead_ms']['forward']:.1f} ms") in docs
+    assert part["host_late_ms"] > 10 * none["host_late_ms"]
