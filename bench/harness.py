@@ -538,6 +538,7 @@ class _Bench:
         try:
             c0, t0 = time.process_time(), time.perf_counter()
             loss = r.prepared.step()
+            di = time.perf_counter() - t0
             _sync(self.device)
             dt = time.perf_counter() - t0
             dc = time.process_time() - c0
@@ -554,6 +555,7 @@ class _Bench:
             return
         r.result.times.seconds.append(dt)
         r.result.times.cpu_seconds.append(dc)
+        r.result.times.issue_seconds.append(di)
         r.losses.append(float(loss))
         r.steps_done += 1
         if cuda:

@@ -47,7 +47,7 @@ def _correct(s: StrategyResult) -> str:
 
 
 def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:
-    head = ["strategy", "step ms", "IQR ms", "min / max ms", "CPU ms", "tok/s", "x none", "x ac", "act MiB",
+    head = ["strategy", "step ms", "IQR ms", "min / max ms", "CPU ms", "issue ms", "tok/s", "x none", "x ac", "act MiB",
             "act x none", "peak alloc MiB", "host MiB", "loss & grads vs ref"]
     rows = []
     for s in result.strategies:
@@ -59,6 +59,7 @@ def _rows_main(result: BenchResult) -> tuple[list[str], list[list[str]]]:
             _f(s.times.iqr_s * 1e3, ".1f"),
             f"{s.times.min_s * 1e3:.1f} / {s.times.max_s * 1e3:.1f}" if s.times.n else "—",
             _f(_median(s.times.cpu_seconds) * 1e3 if s.times.cpu_seconds else None, ".1f"),
+            _f(_median(s.times.issue_seconds) * 1e3 if s.times.issue_seconds else None, ".1f"),
             _f(s.tokens_per_s, ",.0f"),
             _f(result.time_ratio(s.name, "none"), ".3f"),
             _f(result.time_ratio(s.name, "ac"), ".3f"),
@@ -237,7 +238,8 @@ def format_tables(result: BenchResult, full: bool = False) -> str:
         out += ["", f"activation = {src}"]
     if full:
         out.append("host = bytes of host copies (CPU: allocated inside each arm's pack hook in the profiled step); "
-                   "CPU ms = process CPU time per step (median)")
+                   "CPU ms = process CPU time per step (median); issue ms = wall time until the step's Python returned, "
+                   "before the device synchronize (median; near step ms on a GPU: the host set the pace)")
     else:
         out.append("Every other figure (step ms and spread, tok/s, peak and host MiB, engine accounting, the "
                    "targets' measurements): python -m bench --full, and the .md / .json the run writes.")
@@ -294,7 +296,9 @@ def write_markdown(result: BenchResult, path: Path, json_name: str, png_name: st
     src = next((s.activation_source for s in result.strategies if s.ok), "")
     lines += ["", f"Activation memory: {src}.  ",
               "Host MiB: bytes of host copies (CPU: allocated inside each arm's pack hook in the profiled step).  ",
-              "CPU ms: process CPU time per step (median)."]
+              "CPU ms: process CPU time per step (median).  ",
+              "Issue ms: wall time until the step's Python returned, before the device synchronize (median): on a GPU, "
+              "near step ms where the host set the pace."]
     if png_name:
         lines += ["", f"![activation memory vs step time]({png_name})"]
     path.write_text("\n".join(lines) + "\n")

@@ -67,6 +67,10 @@ class StepTimes:
     """Process CPU time (``time.process_time``: all threads of this process, user + system). Time
     the process spent descheduled by other load does not count, so on a shared machine this is
     the steadier measure of work done; a GPU's work is not in it."""
+    issue_seconds: list[float] = field(default_factory=list)
+    """Wall clock until the step's Python returned, before the device is synchronized: the host's time to
+    issue the step. On a GPU, near ``seconds``: the host set the pace (or the launch queue was full), far
+    below: the device did; equal on CPU, where nothing is queued."""
 
     @property
     def n(self) -> int:

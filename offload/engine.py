@@ -440,13 +440,17 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             _engines().append(self)
             pushed = True
             hook = self.pack_hook
-            if hook is self._weak_pack_hook and not _profiler_enabled():
-                # The bound method itself: no wrapper frame per saved tensor. Only the
-                # thread's hook stack holds it, and only until __exit__ (no cycle: Rule 10).
-                # native_hooks: a builtin bound the same way, whose keep path is C++.
+            if hook is self._weak_pack_hook:
+                # native_hooks: a builtin bound like a method, whose keep path is C++ (under a profiler
+                # too, where it opens the same offload::pack range: the profiled step is the measured one).
                 if self._native is None and self.config.native_hooks == "auto":  # built in the background since?
                     self._native = _native.for_engine(self, ready_only=True)
-                hook = self._pack if self._native is None or not self.enabled else self._native.hook_for(self, st)
+                if self._native is not None and self.enabled:
+                    hook = self._native.hook_for(self, st)
+                elif not _profiler_enabled():
+                    # The bound method itself: no wrapper frame per saved tensor. Only the
+                    # thread's hook stack holds it, and only until __exit__ (no cycle: Rule 10).
+                    hook = self._pack
             torch._C._autograd._push_saved_tensors_default_hooks(hook, self.unpack_hook)
             st.watches.append(watch_inner_hooks(self, hook))
         except BaseException:

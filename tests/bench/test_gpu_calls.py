@@ -138,3 +138,18 @@ def test_plan_targets_build_on_a_device_other_than_the_generators(model):
     with _GeneratorOnItsDevice():
         target = build_target(model, WL, torch.device("meta"))
     assert next(target.model.parameters()).device.type == "meta"
+
+
+def test_every_measured_step_records_the_hosts_issue_time(tmp_path):
+    """Each measured step records the wall time until its Python returned (before the device synchronize): one per
+    step, never above the step's own time, in the JSON and as the markdown table's "issue ms" column."""
+    code = cli.main(MICRO + ["--strategies", "none,offload", "--steps", "2", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    for s in data["strategies"]:
+        t = s["times"]
+        assert len(t["issue_seconds"]) == len(t["seconds"]) == 2, s["name"]
+        assert all(0 < i <= w for i, w in zip(t["issue_seconds"], t["seconds"])), s["name"]
+    head = " ".join(next(line for line in next(tmp_path.glob("*.md")).read_text().splitlines()
+                         if line.startswith("| strategy")).split())
+    assert "| CPU ms | issue ms |" in head, head

@@ -483,6 +483,37 @@ def test_profiler_trace_shows_pack_and_copy_ranges():
         assert want in names, (want, sorted(n for n in names if n.startswith("offload")))
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["python_hook", "native_hook"])
+def test_a_profiled_step_runs_the_hook_an_unprofiled_one_runs(native):
+    """Under torch.profiler the engine pushes the same pack hook as without it (the C++ one where it is
+    configured: a profiled step costs what a measured one does) and every pack opens an ``offload::pack``
+    range, from either hook."""
+    from offload import _native
+    from offload._torch_private import top_saved_tensors_hooks
+
+    if native:
+        try:
+            _native.load()
+        except _native.NativeUnavailable as e:
+            pytest.skip(f"the C++ pack hook cannot be built here: {e}")
+    model = _toy()
+    batch = make_batch(TINY, 2, 16, seed=0)
+    ctx = cpu_ctx(native_hooks=native)
+    pushed = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with ctx:
+            pushed.append(top_saved_tensors_hooks()[0])
+            loss = _lm_loss(model, batch)
+        loss.backward()
+    with ctx:
+        plain = top_saved_tensors_hooks()[0]
+    assert ctx._owns_pack_hook(pushed[0]) and ctx._owns_pack_hook(plain)
+    for hook in (pushed[0], plain):  # the same kind of hook with and without the profiler
+        assert (ctx._native is not None and ctx._native.is_hook_of(hook, ctx)) is native
+    packs = sum(e.name == "offload::pack" for e in prof.events())
+    assert packs == ctx.ledger.summary()["packed_count"] > 0
+
+
 @pytest.mark.emulated
 def test_inplace_write_while_copy_in_flight_is_detected_on_the_stream_path():
     """Emulated streams: a write landing while the D2H copy is in flight (late data: it really is) is
