@@ -446,7 +446,7 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
                 if self._native is None and self.config.native_hooks == "auto":  # built in the background since?
                     self._native = _native.for_engine(self, ready_only=True)
                 if self._native is not None and self.enabled:
-                    hook = self._native.hook_for(self, st)
+                    hook = self._native.hook_for(self, st, _profiler_enabled())
                 elif not _profiler_enabled():
                     # The bound method itself: no wrapper frame per saved tensor. Only the
                     # thread's hook stack holds it, and only until __exit__ (no cycle: Rule 10).

@@ -792,9 +792,6 @@ PyObject* pack_impl(PyObject* state, PyObject* obj) {
 
 PyObject* pack(PyObject* state, PyObject* obj) {
   try {
-    // The range the Python hook opens under a profiler: a profiled step runs this hook too, so its trace
-    // shows the host time of the step that is measured (one flag read when no profiler is on).
-    RECORD_USER_SCOPE("offload::pack");
     return pack_impl(state, obj);
   } catch (const std::exception& e) {  // c10::Error included: never let one cross into Python
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
@@ -802,19 +799,37 @@ PyObject* pack(PyObject* state, PyObject* obj) {
   }
 }
 
+// The hook pushed while a profiler runs: the range the Python hook opens there (offload::pack), so a
+// profiled step runs this hook as a measured one does. A hook of its own, not a check in pack(): the
+// RecordFunction guard costs ~470 instructions a pack even with no profiler on.
+PyObject* pack_profiled(PyObject* state, PyObject* obj) {
+  try {
+    RECORD_USER_SCOPE("offload::pack");
+    return pack_impl(state, obj);
+  } catch (const std::exception& e) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 PyMethodDef pack_def = {"_native_pack", reinterpret_cast<PyCFunction>(pack), METH_O,
                         "OffloadActivations' pack hook, keep path in C++ (offload/_native/pack.cpp)."};
+PyMethodDef pack_profiled_def = {"_native_pack_profiled", reinterpret_cast<PyCFunction>(pack_profiled), METH_O,
+                                 "The native pack hook, opening an offload::pack range (pushed under a profiler)."};
 
-// hook_for(engine, thread_state): called by __enter__ on the thread it pushes the hook on.
+// hook_for(engine, thread_state[, profiled]): called by __enter__ on the thread it pushes the hook on;
+// profiled: the hook that opens an offload::pack range (a profiler is on).
 PyObject* hook_for(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!configured) {
     PyErr_SetString(PyExc_RuntimeError, "offload._native: configure() was not called");
     return nullptr;
   }
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "hook_for(engine, thread_state)");
+  if (nargs != 2 && nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "hook_for(engine, thread_state[, profiled])");
     return nullptr;
   }
+  int profiled = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
+  if (profiled < 0) return nullptr;
   PyObject* engine = args[0];
   Ref state(PyTuple_New(H_SIZE));
   if (!state) return nullptr;
@@ -866,7 +881,7 @@ PyObject* hook_for(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyTuple_SET_ITEM(state.get(), H_SLOTS, capsule);
   // A builtin bound to the state: it holds the engine while pushed, as the bound
   // method _pack does (only the thread's hook stack holds it, until __exit__).
-  return PyCFunction_New(&pack_def, state.get());
+  return PyCFunction_New(profiled ? &pack_profiled_def : &pack_def, state.get());
 }
 
 PyObject* is_hook_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -875,7 +890,8 @@ PyObject* is_hook_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   PyObject* fn = args[0];
-  bool ours = PyCFunction_Check(fn) && reinterpret_cast<PyCFunctionObject*>(fn)->m_ml == &pack_def &&
+  PyMethodDef* def = PyCFunction_Check(fn) ? reinterpret_cast<PyCFunctionObject*>(fn)->m_ml : nullptr;
+  bool ours = (def == &pack_def || def == &pack_profiled_def) &&
               PyTuple_GET_ITEM(PyCFunction_GET_SELF(fn), H_ENGINE) == args[1];
   return PyBool_FromLong(ours);
 }
@@ -1149,7 +1165,7 @@ PyObject* set_scope(PyObject*, PyObject* scope) {
 PyMethodDef methods[] = {
     {"configure", configure, METH_O, "Hand over the engine module's constants (once, at load)."},
     {"hook_for", reinterpret_cast<PyCFunction>(hook_for), METH_FASTCALL,
-     "hook_for(engine, thread_state): the pack hook __enter__ pushes on this thread."},
+     "hook_for(engine, thread_state[, profiled]): the pack hook __enter__ pushes on this thread."},
     {"is_hook_of", reinterpret_cast<PyCFunction>(is_hook_of), METH_FASTCALL,
      "Whether fn is the hook hook_for(engine) made."},
     {"records_made_directly", records_made_directly, METH_NOARGS,
