@@ -355,6 +355,8 @@ def run_frontier(workload: Workload, device: str, *, fractions: tuple[float, ...
         "profile_seconds": profile_s,
         "profile_steps": plan_steps(warmup, steps),
         "unplanned_step_seconds": base_plan.unplanned_step_seconds,
+        "noise_seconds": cost.noise_s,
+        "profile_step_seconds": base_plan.to_dict()["profile_step_seconds"],
         "hardware": asdict(cost.hardware),
         "arms": [asdict(a) for a in arms],
         "planned": [{**asdict(p), "peak_error": p.peak_error, "time_error": p.time_error} for p in planned],

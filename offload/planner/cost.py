@@ -239,6 +239,8 @@ class CostModel:
     noise_s: float = 0.0
     """The timing's noise band (``noise_band``): plans predicted within it of each other are equally
     fast, and the solver breaks the tie by a rule that reads no time (``choose``)."""
+    step_s_by_decision: dict[str, list[float]] = field(default_factory=dict)
+    """Every timed step's seconds per profiled decision (the band is the widest of their spreads)."""
     shared_saves: list[tuple[int, list[int]]] = field(default_factory=list)
     """Storages several call positions save, none's input (``DecisionProfile.shared_saves``, from the keep
     profile): each stays on the device after forward while a position that does not offload holds it,
@@ -378,7 +380,8 @@ def build_cost_model(profile: StepProfile, hw: Hardware, engine_kwargs: dict[str
     return CostModel(base=keep.base, rest_s=rest, blocks=blocks, hardware=hw, copy_overhead_s=overhead,
                      shared_saves=[(n, list(ps)) for n, ps in keep.shared_saves], outside=outside,
                      prefetch_bytes=int(ahead), engine_kwargs=ekw, rest_s_all=list(keep.step_s_all),
-                     noise_s=noise_band(profile))
+                     noise_s=noise_band(profile),
+                     step_s_by_decision={d: list(p.step_s_all) for d, p in profile.by_decision.items()})
 
 
 NOISE_FLOOR = 0.02

@@ -223,7 +223,8 @@ class Plan:
             ("times are the target's predicted timeline (offload.predict.simulate), one step per decision; "
              if self.target is not None else "times are medians of the timed steps; ")
             + f"plans predicted within {cost.noise_s * 1e3:.2f} ms (the noise "
-            "band: the widest spread of the timed steps, at least 2% of the step) are equally fast, and the fewest non-keep decisions, "
+            f"band: the widest spread of the timed steps{_widest(cost.step_s_by_decision)}, at least 2% of the step) "
+            "are equally fast, and the fewest non-keep decisions, "
             "then the cheaper decision (keep, offload, recompute, recompute_offload) at the earliest block, "
             "decide",
         ]
@@ -254,6 +255,7 @@ class Plan:
             "measured_step_seconds_spread": _spread(self.measured_step_seconds_all),
             "rest_seconds": self.cost.rest_s,
             "noise_seconds": self.cost.noise_s,
+            "profile_step_seconds": {d: _spread(xs) for d, xs in self.cost.step_s_by_decision.items()},
             "never_recomputed": dict(self.cost.no_recompute),
             "keep_only": dict(self.cost.keep_only),
             "optimizer": self.cost.optimizer.to_dict() if self.cost.optimizer is not None else None,
@@ -267,6 +269,16 @@ class Plan:
 
 def _label(row: dict[str, Any]) -> str:
     return row["module"] + (f" (call {row['call'] + 1})" if row["call"] else "")
+
+
+def _widest(by_decision: dict[str, list[float]]) -> str:
+    """``" (<decision>'s: min-max ms)"``: the profiled decision whose timed steps spread the most (or "")."""
+    spread = {d: max(xs) - min(xs) for d, xs in by_decision.items() if len(xs) > 1}
+    if not spread:
+        return ""
+    d = max(spread, key=spread.get)
+    xs = by_decision[d]
+    return f" ({d}'s: {min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f} ms)"
 
 
 def _spread(xs: Sequence[float]) -> dict[str, Any]:

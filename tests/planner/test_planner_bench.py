@@ -28,6 +28,9 @@ def test_bench_plan_writes_table_json_png(tmp_path) -> None:
     for p in fitted:
         assert p["measured_peak_bytes"] <= p["budget_bytes"]
         assert abs(p["peak_error"]) <= 0.10
+    spreads = res["profile_step_seconds"]  # each profiled decision's timed steps: what set the noise band
+    assert {"keep", "offload", "recompute"} <= set(spreads) and res["noise_seconds"] >= max(
+        d["max"] - d["min"] for d in spreads.values())
     # torch's auto-AC ILP arm: one point per budget, measured by the same meter, in the JSON and the md.
     ilp = res["ilp"]
     assert ilp["name"] == "torch_ilp" and ilp["status"] == "ok", ilp

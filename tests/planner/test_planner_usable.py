@@ -327,3 +327,22 @@ def test_blocks_that_cannot_be_recomputed_are_planned_without_recompute(target, 
     assert "planning without recompute" in caplog.text
     if target is None:
         assert p.measured_peak_bytes <= budget and set(p.decisions.values()) != {"keep"}
+
+
+def test_the_plan_says_which_decisions_timing_set_its_noise_band() -> None:
+    """The plan's JSON gives every profiled decision's timed steps (median, min, max, n) and its report names the
+    decision whose spread is the band (unless the 2% floor is): the H200 run's 110 ms band (30% of the step) came
+    with neither, so nothing said which decision's timing was that noisy."""
+    import re
+
+    model, step = make_model_and_step()
+    p = offload.plan(model, step, budget_bytes=1 << 40, timed=3, bandwidth_gb_s=10.0)
+    got = p.to_dict()["profile_step_seconds"]
+    assert set(got) == set(p.cost.step_s_by_decision) >= {"keep", "offload", "recompute"}
+    assert all(d["n"] == 3 and d["min"] <= d["median"] <= d["max"] for d in got.values())
+    widest = max(got, key=lambda d: got[d]["max"] - got[d]["min"])
+    spread = got[widest]["max"] - got[widest]["min"]
+    m = re.search(r"widest spread of the timed steps \((\w+)'s: ([\d.]+)-([\d.]+) ms\)", p.report())
+    assert m and m.group(1) == widest, p.report()
+    assert abs(float(m.group(3)) - float(m.group(2)) - spread * 1e3) < 0.11
+    assert p.cost.noise_s >= spread
