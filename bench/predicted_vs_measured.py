@@ -55,9 +55,9 @@ ASSUMPTIONS = (
     "measured step time: the median of the measured steps; predicted: the simulated timeline's step",
     "measured memory: max_memory_allocated over the measured steps (activation bytes: that minus what was "
     "allocated before the step); the bench allocates every gradient before the step, the prediction in "
-    "backward, so the predicted peak_allocated_bytes adds the gradients not yet live at the predicted peak "
-    "(the prediction's own peak is peak_allocated_bytes_as_predicted; activation bytes: the peak less "
-    "parameters and gradients)",
+    "backward, so the predicted peak_allocated_bytes is the most the predicted step holds besides gradients "
+    "at any moment plus every gradient (the prediction's own peak is peak_allocated_bytes_as_predicted; "
+    "activation bytes: the peak less parameters and gradients)",
     "measured offloaded bytes: the ledger's per-step mean; predicted: the engine's ledger on fake tensors",
 )
 
@@ -160,15 +160,18 @@ def _head_offloaded(name: str, model: Any) -> Any:
 def _predicted(wl: Workload, strategy: Any, gpu: str) -> dict[str, Any]:
     """The predicted side of one strategy on ``gpu`` (``offload.predict.predict_step``)."""
     from offload.predict import predict_step
+    from offload.predict._memory import DeviceMemory, replay
 
     grad_elems: list[int] = []
     model_fn, step_fn = bench_step_fns(wl, grad_elems)
     t0 = time.perf_counter()
     p = predict_step(model_fn, step_fn, gpu=gpu, strategy=strategy, dtype=wl.torch_dtype)
     grads = grad_elems[-1] * wl.torch_dtype.itemsize
-    # The bench allocates every gradient before the step; the prediction allocates them in backward, so
-    # the ones not yet live at the predicted peak are added to it (what the bench's peak holds).
-    peak = p.peak_allocated_bytes + max(0, grads - p.breakdown_at_peak.get("gradient", 0))
+    # The bench allocates every gradient before the step; the prediction allocates them in backward. So the
+    # bench's peak is the most the predicted step holds besides gradients, at any moment, plus all of them
+    # (not the predicted peak topped up with the gradients missing there: that peak comes late in backward,
+    # once most gradients exist, while the bench's comes where the activations and temporaries peak).
+    peak = replay(p.trace, DeviceMemory()).peak_allocated_bytes_less_gradients + grads
     return {"status": "ok", "peak_allocated_bytes": peak, "peak_allocated_bytes_as_predicted": p.peak_allocated_bytes,
             "peak_bytes_as_predicted": p.peak_bytes,
             "activation_bytes": peak - p.breakdown_at_peak.get("parameter", 0) - grads,

@@ -79,6 +79,9 @@ class DeviceMemory:
         self.peak_bytes = 0
         """Peak of allocated + held bytes."""
         self.peak_allocated_bytes = 0
+        self.peak_allocated_bytes_less_gradients = 0
+        """Peak of allocated bytes other than gradients: with every gradient allocated before the step (a
+        loop that zeroes them in place, as the bench does), the step's peak is this plus all gradients."""
         self.peak_time: float | None = None
         self.cursor = -1
         """The caller's position (``replay``: the trace item being applied), remembered at the peak."""
@@ -170,6 +173,9 @@ class DeviceMemory:
     def _note_peak(self) -> None:
         if self.allocated_bytes > self.peak_allocated_bytes:
             self.peak_allocated_bytes = self.allocated_bytes
+        rest = self.allocated_bytes - self._by_cat["gradient"]
+        if rest > self.peak_allocated_bytes_less_gradients:
+            self.peak_allocated_bytes_less_gradients = rest
         total = self.allocated_bytes + self.held_bytes
         if total > self.peak_bytes:
             self.peak_bytes = total
