@@ -441,15 +441,13 @@ class OffloadActivations(PeerAttributes, _Packing, _Copies, _Backward, torch.aut
             pushed = True
             hook = self.pack_hook
             if hook is self._weak_pack_hook:
-                # native_hooks: a builtin bound like a method, whose keep path is C++ (under a profiler
-                # too, where it opens the same offload::pack range: the profiled step is the measured one).
+                # native_hooks: a builtin bound like a method, keep path in C++ (under a profiler too). Else the
+                # bound method: no wrapper per saved tensor (held by the hook stack until __exit__, Rule 10).
                 if self._native is None and self.config.native_hooks == "auto":  # built in the background since?
                     self._native = _native.for_engine(self, ready_only=True)
                 if self._native is not None and self.enabled:
                     hook = self._native.hook_for(self, st, _profiler_enabled())
                 elif not _profiler_enabled():
-                    # The bound method itself: no wrapper frame per saved tensor. Only the
-                    # thread's hook stack holds it, and only until __exit__ (no cycle: Rule 10).
                     hook = self._pack
             torch._C._autograd._push_saved_tensors_default_hooks(hook, self.unpack_hook)
             st.watches.append(watch_inner_hooks(self, hook))

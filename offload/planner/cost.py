@@ -84,7 +84,7 @@ from .lifetimes import extra, masks
 from .profile import DecisionProfile, StepProfile
 
 __all__ = ["Hardware", "Option", "BlockCost", "CostModel", "measure_hardware", "build_cost_model", "noise_band",
-           "NOISE_FLOOR", "same_work", "pool_times"]
+           "NOISE_FLOOR", "widest_spread", "same_work", "pool_times"]
 
 log = logging.getLogger("offload.planner")
 
@@ -394,6 +394,16 @@ def noise_band(profile: StepProfile) -> float:
     spreads = [max(p.step_s_all) - min(p.step_s_all) for p in profile.by_decision.values() if p.step_s_all]
     step = profile.by_decision["keep"].step_s or (profile.unplanned_step_s or 0.0)
     return max([NOISE_FLOOR * step, *spreads])
+
+
+def widest_spread(by_decision: dict[str, list[float]]) -> str:
+    """``" (<decision>'s: min-max ms)"``: the profiled decision whose timed steps spread the most (or "")."""
+    spread = {d: max(xs) - min(xs) for d, xs in by_decision.items() if len(xs) > 1}
+    if not spread:
+        return ""
+    d = max(spread, key=spread.get)
+    xs = by_decision[d]
+    return f" ({d}'s: {min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f} ms)"
 
 
 def same_work(profile: StepProfile) -> list[list[int]]:

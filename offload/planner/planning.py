@@ -33,7 +33,7 @@ from ..errors import OffloadError
 from ..sizes import SizeLike, to_budget
 from .blocks import find_blocks
 from .choose import choose
-from .cost import NO_BACKWARD, CostModel, build_cost_model, measure_hardware
+from .cost import NO_BACKWARD, CostModel, build_cost_model, measure_hardware, widest_spread
 from .host import TIER_SETTINGS, tier_bytes
 from .install import DECISIONS, RECOMPUTE, Installed, caching_off, install, profile_recomputes
 from .meter import StepMeasurement, measure_step
@@ -223,7 +223,7 @@ class Plan:
             ("times are the target's predicted timeline (offload.predict.simulate), one step per decision; "
              if self.target is not None else "times are medians of the timed steps; ")
             + f"plans predicted within {cost.noise_s * 1e3:.2f} ms (the noise "
-            f"band: the widest spread of the timed steps{_widest(cost.step_s_by_decision)}, at least 2% of the step) "
+            f"band: the widest spread of the timed steps{widest_spread(cost.step_s_by_decision)}, at least 2% of the step) "
             "are equally fast, and the fewest non-keep decisions, "
             "then the cheaper decision (keep, offload, recompute, recompute_offload) at the earliest block, "
             "decide",
@@ -269,16 +269,6 @@ class Plan:
 
 def _label(row: dict[str, Any]) -> str:
     return row["module"] + (f" (call {row['call'] + 1})" if row["call"] else "")
-
-
-def _widest(by_decision: dict[str, list[float]]) -> str:
-    """``" (<decision>'s: min-max ms)"``: the profiled decision whose timed steps spread the most (or "")."""
-    spread = {d: max(xs) - min(xs) for d, xs in by_decision.items() if len(xs) > 1}
-    if not spread:
-        return ""
-    d = max(spread, key=spread.get)
-    xs = by_decision[d]
-    return f" ({d}'s: {min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f} ms)"
 
 
 def _spread(xs: Sequence[float]) -> dict[str, Any]:
