@@ -7,7 +7,9 @@
 #   scripts/gpu_run.sh --budget 330 --commit abc1234 --run 2026-12-01-abc1234 --label call1 \
 #       env errors tests sanitizer probe 1b-hooks                                 # call 1: correctness (~5.5 min)
 #   scripts/gpu_run.sh --budget 330 --commit abc1234 --run 2026-12-01-abc1234 --label call2 \
-#       env plans 8b long predict                                                  # call 2: speed (~5.5 min)
+#       env plans 8b                                                               # call 2: speed (~5.5 min)
+#   scripts/gpu_run.sh --budget 140 --commit abc1234 --run 2026-12-01-abc1234 --label call3 \
+#       env long                                                   # call 3, while warm and time is left (~2.5 min)
 #   scripts/gpu_run.sh --dry-run --budget 120                                # CPU: the same phases, tiny
 #   scripts/gpu_run.sh                                                       # every default phase, no budget
 #
@@ -126,11 +128,14 @@ SFX=${LABEL:+_$LABEL}
 # 0.4-1 s per extra 8b step, ~6 s per profiled step and a 20 s native build where call 1 left none cached: ~230 s
 # for ORDER_8B, so its cap cuts the last ones (offload first); the planner: (1 + warmup + steps) steps without a
 # plan and per decision (4), 3 arms and 2 budgets measured, pinning included: ~90 s. The rest from
-# ../shared/research/gpu-readiness-2026-11.md. GPU_RUN_EST_<phase> (e.g. GPU_RUN_EST_8b_8k=400) overrides one.
+# ../shared/research/gpu-readiness-2026-11.md. Run C (bench/results/nvidia-h200/2026-11-29-*/summary_call*.json)
+# measured: env 5-9 s, errors 30, tests 131, sanitizer 45, probe 9, 1b-hooks 23, plans 110, 8b 171 (12
+# strategies, 6 steps, two profiled), long 105; the estimates below follow it.
+# GPU_RUN_EST_<phase> (e.g. GPU_RUN_EST_8b_8k=400) overrides one.
 declare -A EST=(
-  [env]="10 40 5 60" [errors]="25 90 10 90" [tests]="200 250 15 120" [sanitizer]="50 120 15 120"
-  [probe]="15 75 8 60" [8b]="200 250 15 120" [plans]="90 130 10 90" [long]="90 120 10 90"
-  [predict]="45 120 10 90" [1b-hooks]="40 60 8 60" [1b]="90 120 15 120" [3b]="150 240 15 120"
+  [env]="10 40 5 60" [errors]="30 90 10 90" [tests]="140 250 15 120" [sanitizer]="50 120 15 120"
+  [probe]="15 75 8 60" [8b]="180 250 15 120" [plans]="115 150 10 90" [long]="110 130 10 90"
+  [predict]="45 120 10 90" [1b-hooks]="30 60 8 60" [1b]="90 120 15 120" [3b]="150 240 15 120"
   [8b-8k]="300 420 15 120" [plan-1b]="450 590 2 30" [plan-8b]="590 590 2 30" [sleep]="600 600 1 600"
 )
 KNOWN="env errors tests sanitizer probe 8b plans long predict 1b-hooks 1b 3b 8b-8k plan-1b plan-8b"
