@@ -378,7 +378,7 @@ def _h200_8b(path: str) -> list[str]:
     link_s = off["d2h_bytes"] / (ceil["d2h_gb_s"] * 1e9) + off["h2d_bytes"] / (ceil["h2d_gb_s"] * 1e9)
     cut = (by["none"]["activation_bytes"] - part["activation_bytes"]) / part["engine"]["offloaded_bytes"]
     n = d["meta"]["fit_layers"]["fits"]
-    return [f"moving nothing, at {r['account_only']['time_x_none']:.3f}x `none`",
+    return [f"the engine idle at {r['account_only']['time_x_none']:.3f}x `none`",
             f"the first {part_blocks(n)} of {n} blocks offloaded at "
             f"{r['offload_part']['time_x_none']:.3f}x `none`, the activation peak down by {100 * cut:.0f} % of the "
             "bytes copied",
