@@ -115,6 +115,11 @@ def _inside(spans: dict[Any, tuple[list[float], list[float]]], tid: Any, ts: flo
     return i >= 0 and ts <= ends[i]
 
 
+def _phase(ts: float, split: float | None) -> str:
+    """The phase a device timestamp falls in (all forward when no backward was found)."""
+    return "forward" if split is None or ts < split else "backward"
+
+
 def _placed(iv: Intervals, t0: float, split: float | None, kernels: list[dict[str, Any]], top: int) -> list[dict]:
     """The ``top`` longest intervals of ``iv``, each with its offset in the step, phase and neighbour kernels."""
     ends = sorted((k["ts"] + k.get("dur", 0), k["name"]) for k in kernels)
@@ -126,7 +131,7 @@ def _placed(iv: Intervals, t0: float, split: float | None, kernels: list[dict[st
         i = bisect.bisect_right(end_times, s) - 1
         j = bisect.bisect_left(start_times, e)
         out.append({"at_ms": _ms(s - t0), "ms": _ms(e - s),
-                    "phase": "forward" if split is None or s < split else "backward",
+                    "phase": _phase(s, split),
                     "after_kernel": ends[i][1][:_NAME_CHARS] if i >= 0 else None,
                     "before_kernel": starts[j][1][:_NAME_CHARS] if j < len(starts) else None})
     return out
@@ -218,9 +223,7 @@ def _host_bound(idle: Intervals, kernels: list[dict[str, Any]], launches: dict[A
                 split: float | None) -> tuple[Intervals, dict[str, float | None]]:
     """The compute-idle time spent waiting for the host (each gap up to the return of the launch call of the kernel
     that ended it), and per phase the median lead of the host over the device (launch returned -> kernel start)."""
-    done = {}  # correlation -> when its launch call returned
-    for c, e in launches.items():
-        done[c] = e["ts"] + e.get("dur", 0)
+    done = {c: e["ts"] + e.get("dur", 0) for c, e in launches.items()}  # correlation -> launch call returned
     ordered = sorted(kernels, key=lambda e: e["ts"])
     starts = [e["ts"] for e in ordered]
     late: Intervals = []
@@ -232,7 +235,7 @@ def _host_bound(idle: Intervals, kernels: list[dict[str, Any]], launches: dict[A
     for e in ordered:
         r = done.get(e.get("args", {}).get("correlation"))
         if r is not None:
-            leads["backward" if split is not None and e["ts"] >= split else "forward"].append(e["ts"] - r)
+            leads[_phase(e["ts"], split)].append(e["ts"] - r)
     return late, {k: (_ms(sorted(v)[len(v) // 2]) if v else None) for k, v in leads.items()}
 
 

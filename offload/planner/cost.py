@@ -388,17 +388,22 @@ NOISE_FLOOR = 0.02
 """Smallest noise band, as a share of the step: timing on a shared machine is rarely better than 2%."""
 
 
+def _spreads(by_decision: dict[str, list[float]]) -> dict[str, float]:
+    """Per decision timed more than once, the spread (max - min) of its timed steps' seconds."""
+    return {d: max(xs) - min(xs) for d, xs in by_decision.items() if len(xs) > 1}
+
+
 def noise_band(profile: StepProfile) -> float:
     """Seconds within which two predicted step times are not told apart: the widest spread (max - min)
     of the timed steps of any profiled decision, at least ``NOISE_FLOOR`` of the step without a plan."""
-    spreads = [max(p.step_s_all) - min(p.step_s_all) for p in profile.by_decision.values() if p.step_s_all]
+    spreads = _spreads({d: p.step_s_all for d, p in profile.by_decision.items()})
     step = profile.by_decision["keep"].step_s or (profile.unplanned_step_s or 0.0)
-    return max([NOISE_FLOOR * step, *spreads])
+    return max([NOISE_FLOOR * step, *spreads.values()])
 
 
 def widest_spread(by_decision: dict[str, list[float]]) -> str:
     """``" (<decision>'s: min-max ms)"``: the profiled decision whose timed steps spread the most (or "")."""
-    spread = {d: max(xs) - min(xs) for d, xs in by_decision.items() if len(xs) > 1}
+    spread = _spreads(by_decision)
     if not spread:
         return ""
     d = max(spread, key=spread.get)
